@@ -1,0 +1,212 @@
+"""Configuration: one frozen dataclass per component, mapped one to one onto YAML.
+
+The embedded defaults *are* the default policy (``configs/hourly.yaml`` spells
+them out; a test keeps the two equal).  Every field is checked on
+construction and errors name the file and the field.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+from flowcheck.errors import ConfigError
+from flowcheck.state import check_name
+
+CODECS = ("none", "lz4", "zstd")
+
+
+def _positive(owner: str, name: str, value: Any, *, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise ConfigError(f"{owner}.{name}: expected a positive number{' or null' if allow_none else ''}, found {value!r}")
+
+
+@dataclass(frozen=True)
+class TierPolicy:
+    """When a tier takes a snapshot and which of its steps it keeps."""
+
+    every_steps: int | None = None  # snapshot when step % every_steps == 0
+    every_seconds: float | None = None  # and/or on a timer (APScheduler IntervalTrigger)
+    keep_last: int = 3  # newest N committed steps always kept
+    keep_hourly: int = 0  # plus the newest step of each of the last N hours that have one
+    keep_daily: int = 0  # plus the newest step of each of the last N days that have one
+    tmp_grace_seconds: float = 3600.0  # abandoned .tmp dirs / multipart uploads older than this are cleaned
+
+    def __post_init__(self) -> None:
+        _positive("policy", "every_steps", self.every_steps, allow_none=True)
+        _positive("policy", "every_seconds", self.every_seconds, allow_none=True)
+        for name in ("keep_last", "keep_hourly", "keep_daily"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ConfigError(f"policy.{name}: expected an integer >= 0, found {v!r}")
+        if self.keep_last < 1:
+            raise ConfigError("policy.keep_last: expected >= 1 (the newest committed step is never deleted)")
+        _positive("policy", "tmp_grace_seconds", self.tmp_grace_seconds)
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    local: TierPolicy = TierPolicy(every_steps=100, keep_last=3)
+    object: TierPolicy = TierPolicy(every_seconds=3600.0, keep_last=1, keep_hourly=24, keep_daily=7)
+
+
+@dataclass(frozen=True)
+class MemoryConfig:
+    enabled: bool = True
+    copy_threads: int = 4  # threads for copy-on-write of a pinned shard
+
+
+@dataclass(frozen=True)
+class LocalConfig:
+    """The NVMe tier: a zarr v3 group per step."""
+
+    root: str = "./flowcheck-data/local"
+    codec: str = "none"  # none | lz4 (blosc lz4 + bitshuffle) | zstd
+    chunk_mib: int = 16  # inner chunk size inside each shard file (the CRC32C unit)
+    workers: int = 4  # shards written in parallel
+    fsync: bool = True
+
+    def __post_init__(self) -> None:
+        if self.codec not in CODECS:
+            raise ConfigError(f"tiers.local.codec: expected one of {CODECS}, found {self.codec!r}")
+        _positive("tiers.local", "chunk_mib", self.chunk_mib)
+        _positive("tiers.local", "workers", self.workers)
+
+
+@dataclass(frozen=True)
+class ObjectConfig:
+    """The object tier: safetensors files + manifest.json under any fsspec URL."""
+
+    url: str = "file://./flowcheck-data/object"
+    max_file_mib: int = 2048  # safetensors files are cut at about this size
+    upload_workers: int = 8  # concurrent multipart parts per file
+    part_mib: int = 64
+    staging_dir: str | None = None  # where safetensors are staged before upload (default: <local root>/.staging)
+    endpoint_url: str | None = None  # overrides AWS_ENDPOINT_URL
+    region: str | None = None  # overrides AWS_REGION / AWS_DEFAULT_REGION
+    storage_options: dict[str, Any] = field(default_factory=dict)  # passed to fsspec (never put secrets here)
+    enabled: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.url, str) or "://" not in self.url:
+            raise ConfigError(f"tiers.object.url: expected an fsspec URL like s3://bucket/prefix or file:///dir, found {self.url!r}")
+        _positive("tiers.object", "max_file_mib", self.max_file_mib)
+        _positive("tiers.object", "upload_workers", self.upload_workers)
+        _positive("tiers.object", "part_mib", self.part_mib)
+        if self.part_mib < 5:
+            raise ConfigError("tiers.object.part_mib: S3 multipart parts must be >= 5 MiB")
+
+
+@dataclass(frozen=True)
+class TiersConfig:
+    memory: MemoryConfig = MemoryConfig()
+    local: LocalConfig = LocalConfig()
+    object: ObjectConfig = ObjectConfig()
+
+
+@dataclass(frozen=True)
+class SigningConfig:
+    key_env: str = "FLOWCHECK_HMAC_KEY"  # the HMAC-SHA256 key is read from this variable, never from a file
+    required: bool = False  # refuse unsigned manifests on read / audit
+
+
+@dataclass(frozen=True)
+class Config:
+    run: str = "default"
+    node: str = ""  # producer node name; empty = this host's name
+    tiers: TiersConfig = TiersConfig()
+    policy: PolicyConfig = PolicyConfig()
+    signing: SigningConfig = SigningConfig()
+
+    def __post_init__(self) -> None:
+        try:
+            check_name(self.run, "run name")
+        except Exception as e:
+            raise ConfigError(f"run: {e}") from e
+        if not self.node:
+            object.__setattr__(self, "node", socket.gethostname())
+
+    def to_yaml(self) -> str:
+        raw = dataclasses.asdict(self)
+        return yaml.safe_dump(raw, sort_keys=False)
+
+
+# ---- loading -------------------------------------------------------------
+def _build(cls: type, raw: Any, where: str, path: str) -> Any:
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: '{path or '<root>'}': expected a mapping, found {type(raw).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - names)
+    if unknown:
+        raise ConfigError(f"{where}: '{path + '.' if path else ''}{unknown[0]}': unknown field; expected one of {sorted(names)}")
+    kwargs = {}
+    for name, value in raw.items():
+        hint = hints[name]
+        sub = f"{path}.{name}" if path else name
+        if dataclasses.is_dataclass(hint):
+            kwargs[name] = _build(hint, value, where, sub)
+        else:
+            kwargs[name] = _check_type(hint, value, where, sub)
+    try:
+        return cls(**kwargs)
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from e
+
+
+def _check_type(hint: Any, value: Any, where: str, path: str) -> Any:
+    options = typing.get_args(hint) if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union else (hint,)
+    for opt in options:
+        base = typing.get_origin(opt) or opt
+        if opt is type(None) and value is None:
+            return value
+        if base is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if base is bool and isinstance(value, bool):
+            return value
+        if base in (int, str, dict) and isinstance(value, base) and not isinstance(value, bool):
+            return value
+    raise ConfigError(f"{where}: '{path}': expected {hint}, found {value!r}")
+
+
+def from_dict(raw: Any, where: str = "<config>") -> Config:
+    return _build(Config, raw, where, "")
+
+
+def load(path: str | None = None) -> Config:
+    """Load a config file (YAML); None means $FLOWCHECK_CONFIG, else the embedded defaults.
+
+    Relative directories in the file are taken relative to the file's folder.
+    """
+    path = path or os.environ.get("FLOWCHECK_CONFIG")
+    if not path:
+        return Config()
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = yaml.safe_load(f)
+    except FileNotFoundError as e:
+        raise ConfigError(f"config file {path!r} does not exist; pass --config FILE or unset FLOWCHECK_CONFIG") from e
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from e
+    cfg = from_dict(raw, path)
+    return _anchor(cfg, os.path.dirname(os.path.abspath(path)))
+
+
+def _anchor(cfg: Config, base: str) -> Config:
+    local = cfg.tiers.local
+    obj = cfg.tiers.object
+    if not os.path.isabs(local.root):
+        local = dataclasses.replace(local, root=os.path.normpath(os.path.join(base, local.root)))
+    if obj.url.startswith("file://") and not obj.url.startswith("file:///"):
+        obj = dataclasses.replace(obj, url="file://" + os.path.normpath(os.path.join(base, obj.url[len("file://"):])))
+    return dataclasses.replace(cfg, tiers=dataclasses.replace(cfg.tiers, local=local, object=obj))

@@ -1,0 +1,55 @@
+"""The error tree: every error flowcheck raises on purpose is a FlowcheckError.
+
+Each class also subclasses the builtin that fits, so callers that only know
+builtins (``except FileNotFoundError``) still work.  Messages say what was
+expected, what was found, and what to do.
+"""
+from __future__ import annotations
+
+
+class FlowcheckError(Exception):
+    """Base of every error flowcheck raises on purpose."""
+
+
+class ConfigError(FlowcheckError, ValueError):
+    """A config or policy file (or dataclass field) is invalid."""
+
+
+class ManifestError(FlowcheckError, ValueError):
+    """A manifest is malformed, of an unknown version, or fails its digest/signature."""
+
+
+class IntegrityError(FlowcheckError, ValueError):
+    """Stored bytes do not match the digest the manifest records for them."""
+
+
+class StepNotFoundError(FlowcheckError, FileNotFoundError):
+    """No committed step with that number in the tier(s) asked.
+
+    Example::
+
+        try:
+            store.manifest(1200)
+        except StepNotFoundError:
+            print("step 1200 is not committed anywhere; see `flowcheck ls`")
+    """
+
+
+class StepExistsError(FlowcheckError, FileExistsError):
+    """A committed step with that number already exists and differs."""
+
+
+class UnsafeNameError(FlowcheckError, ValueError):
+    """A tensor name or path from a manifest/config would escape its root."""
+
+
+class FormatError(FlowcheckError, ValueError):
+    """A stored file (safetensors header, zarr metadata) is malformed."""
+
+
+class TierError(FlowcheckError, OSError):
+    """A tier cannot be reached or written (unreachable endpoint, read-only dir, ...)."""
+
+
+class StaleStateError(FlowcheckError, RuntimeError):
+    """The in-memory state is stale (an update failed) and must not be snapshotted."""

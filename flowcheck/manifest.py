@@ -1,0 +1,382 @@
+"""Manifest v1: the JSON contract that says what a stored step is and where its bytes lie.
+
+Three digests, each with one job:
+
+* ``Manifest.digest()`` (sha256, the *manifest digest*) covers what identifies
+  the state — run, step, producer, parent, layout, every shard's data digest,
+  scalars — but not where the bytes lie (``location``, ``files``).  A step keeps
+  its digest when promoted from the local tier to the object tier, so the
+  ``parent`` links form one hash chain across tiers.
+* ``signature`` (optional HMAC-SHA256, key from the environment) covers the
+  whole manifest, locations and files included.
+* ``integrity`` (sha256) covers everything else in the file, so a flipped bit
+  anywhere in a stored manifest is caught even without a signing key.
+"""
+from __future__ import annotations
+
+import hmac
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from datetime import datetime, timezone
+from typing import Any
+
+from flowcheck.digest import sha256
+from flowcheck.errors import ManifestError, UnsafeNameError
+from flowcheck.state import ROLES, ParallelLayout, StateLayout, TensorSpec, check_name
+
+FORMAT_VERSION = 1
+SOURCES = ("mirror", "push", "import", "restore")
+
+
+def canonical_json(obj: Any) -> bytes:
+    """The byte form every digest and signature is computed over."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+
+
+def check_relpath(path: str, what: str = "path") -> str:
+    """A stored path must stay under its root: relative, no '..', no NUL or backslash."""
+    parts = path.split("/") if isinstance(path, str) else []
+    if (
+        not isinstance(path, str)
+        or not path
+        or path.startswith("/")
+        or "\x00" in path
+        or "\\" in path
+        or any(p in ("", ".", "..") for p in parts)
+    ):
+        raise UnsafeNameError(f"{what} {path!r} would escape the store root: expected a relative path without '..'")
+    return path
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Where (part of) a shard's bytes lie: a file or zarr array, a key in it, an optional row range."""
+
+    path: str  # relative to the run's root in the tier; may point into an earlier step
+    key: str | None = None  # tensor key inside a safetensors file
+    rows: tuple[int, int] | None = None  # rows [start, stop) of the shard held by this piece
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"path": self.path}
+        if self.key is not None:
+            out["key"] = self.key
+        if self.rows is not None:
+            out["rows"] = list(self.rows)
+        return out
+
+
+@dataclass(frozen=True)
+class ShardEntry:
+    offsets: tuple[int, ...]
+    shape: tuple[int, ...]
+    digest: str
+    location: tuple[Piece, ...] = ()
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    dtype: str
+    global_shape: tuple[int, ...]
+    role: str
+    shards: tuple[ShardEntry, ...]
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    path: str
+    bytes: int
+    digest: str
+
+
+@dataclass(frozen=True)
+class Producer:
+    node: str
+    version: str
+    source: str
+
+
+@dataclass(frozen=True)
+class ParentRef:
+    step: int
+    manifest_digest: str
+
+
+def now_utc() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+@dataclass(frozen=True)
+class Manifest:
+    run: str
+    step: int
+    created_at: str
+    producer: Producer
+    parent: ParentRef | None
+    layout_digest: str
+    source_layout: ParallelLayout
+    tensors: Mapping[str, TensorEntry]
+    files: tuple[FileEntry, ...] = ()
+    scalars: Mapping[str, Any] = field(default_factory=dict)
+    buckets: tuple[tuple[str, ...], ...] = ()
+    signature: Mapping[str, str] | None = None
+    format_version: int = FORMAT_VERSION
+
+    # ---- serialisation -------------------------------------------------
+    def to_json(self, *, integrity: bool = True) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "format_version": self.format_version,
+            "run": self.run,
+            "step": self.step,
+            "created_at": self.created_at,
+            "producer": {"node": self.producer.node, "version": self.producer.version, "source": self.producer.source},
+            "parent": None
+            if self.parent is None
+            else {"step": self.parent.step, "manifest_digest": self.parent.manifest_digest},
+            "layout_digest": self.layout_digest,
+            "source_layout": {
+                "tp": self.source_layout.tp,
+                "pp": self.source_layout.pp,
+                "dp": self.source_layout.dp,
+                "vpp": self.source_layout.vpp,
+            },
+            "tensors": {
+                name: {
+                    "dtype": t.dtype,
+                    "global_shape": list(t.global_shape),
+                    "role": t.role,
+                    "shards": [
+                        {
+                            "offsets": list(s.offsets),
+                            "shape": list(s.shape),
+                            "digest": s.digest,
+                            "location": [p.to_json() for p in s.location],
+                        }
+                        for s in t.shards
+                    ],
+                }
+                for name, t in self.tensors.items()
+            },
+            "files": [{"path": f.path, "bytes": f.bytes, "digest": f.digest} for f in self.files],
+            "scalars": dict(self.scalars),
+        }
+        if self.buckets:
+            out["buckets"] = [list(b) for b in self.buckets]
+        if self.signature is not None:
+            out["signature"] = dict(self.signature)
+        if integrity:
+            out["integrity"] = sha256(canonical_json(out))
+        return out
+
+    def to_bytes(self) -> bytes:
+        """The file form: canonical JSON plus a trailing newline."""
+        return canonical_json(self.to_json()) + b"\n"
+
+    def digest(self) -> str:
+        """The manifest digest: identity of the state, independent of the tier holding it."""
+        body = self.to_json(integrity=False)
+        body.pop("signature", None)
+        body.pop("files", None)
+        for t in body["tensors"].values():
+            for s in t["shards"]:
+                s.pop("location")
+        return sha256(canonical_json(body))
+
+    def parent_ref(self) -> ParentRef:
+        """A reference to this manifest, for the next step's ``parent``."""
+        return ParentRef(self.step, self.digest())
+
+    # ---- signing -------------------------------------------------------
+    def _signing_bytes(self) -> bytes:
+        body = self.to_json(integrity=False)
+        body.pop("signature", None)
+        return canonical_json(body)
+
+    def signed(self, key: bytes) -> Manifest:
+        mac = hmac.new(key, self._signing_bytes(), "sha256").hexdigest()
+        return replace(self, signature={"alg": "hmac-sha256", "value": mac})
+
+    def signature_valid(self, key: bytes) -> bool:
+        if not self.signature or self.signature.get("alg") != "hmac-sha256":
+            return False
+        mac = hmac.new(key, self._signing_bytes(), "sha256").hexdigest()
+        return hmac.compare_digest(mac, str(self.signature.get("value", "")))
+
+    # ---- views ---------------------------------------------------------
+    def layout(self) -> StateLayout:
+        specs = tuple(
+            TensorSpec(name, t.dtype, t.global_shape, t.role) for name, t in sorted(self.tensors.items())
+        )
+        return StateLayout(specs, self.source_layout, self.buckets)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(f.bytes for f in self.files)
+
+
+def signing_key(env_var: str = "FLOWCHECK_HMAC_KEY") -> bytes | None:
+    """The HMAC key from the environment, or None when signing is off."""
+    raw = os.environ.get(env_var)
+    return raw.encode() if raw else None
+
+
+# ---- parsing -------------------------------------------------------------
+class _Reader:
+    """Typed field access that names the file and field in every error."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+
+    def fail(self, field_: str, expected: str, found: Any) -> ManifestError:
+        shown = repr(found)
+        if len(shown) > 80:
+            shown = shown[:77] + "..."
+        return ManifestError(f"{self.where}: field '{field_}': expected {expected}, found {shown}")
+
+    def get(self, raw: Mapping[str, Any], key: str, kind: type | tuple[type, ...], path: str, expected: str) -> Any:
+        if not isinstance(raw, Mapping) or key not in raw:
+            raise self.fail(path, expected, "<missing>")
+        value = raw[key]
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise self.fail(path, expected, value)
+        return value
+
+    def ints(self, raw: Mapping[str, Any], key: str, path: str) -> tuple[int, ...]:
+        value = self.get(raw, key, list, path, "a list of non-negative integers")
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value):
+            raise self.fail(path, "a list of non-negative integers", value)
+        return tuple(value)
+
+    def digest(self, raw: Mapping[str, Any], key: str, path: str, prefix: str) -> str:
+        value = self.get(raw, key, str, path, f"a '{prefix}:<hex>' digest")
+        if not value.startswith(prefix + ":") or not all(c in "0123456789abcdef" for c in value.split(":", 1)[1]):
+            raise self.fail(path, f"a '{prefix}:<hex>' digest", value)
+        return value
+
+
+def _piece(r: _Reader, raw: Any, path: str) -> Piece:
+    if not isinstance(raw, Mapping):
+        raise r.fail(path, "an object {path, key?, rows?}", raw)
+    p = check_relpath(r.get(raw, "path", str, path + ".path", "a relative path"), f"{r.where}: {path}.path")
+    key = raw.get("key")
+    if key is not None and not isinstance(key, str):
+        raise r.fail(path + ".key", "a string", key)
+    rows = raw.get("rows")
+    if rows is not None:
+        if not (isinstance(rows, list) and len(rows) == 2 and all(isinstance(v, int) for v in rows) and 0 <= rows[0] <= rows[1]):
+            raise r.fail(path + ".rows", "[start, stop] with 0 <= start <= stop", rows)
+        rows = (rows[0], rows[1])
+    return Piece(p, key, rows)
+
+
+def _tensor(r: _Reader, name: str, raw: Any) -> TensorEntry:
+    try:
+        check_name(name)
+    except UnsafeNameError as e:
+        raise ManifestError(f"{r.where}: field 'tensors': {e}") from e
+    base = f"tensors.{name}"
+    dt = r.get(raw, "dtype", str, base + ".dtype", "a dtype name")
+    from flowcheck import dtypes
+
+    try:
+        dtypes.dtype(dt)
+    except Exception as e:
+        raise r.fail(base + ".dtype", "a known dtype", dt) from e
+    shape = r.ints(raw, "global_shape", base + ".global_shape")
+    role = r.get(raw, "role", str, base + ".role", f"one of {ROLES}")
+    if role not in ROLES:
+        raise r.fail(base + ".role", f"one of {ROLES}", role)
+    shards = []
+    for i, s in enumerate(r.get(raw, "shards", list, base + ".shards", "a list of shards")):
+        sp = f"{base}.shards[{i}]"
+        offsets, sshape = r.ints(s, "offsets", sp + ".offsets"), r.ints(s, "shape", sp + ".shape")
+        if len(offsets) != len(shape) or len(sshape) != len(shape) or any(
+            o + n > g for o, n, g in zip(offsets, sshape, shape)
+        ):
+            raise r.fail(sp, f"a box inside global shape {list(shape)}", {"offsets": offsets, "shape": sshape})
+        loc = r.get(s, "location", list, sp + ".location", "a list of pieces")
+        pieces = tuple(_piece(r, p, f"{sp}.location[{j}]") for j, p in enumerate(loc))
+        shards.append(ShardEntry(offsets, sshape, r.digest(s, "digest", sp + ".digest", "xxh3-128"), pieces))
+    return TensorEntry(dt, shape, role, tuple(shards))
+
+
+def parse(raw_bytes: bytes, where: str, *, verify_integrity: bool = True) -> Manifest:
+    """Parse and validate a manifest file's bytes; ``where`` names it in errors."""
+    r = _Reader(where)
+    try:
+        raw = json.loads(raw_bytes)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ManifestError(f"{where}: not valid JSON ({e}); the file is damaged or not a flowcheck manifest") from e
+    if not isinstance(raw, dict):
+        raise r.fail("<root>", "a JSON object", type(raw).__name__)
+    version = r.get(raw, "format_version", int, "format_version", "an integer")
+    if version != FORMAT_VERSION:
+        raise ManifestError(
+            f"{where}: field 'format_version': expected {FORMAT_VERSION}, found {version}; "
+            "this manifest was written by a newer flowcheck — upgrade flowcheck to read it"
+        )
+    prod = r.get(raw, "producer", dict, "producer", "an object")
+    source = r.get(prod, "source", str, "producer.source", f"one of {SOURCES}")
+    if source not in SOURCES:
+        raise r.fail("producer.source", f"one of {SOURCES}", source)
+    parent_raw = raw.get("parent")
+    parent = None
+    if parent_raw is not None:
+        parent = ParentRef(
+            r.get(parent_raw, "step", int, "parent.step", "an integer"),
+            r.digest(parent_raw, "manifest_digest", "parent.manifest_digest", "sha256"),
+        )
+    sl = r.get(raw, "source_layout", dict, "source_layout", "an object {tp, pp, dp, vpp}")
+    try:
+        layout = ParallelLayout(**{k: sl[k] for k in ("tp", "pp", "dp") if k in sl}, vpp=sl.get("vpp", 1))
+    except Exception as e:
+        raise r.fail("source_layout", "positive integers tp, pp, dp, vpp", sl) from e
+    tensors = {name: _tensor(r, name, t) for name, t in r.get(raw, "tensors", dict, "tensors", "an object").items()}
+    files = []
+    for i, f in enumerate(r.get(raw, "files", list, "files", "a list")):
+        p = check_relpath(r.get(f, "path", str, f"files[{i}].path", "a relative path"), f"{where}: files[{i}].path")
+        size = r.get(f, "bytes", int, f"files[{i}].bytes", "an integer")
+        files.append(FileEntry(p, size, r.digest(f, "digest", f"files[{i}].digest", "xxh3-128")))
+    buckets = tuple(tuple(b) for b in raw.get("buckets", []))
+    signature = raw.get("signature")
+    if signature is not None and not isinstance(signature, dict):
+        raise r.fail("signature", "an object {alg, value}", signature)
+    step = r.get(raw, "step", int, "step", "a non-negative integer")
+    if step < 0:
+        raise r.fail("step", "a non-negative integer", step)
+    run = r.get(raw, "run", str, "run", "a run name")
+    try:
+        check_name(run, "run name")
+    except UnsafeNameError as e:
+        raise ManifestError(f"{where}: field 'run': {e}") from e
+    m = Manifest(
+        run=run,
+        step=step,
+        created_at=r.get(raw, "created_at", str, "created_at", "an ISO-8601 UTC time"),
+        producer=Producer(
+            r.get(prod, "node", str, "producer.node", "a string"),
+            r.get(prod, "version", str, "producer.version", "a string"),
+            source,
+        ),
+        parent=parent,
+        layout_digest=r.digest(raw, "layout_digest", "layout_digest", "sha256"),
+        source_layout=layout,
+        tensors=tensors,
+        files=tuple(files),
+        scalars=r.get(raw, "scalars", dict, "scalars", "an object"),
+        buckets=buckets,
+        signature=signature,
+        format_version=version,
+    )
+    if verify_integrity:
+        body = {k: v for k, v in raw.items() if k != "integrity"}
+        stored = raw.get("integrity")
+        if stored != sha256(canonical_json(body)):
+            raise ManifestError(
+                f"{where}: field 'integrity': expected the sha256 of the manifest body, found {stored!r}; "
+                "the manifest was modified after it was written"
+            )
+        if m.layout().digest() != m.layout_digest:
+            raise r.fail("layout_digest", m.layout().digest(), m.layout_digest)
+    return m

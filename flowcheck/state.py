@@ -1,0 +1,220 @@
+"""The state model: what a checkpoint *is*, independent of where it is stored.
+
+TensorSpec names a canonical (Megatron-Core) tensor and how it splits across
+tensor-parallel ranks; Shard is a box of it in the global index space;
+StateLayout is the ordered set of specs plus the trainer's parallel layout;
+Snapshot is one step's shard data plus its scalars.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from flowcheck import dtypes
+from flowcheck.errors import FlowcheckError, UnsafeNameError
+
+# How a tensor splits across TP ranks (see specs/megatron.md); plain PyTorch
+# models are all "replicated".
+ROLES = ("replicated", "column", "row", "vocab", "qkv", "swiglu_fc1", "expert")
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
+
+
+def check_name(name: str, what: str = "tensor name") -> str:
+    """Refuse names that could escape a directory or a zarr/safetensors namespace."""
+    if not isinstance(name, str) or not _NAME_RE.match(name) or ".." in name or name.startswith("__"):
+        raise UnsafeNameError(
+            f"{what} {name!r} is not allowed: expected letters, digits, '_', '-', '.' "
+            "(no '/', no '..', no leading '.' or '__')"
+        )
+    return name
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One canonical tensor: name, dtype, global shape, TP role."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    role: str = "replicated"
+
+    def __post_init__(self) -> None:
+        check_name(self.name)
+        dtypes.dtype(self.dtype)
+        object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
+        if any(s < 0 for s in self.shape):
+            raise FlowcheckError(f"tensor {self.name}: negative dimension in shape {self.shape}")
+        if self.role not in ROLES:
+            raise FlowcheckError(f"tensor {self.name}: role {self.role!r} is not one of {ROLES}")
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * dtypes.dtype(self.dtype).itemsize
+
+
+@dataclass(frozen=True)
+class Shard:
+    """A box of a tensor in its global index space: ``global[offsets : offsets+shape]``."""
+
+    tensor: str
+    offsets: tuple[int, ...]
+    shape: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "offsets", tuple(int(o) for o in self.offsets))
+        object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
+        if len(self.offsets) != len(self.shape):
+            raise FlowcheckError(
+                f"shard of {self.tensor}: offsets {self.offsets} and shape {self.shape} differ in rank"
+            )
+
+    @classmethod
+    def whole(cls, spec: TensorSpec) -> Shard:
+        return cls(spec.name, (0,) * len(spec.shape), spec.shape)
+
+    def within(self, spec: TensorSpec) -> bool:
+        return len(self.shape) == len(spec.shape) and all(
+            o >= 0 and o + s <= g for o, s, g in zip(self.offsets, self.shape, spec.shape)
+        )
+
+    def intersect(self, region: tuple[slice, ...]) -> tuple[tuple[slice, ...], tuple[slice, ...]] | None:
+        """Overlap with a global region: (slices into this shard, slices into the region) or None."""
+        local, out = [], []
+        for off, size, sl in zip(self.offsets, self.shape, region):
+            lo, hi = max(off, sl.start), min(off + size, sl.stop)
+            if lo >= hi and size > 0:
+                return None
+            local.append(slice(lo - off, hi - off))
+            out.append(slice(lo - sl.start, hi - sl.start))
+        return tuple(local), tuple(out)
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """The trainer's parallel layout the shards were cut for."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    vpp: int = 1
+
+    def __post_init__(self) -> None:
+        for k, v in asdict(self).items():
+            if not isinstance(v, int) or v < 1:
+                raise FlowcheckError(f"parallel layout: {k} must be a positive integer, got {v!r}")
+
+
+@dataclass(frozen=True)
+class StateLayout:
+    """The ordered tensor specs, the source parallel layout, and the gradient-bucket order."""
+
+    tensors: tuple[TensorSpec, ...]
+    source: ParallelLayout = ParallelLayout()
+    buckets: tuple[tuple[str, ...], ...] = ()
+
+    def __post_init__(self) -> None:
+        names = [t.name for t in self.tensors]
+        if len(set(names)) != len(names):
+            dup = sorted({n for n in names if names.count(n) > 1})
+            raise FlowcheckError(f"layout lists tensors more than once: {dup[:5]}")
+
+    def spec(self, name: str) -> TensorSpec:
+        for t in self.tensors:
+            if t.name == name:
+                return t
+        raise KeyError(name)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            # sorted: the digest names the set of tensors; the all-reduce order lives in `buckets`
+            "tensors": sorted([t.name, t.dtype, list(t.shape), t.role] for t in self.tensors),
+            "source": asdict(self.source),
+            "buckets": [list(b) for b in self.buckets],
+        }
+
+    def digest(self) -> str:
+        """sha256 of the canonical layout: two steps with the same digest can be diffed shard by shard."""
+        raw = json.dumps(self.to_json(), sort_keys=True, separators=(",", ":")).encode()
+        return "sha256:" + hashlib.sha256(raw).hexdigest()
+
+
+@dataclass(frozen=True)
+class Scalars:
+    """Everything of a step that is not a tensor: optimizer step, scheduler, RNG, hyper-parameters."""
+
+    optimizer_step: int | None = None
+    lr_scheduler: dict[str, Any] | None = None
+    rng: dict[str, str] = field(default_factory=dict)  # name -> base64 of the RNG state bytes
+    optimizer: dict[str, Any] | None = None  # param_groups and non-tensor per-param state
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, raw: Mapping[str, Any]) -> Scalars:
+        known = {f for f in cls.__dataclass_fields__}
+        return cls(**{k: v for k, v in raw.items() if k in known})
+
+
+ArraySource = np.ndarray | Callable[[], np.ndarray]
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """One step of one run: shard data (arrays, or callables that load them) plus scalars.
+
+    ``origin`` is set when the snapshot was read back from a tier (promotion,
+    export): writers then keep its identity (producer, created_at, parent) so the
+    step keeps its manifest digest in every tier.
+    """
+
+    run: str
+    step: int
+    layout: StateLayout
+    data: Mapping[Shard, ArraySource]
+    scalars: Scalars = Scalars()
+    source: str = "push"
+    origin: Any = None  # flowcheck.manifest.Manifest when read back from a tier
+
+    def __post_init__(self) -> None:
+        check_name(self.run, "run name")
+        if not isinstance(self.step, int) or self.step < 0:
+            raise FlowcheckError(f"step must be a non-negative integer, got {self.step!r}")
+        specs = {t.name: t for t in self.layout.tensors}
+        for shard in self.data:
+            spec = specs.get(shard.tensor)
+            if spec is None:
+                raise FlowcheckError(f"shard of {shard.tensor!r} has no TensorSpec in the layout")
+            if not shard.within(spec):
+                raise FlowcheckError(
+                    f"shard {shard.offsets}+{shard.shape} of {shard.tensor} lies outside its global shape {spec.shape}"
+                )
+
+    def shards(self) -> Iterator[Shard]:
+        return iter(self.data)
+
+    def array(self, shard: Shard) -> np.ndarray:
+        """The shard's data as a C-contiguous numpy array in its storage dtype."""
+        src = self.data[shard]
+        arr = src() if callable(src) else src
+        spec = self.layout.spec(shard.tensor)
+        want = np.dtype(dtypes.dtype(spec.dtype).storage)
+        if arr.dtype != want or tuple(arr.shape) != shard.shape:
+            raise FlowcheckError(
+                f"shard of {shard.tensor}: expected {want}{list(shard.shape)}, found {arr.dtype}{list(arr.shape)}"
+            )
+        # np.ascontiguousarray would turn a 0-d array into shape (1,)
+        return arr if arr.flags.c_contiguous else np.ascontiguousarray(arr)
+
+    @property
+    def nbytes(self) -> int:
+        size = {t.name: dtypes.dtype(t.dtype).itemsize for t in self.layout.tensors}
+        return sum(int(np.prod(s.shape, dtype=np.int64)) * size[s.tensor] for s in self.data)

@@ -1,0 +1,123 @@
+// flowcheck._native: the few byte-moving loops on the snapshot hot path.
+//
+// Every function takes Python buffers (pointer + length), releases the GIL for
+// the whole loop, and reports failure as one exception type (OSError with errno
+// for I/O, ValueError for bad arguments).  No torch, no allocation of tensors.
+#include <pybind11/pybind11.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <fcntl.h>
+#include <string>
+#include <thread>
+#include <unistd.h>
+#include <vector>
+
+namespace py = pybind11;
+
+namespace {
+
+struct View {
+    const char* data;
+    size_t size;
+};
+
+View readable(const py::buffer& b) {
+    py::buffer_info info = b.request(false);
+    if (info.ndim > 1) {
+        // a strided view would be written out of order
+        for (py::ssize_t i = info.ndim - 1, expect = info.itemsize; i >= 0; --i) {
+            if (info.shape[i] > 1 && info.strides[i] != expect)
+                throw py::value_error("buffer must be C-contiguous");
+            expect *= info.shape[i];
+        }
+    }
+    return {static_cast<const char*>(info.ptr), static_cast<size_t>(info.size * info.itemsize)};
+}
+
+
+// Writes all of `buf` at `offset`, retrying short writes and EINTR.  Every
+// `flush_every` bytes it asks the kernel to start write-back of what is written
+// (sync_file_range), so the final fsync finds little dirty data and the page
+// cache does not fill with one huge shard.  Returns the number of bytes written.
+size_t pwrite_all(int fd, const py::buffer& b, long long offset, long long flush_every) {
+    View v = readable(b);
+    if (offset < 0) throw py::value_error("offset must be >= 0");
+    size_t done = 0;
+    int err = 0;
+    {
+        py::gil_scoped_release nogil;
+        size_t since_flush = 0;
+        off_t flush_start = static_cast<off_t>(offset);
+        while (done < v.size) {
+            size_t want = std::min<size_t>(v.size - done, size_t(1) << 30);
+            ssize_t n = ::pwrite(fd, v.data + done, want, static_cast<off_t>(offset + done));
+            if (n < 0) {
+                if (errno == EINTR) continue;
+                err = errno;
+                break;
+            }
+            if (n == 0) {
+                err = EIO;
+                break;
+            }
+            done += static_cast<size_t>(n);
+            since_flush += static_cast<size_t>(n);
+#ifdef SYNC_FILE_RANGE_WRITE
+            if (flush_every > 0 && since_flush >= static_cast<size_t>(flush_every)) {
+                ::sync_file_range(fd, flush_start, static_cast<off_t>(since_flush), SYNC_FILE_RANGE_WRITE);
+                flush_start += static_cast<off_t>(since_flush);
+                since_flush = 0;
+            }
+#endif
+        }
+    }
+    if (err != 0) {
+        errno = err;
+        PyErr_SetFromErrno(PyExc_OSError);
+        throw py::error_already_set();
+    }
+    return done;
+}
+
+// Copies src into dst (same byte length) with up to `threads` threads: the
+// memory tier's copy-on-write of a pinned bucket is a multi-GB memcpy that one
+// core cannot saturate.
+void copy_into(py::buffer dst, const py::buffer& src, int threads) {
+    py::buffer_info d = dst.request(true);
+    View s = readable(src);
+    size_t dsize = static_cast<size_t>(d.size * d.itemsize);
+    if (dsize != s.size)
+        throw py::value_error("copy_into: dst has " + std::to_string(dsize) + " bytes, src has " +
+                              std::to_string(s.size));
+    char* out = static_cast<char*>(d.ptr);
+    py::gil_scoped_release nogil;
+    size_t min_per_thread = size_t(16) << 20;
+    size_t n = std::max<size_t>(1, std::min<size_t>(static_cast<size_t>(std::max(threads, 1)),
+                                                    s.size / min_per_thread));
+    if (n == 1) {
+        std::memcpy(out, s.data, s.size);
+        return;
+    }
+    size_t step = (s.size + n - 1) / n;
+    std::vector<std::thread> pool;
+    for (size_t i = 0; i < n; ++i) {
+        size_t begin = i * step, end = std::min(s.size, begin + step);
+        if (begin >= end) break;
+        pool.emplace_back([=] { std::memcpy(out + begin, s.data + begin, end - begin); });
+    }
+    for (auto& t : pool) t.join();
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_native, m) {
+    m.doc() = "flowcheck's native helpers: buffer in, bytes out, GIL released.";
+    m.def("pwrite_all", &pwrite_all, py::arg("fd"), py::arg("buffer"), py::arg("offset") = 0,
+          py::arg("flush_every") = 0,
+          "Write the whole buffer to fd at offset (short writes and EINTR retried); start "
+          "write-back every flush_every bytes. Returns bytes written; raises OSError.");
+    m.def("copy_into", &copy_into, py::arg("dst"), py::arg("src"), py::arg("threads") = 4,
+          "Copy src into the writable buffer dst (same byte size) with up to `threads` threads.");
+}

@@ -1,0 +1,333 @@
+"""The tier interface: write a snapshot, read a step's tensors, list, describe, delete.
+
+A tier implements a handful of primitives (``_committed_steps``,
+``_manifest_bytes``, ``_write``, ``_read_shard``, ``_delete``, ``_verify_files``,
+``_put_record``/``_get_record``); manifests, signing, region reads across
+shards, lazy snapshots and pruning records are written once, here.
+"""
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+
+from flowcheck import __version__, dtypes
+from flowcheck.digest import data_digest
+from flowcheck.errors import IntegrityError, ManifestError, StepNotFoundError
+from flowcheck.manifest import (
+    FileEntry,
+    Manifest,
+    ParentRef,
+    Piece,
+    Producer,
+    ShardEntry,
+    TensorEntry,
+    now_utc,
+    parse,
+)
+from flowcheck.state import Shard, Snapshot
+
+log = logging.getLogger(__name__)
+
+STEP_DIR = "step-{step:09d}"
+
+
+def step_dir(step: int) -> str:
+    return STEP_DIR.format(step=step)
+
+
+def parse_step_dir(name: str) -> int | None:
+    """The step of a committed step directory name, or None for anything else."""
+    if len(name) == 14 and name.startswith("step-") and name[5:].isdigit():
+        return int(name[5:])
+    return None
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One finding of a verification: where, what, and how bad."""
+
+    tier: str
+    step: int | None
+    what: str
+    path: str = ""
+    severity: str = "error"  # error | warning | info
+
+    def __str__(self) -> str:
+        where = f"step {self.step}" if self.step is not None else "tier"
+        return f"[{self.severity}] {self.tier} {where}: {self.what}{' (' + self.path + ')' if self.path else ''}"
+
+
+def full_region(shape: tuple[int, ...]) -> tuple[slice, ...]:
+    return tuple(slice(0, n) for n in shape)
+
+
+def normalize_region(region: Any, shape: tuple[int, ...], name: str) -> tuple[slice, ...]:
+    """Turn None / a tuple of slices (steps of 1) into bounded slices within ``shape``."""
+    if region is None:
+        return full_region(shape)
+    if not isinstance(region, tuple):
+        region = (region,)
+    if len(region) > len(shape):
+        raise IndexError(f"{name}: region has {len(region)} dimensions, tensor has {len(shape)}")
+    out = []
+    for sl, n in zip(region + (slice(None),) * (len(shape) - len(region)), shape):
+        if not isinstance(sl, slice) or sl.step not in (None, 1):
+            raise IndexError(f"{name}: regions are tuples of contiguous slices, found {sl!r}")
+        start, stop, _ = sl.indices(n)
+        out.append(slice(start, max(start, stop)))
+    return tuple(out)
+
+
+def make_manifest(
+    snapshot: Snapshot,
+    *,
+    node: str,
+    parent: ParentRef | None,
+    digests: dict[Shard, str],
+    locations: dict[Shard, tuple[Piece, ...]],
+    files: Iterable[FileEntry],
+) -> Manifest:
+    """The manifest of a snapshot written to a tier; a read-back snapshot keeps its identity."""
+    by_tensor: dict[str, list[ShardEntry]] = {}
+    for shard in snapshot.data:
+        entry = ShardEntry(shard.offsets, shard.shape, digests[shard], locations[shard])
+        by_tensor.setdefault(shard.tensor, []).append(entry)
+    tensors = {
+        spec.name: TensorEntry(spec.dtype, spec.shape, spec.role, tuple(by_tensor.get(spec.name, ())))
+        for spec in snapshot.layout.tensors
+    }
+    origin: Manifest | None = snapshot.origin
+    return Manifest(
+        run=snapshot.run,
+        step=snapshot.step,
+        created_at=origin.created_at if origin else now_utc(),
+        producer=origin.producer if origin else Producer(node, __version__, snapshot.source),
+        parent=origin.parent if origin else parent,
+        layout_digest=snapshot.layout.digest(),
+        source_layout=snapshot.layout.source,
+        tensors=tensors,
+        files=tuple(sorted(files, key=lambda f: f.path)),
+        scalars=origin.scalars if origin else snapshot.scalars.to_json(),
+        buckets=snapshot.layout.buckets,
+    )
+
+
+def shard_digests(snapshot: Snapshot, arrays: dict[Shard, np.ndarray]) -> dict[Shard, str]:
+    """Data digests, checked against the origin manifest when the snapshot was read back."""
+    out = {s: data_digest(a) for s, a in arrays.items()}
+    if snapshot.origin is not None:
+        for shard, got in out.items():
+            want = _origin_digest(snapshot.origin, shard)
+            if got != want:
+                raise IntegrityError(
+                    f"step {snapshot.step} tensor {shard.tensor} shard {shard.offsets}: data digest {got} "
+                    f"does not match the manifest's {want}; the source copy is damaged"
+                )
+    return out
+
+
+def _origin_digest(m: Manifest, shard: Shard) -> str:
+    for s in m.tensors[shard.tensor].shards:
+        if s.offsets == shard.offsets and s.shape == shard.shape:
+            return s.digest
+    raise KeyError(shard)
+
+
+class Tier(ABC):
+    """A place that stores committed steps of one run."""
+
+    name: str = "tier"
+
+    def __init__(self, run: str, *, node: str = "", signing_key: bytes | None = None, require_signature: bool = False):
+        self.run = run
+        self.node = node
+        self.signing_key = signing_key
+        self.require_signature = require_signature
+
+    # ---- primitives ------------------------------------------------------
+    @abstractmethod
+    def _committed_steps(self) -> list[int]:
+        """Steps whose manifest is committed, ascending."""
+
+    @abstractmethod
+    def _manifest_bytes(self, step: int) -> bytes:
+        """The raw manifest of a committed step; StepNotFoundError if none."""
+
+    @abstractmethod
+    def _write(self, snapshot: Snapshot, parent: ParentRef | None) -> Manifest:
+        """Store data, then commit the manifest last; return the committed manifest."""
+
+    @abstractmethod
+    def _read_shard(self, manifest: Manifest, tensor: str, shard: ShardEntry, region: tuple[slice, ...]) -> np.ndarray:
+        """Read ``region`` (slices local to the shard) of one shard, in its storage dtype."""
+
+    @abstractmethod
+    def _delete(self, step: int) -> None:
+        """Remove a committed step (manifest first, so it stops existing before its data goes)."""
+
+    def _verify_files(self, manifest: Manifest) -> list[Problem]:
+        return []
+
+    def clean_incomplete(self, older_than_s: float, dry_run: bool = False) -> list[str]:
+        """Remove abandoned partial writes older than the grace period; return what was (or would be) removed."""
+        return []
+
+    def _put_record(self, name: str, data: bytes) -> None:
+        """Store a small bookkeeping file (pruning records, latest pointer) under the run root."""
+
+    def _get_record(self, name: str) -> bytes | None:
+        return None
+
+    def _list_records(self, prefix: str) -> list[str]:
+        return []
+
+    # ---- the interface ---------------------------------------------------
+    def steps(self) -> list[int]:
+        return self._committed_steps()
+
+    def manifest(self, step: int) -> Manifest:
+        raw = self._manifest_bytes(step)
+        m = parse(raw, f"{self.name} tier {self.run}/{step_dir(step)}/manifest.json")
+        self._check_signature(m)
+        if m.step != step or m.run != self.run:
+            raise ManifestError(
+                f"{self.name} tier {self.run}/{step_dir(step)}/manifest.json: field 'step'/'run': expected "
+                f"{self.run}/{step}, found {m.run}/{m.step}"
+            )
+        return m
+
+    def write(self, snapshot: Snapshot, parent: ParentRef | None = None) -> Manifest:
+        if snapshot.run != self.run:
+            raise ValueError(f"snapshot of run {snapshot.run!r} written to a tier of run {self.run!r}")
+        m = self._write(snapshot, parent)
+        log.info("%s tier: committed %s step %d (%d bytes)", self.name, self.run, m.step, m.nbytes)
+        return m
+
+    def read(self, step: int, tensor: str, region: Any = None, *, manifest: Manifest | None = None) -> np.ndarray:
+        """A region of a tensor in the global index space, assembled from the shards that cover it."""
+        m = manifest or self.manifest(step)
+        if tensor not in m.tensors:
+            raise KeyError(f"step {step} has no tensor {tensor!r}")
+        t = m.tensors[tensor]
+        reg = normalize_region(region, t.global_shape, tensor)
+        out = np.empty(tuple(s.stop - s.start for s in reg), dtype=dtypes.dtype(t.dtype).storage)
+        covered = 0
+        for entry in t.shards:
+            hit = Shard(tensor, entry.offsets, entry.shape).intersect(reg)
+            if hit is None:
+                continue
+            local, dest = hit
+            out[dest] = self._read_shard(m, tensor, entry, local)
+            covered += int(np.prod([s.stop - s.start for s in dest], dtype=np.int64))
+        if covered < out.size:
+            raise IntegrityError(f"step {step} tensor {tensor}: the stored shards cover only part of region {reg}")
+        return out
+
+    def read_shard(self, manifest: Manifest, tensor: str, entry: ShardEntry, *, verify: bool = True) -> np.ndarray:
+        """One whole shard, its data digest checked against the manifest."""
+        arr = self._read_shard(manifest, tensor, entry, full_region(entry.shape))
+        if verify:
+            got = data_digest(arr)
+            if got != entry.digest:
+                raise IntegrityError(
+                    f"{self.name} tier step {manifest.step} tensor {tensor} shard {list(entry.offsets)}: "
+                    f"data digest {got} != manifest {entry.digest}; this copy is damaged — read the step from another tier"
+                )
+        return arr
+
+    def load(self, step: int, *, verify: bool = True) -> Snapshot:
+        """A lazy snapshot of a committed step: shards are read (and verified) when asked for."""
+        m = self.manifest(step)
+        data = {}
+        for name, t in m.tensors.items():
+            for entry in t.shards:
+                data[Shard(name, entry.offsets, entry.shape)] = _Loader(self, m, name, entry, verify)
+        from flowcheck.state import Scalars
+
+        return Snapshot(
+            m.run, m.step, m.layout(), data, Scalars.from_json(m.scalars), source=m.producer.source, origin=m
+        )
+
+    def delete(self, step: int) -> None:
+        """Delete a committed step, leaving a pruning record so audit knows the gap is deliberate."""
+        try:
+            digest = self.manifest(step).digest()
+        except (ManifestError, StepNotFoundError):
+            digest = None
+        import json
+
+        self._put_record(f"pruned/{step_dir(step)}.json", json.dumps({"step": step, "manifest_digest": digest}).encode())
+        self._delete(step)
+
+    def pruned(self) -> dict[int, str | None]:
+        """Steps deleted on purpose (by GC) -> their manifest digests."""
+        import json
+
+        out = {}
+        for name in self._list_records("pruned"):
+            raw = self._get_record(f"pruned/{name}")
+            try:
+                rec = json.loads(raw or b"")
+                out[int(rec["step"])] = rec.get("manifest_digest")
+            except (ValueError, KeyError, TypeError):
+                log.warning("%s tier: unreadable pruning record %s", self.name, name)
+        return out
+
+    def latest(self) -> int | None:
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    def _publish_latest(self, step: int) -> None:
+        """Move the 'latest' pointer forward — only ever called after a durable commit."""
+        current = self._get_record("latest")
+        if current is not None and current.strip().isdigit() and int(current) >= step:
+            return
+        self._put_record("latest", f"{step}\n".encode())
+
+    def verify(self, step: int, *, data: bool = True) -> list[Problem]:
+        """Check one step: manifest, every file's size and digest, every shard's data digest."""
+        try:
+            m = self.manifest(step)
+        except (ManifestError, StepNotFoundError) as e:
+            return [Problem(self.name, step, str(e), "manifest.json")]
+        problems = self._verify_files(m)
+        if data and not problems:
+            for name, t in m.tensors.items():
+                for entry in t.shards:
+                    try:
+                        self.read_shard(m, name, entry)
+                    except Exception as e:  # noqa: BLE001 - every failure is a finding here
+                        problems.append(Problem(self.name, step, f"tensor {name}: {e}"))
+        return problems
+
+    def _sign(self, m: Manifest) -> Manifest:
+        return m.signed(self.signing_key) if self.signing_key else m
+
+    def _check_signature(self, m: Manifest) -> None:
+        where = f"{self.name} tier {self.run}/{step_dir(m.step)}/manifest.json"
+        if m.signature is not None and self.signing_key is not None and not m.signature_valid(self.signing_key):
+            raise ManifestError(f"{where}: field 'signature': HMAC does not match; the manifest was forged or altered")
+        if self.require_signature and (m.signature is None or self.signing_key is None):
+            raise ManifestError(
+                f"{where}: field 'signature': signing is required but the manifest is "
+                f"{'unsigned' if m.signature is None else 'signed and no key is set to check it'}"
+            )
+
+
+class _Loader:
+    """A callable that reads one shard on demand (keeps lazy snapshots cheap)."""
+
+    def __init__(self, tier: Tier, manifest: Manifest, tensor: str, entry: ShardEntry, verify: bool):
+        self.tier, self.manifest, self.tensor, self.entry, self.verify = tier, manifest, tensor, entry, verify
+
+    def __call__(self) -> np.ndarray:
+        return self.tier.read_shard(self.manifest, self.tensor, self.entry, verify=self.verify)
+
+
+def with_origin(snapshot: Snapshot, origin: Manifest | None) -> Snapshot:
+    return replace(snapshot, origin=origin)

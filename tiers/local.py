@@ -1,0 +1,265 @@
+"""The local (NVMe) tier: one zarr v3 group per step, one sharded array per shard.
+
+Layout: ``<root>/<run>/step-<step:09d>/`` holds ``zarr.json``, one array per
+shard at ``<tensor>/<index>`` (sharding codec, one whole-shard write, CRC32C
+per inner chunk) and ``manifest.json``.  A step is written into
+``step-….<id>.tmp``, every file and directory fsync'd, the manifest written
+last, then the directory renamed into place — a step without its final name
+does not exist.  Any zarr v3 reader opens the group (bf16 appears as uint16
+with ``attributes["dtype"] == "bfloat16"``).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import shutil
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from flowcheck import dtypes
+from flowcheck.config import LocalConfig
+from flowcheck.digest import file_digest
+from flowcheck.errors import FormatError, IntegrityError, StepExistsError, StepNotFoundError, TierError
+from flowcheck.manifest import FileEntry, Manifest, ParentRef, Piece, ShardEntry
+from flowcheck.state import Shard, Snapshot
+from flowcheck.tiers.base import Problem, Tier, make_manifest, parse_step_dir, shard_digests, step_dir
+from flowcheck.tiers.durable import DurableStore, commit_file_exclusive, fsync_dir, fsync_tree_dirs, replace_file
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "manifest.json"
+
+
+def _codecs(codec: str, itemsize: int) -> list:
+    from zarr.codecs import BloscCodec, Crc32cCodec, ZstdCodec
+
+    # CRC32C last: it checks every inner chunk as stored, whatever the compressor
+    if codec == "lz4":
+        return [BloscCodec(cname="lz4", clevel=5, shuffle="bitshuffle", typesize=itemsize), Crc32cCodec()]
+    if codec == "zstd":
+        return [ZstdCodec(level=3), Crc32cCodec()]
+    return [Crc32cCodec()]
+
+
+def _chunking(shape: tuple[int, ...], itemsize: int, chunk_bytes: int) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
+    """(inner chunk shape, shard shape) cutting along dim 0; one shard covers the whole array."""
+    if not shape or 0 in shape:
+        return shape or (), None
+    row = itemsize * math.prod(shape[1:])
+    rows = max(1, min(shape[0], chunk_bytes // max(row, 1)))
+    return (rows, *shape[1:]), (math.ceil(shape[0] / rows) * rows, *shape[1:])
+
+
+class LocalTier(Tier):
+    name = "local"
+
+    def __init__(self, config: LocalConfig, run: str, **kw) -> None:
+        super().__init__(run, **kw)
+        self.config = config
+        self.root = os.path.join(config.root, run)
+
+    # ---- listing / manifests ---------------------------------------------
+    def _committed_steps(self) -> list[int]:
+        try:
+            names = os.listdir(self.root)
+        except FileNotFoundError:
+            return []
+        steps = []
+        for n in names:
+            s = parse_step_dir(n)
+            if s is not None and os.path.exists(os.path.join(self.root, n, MANIFEST)):
+                steps.append(s)
+        return sorted(steps)
+
+    def _manifest_bytes(self, step: int) -> bytes:
+        try:
+            with open(os.path.join(self.root, step_dir(step), MANIFEST), "rb") as f:
+                return f.read()
+        except FileNotFoundError:
+            raise StepNotFoundError(f"local tier {self.root}: step {step} is not committed") from None
+
+    # ---- write -------------------------------------------------------------
+    def _write(self, snapshot: Snapshot, parent: ParentRef | None) -> Manifest:
+        final = os.path.join(self.root, step_dir(snapshot.step))
+        if os.path.exists(os.path.join(final, MANIFEST)):
+            return self._already_committed(snapshot, final)
+        try:
+            os.makedirs(self.root, exist_ok=True)
+        except OSError as e:
+            raise TierError(f"local tier: cannot create {self.root}: {e.strerror}; check the path and permissions") from e
+        tmp = os.path.join(self.root, f"{step_dir(snapshot.step)}.{uuid.uuid4().hex[:8]}.tmp")
+        try:
+            manifest = self._write_tmp(snapshot, parent, tmp)
+            self._commit(tmp, final, manifest)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        self._publish_latest(snapshot.step)
+        return manifest
+
+    def _write_tmp(self, snapshot: Snapshot, parent: ParentRef | None, tmp: str) -> Manifest:
+        import zarr
+
+        store = DurableStore(tmp, fsync=self.config.fsync)
+        group = zarr.create_group(store, attributes={"flowcheck": {"run": snapshot.run, "step": snapshot.step}})
+        shards = list(snapshot.data)
+        index = _shard_indices(shards)
+        with ThreadPoolExecutor(self.config.workers) as pool:
+            digests = dict(pool.map(lambda s: self._write_shard(group, snapshot, s, index[s]), shards))
+        locations = {s: (Piece(f"{step_dir(snapshot.step)}/{s.tensor}/{index[s]}"),) for s in shards}
+        files = [
+            FileEntry(f"{step_dir(snapshot.step)}/{key}", size, digest) for key, (size, digest) in store.written.items()
+        ]
+        m = make_manifest(snapshot, node=self.node, parent=parent, digests=digests, locations=locations, files=files)
+        return self._sign(m)
+
+    def _write_shard(self, group, snapshot: Snapshot, shard: Shard, index: int) -> tuple[Shard, str]:
+        spec = snapshot.layout.spec(shard.tensor)
+        dt = dtypes.dtype(spec.dtype)
+        arr = snapshot.array(shard)
+        digest = shard_digests(snapshot, {shard: arr})[shard]
+        chunks, shards = _chunking(shard.shape, dt.itemsize, self.config.chunk_mib << 20)
+        z = group.create_array(
+            f"{shard.tensor}/{index}",
+            shape=shard.shape,
+            dtype=dt.storage,
+            chunks=chunks,
+            shards=shards,
+            compressors=_codecs(self.config.codec, dt.itemsize),
+            fill_value=0,
+            attributes={"tensor": shard.tensor, "dtype": dt.name, "offsets": list(shard.offsets), "digest": digest},
+        )
+        if arr.size:
+            z[...] = arr  # one call: the sharding codec writes the whole shard file once
+        return shard, digest
+
+    def _commit(self, tmp: str, final: str, manifest: Manifest) -> None:
+        if self.config.fsync:
+            fsync_tree_dirs(tmp)  # data and zarr metadata are durable before the manifest exists
+        replace_file(os.path.join(tmp, MANIFEST), manifest.to_bytes(), fsync=self.config.fsync)
+        try:
+            os.rename(tmp, final)  # fails if another writer committed the step meanwhile
+        except OSError as e:
+            if os.path.exists(os.path.join(final, MANIFEST)):
+                raise StepExistsError(f"local tier: step {manifest.step} was committed by another writer") from e
+            raise
+        if self.config.fsync:
+            fsync_dir(self.root)
+
+    def _already_committed(self, snapshot: Snapshot, final: str) -> Manifest:
+        existing = self.manifest(snapshot.step)
+        if snapshot.origin is not None and snapshot.origin.digest() == existing.digest():
+            return existing  # the same step again (e.g. a retried promotion): nothing to do
+        raise StepExistsError(
+            f"local tier: step {snapshot.step} is already committed at {final} with different content; "
+            "delete it first or write a new step"
+        )
+
+    # ---- read --------------------------------------------------------------
+    def _read_shard(self, manifest: Manifest, tensor: str, shard: ShardEntry, region) -> np.ndarray:
+        import zarr
+
+        if len(shard.location) != 1:
+            raise FormatError(f"local tier step {manifest.step} {tensor}: expected one zarr array per shard")
+        path = os.path.join(self.root, shard.location[0].path)
+        try:
+            arr = zarr.open_array(path, mode="r")
+            if tuple(arr.shape) != shard.shape:
+                raise FormatError(f"{path}: zarr array shape {arr.shape} != manifest shard shape {list(shard.shape)}")
+            return np.asarray(arr[region]) if shard.shape else np.asarray(arr[...])
+        except (FormatError, FileNotFoundError):
+            raise
+        except Exception as e:  # zarr raises plain ValueError/RuntimeError on a bad CRC or metadata
+            raise IntegrityError(f"local tier: cannot read {path}: {e}") from e
+
+    # ---- delete / verify / clean -------------------------------------------
+    def _delete(self, step: int) -> None:
+        path = os.path.join(self.root, step_dir(step))
+        trash = f"{path}.{uuid.uuid4().hex[:8]}.deleting.tmp"
+        os.rename(path, trash)  # the step vanishes atomically; the data follows
+        fsync_dir(self.root)
+        shutil.rmtree(trash, ignore_errors=True)
+
+    def _verify_files(self, manifest: Manifest) -> list[Problem]:
+        problems = []
+        listed = set()
+        for f in manifest.files:
+            listed.add(f.path)
+            path = os.path.join(self.root, f.path)
+            try:
+                size, digest = file_digest(path)
+            except FileNotFoundError:
+                problems.append(Problem(self.name, manifest.step, "file listed in the manifest is missing", path))
+                continue
+            if size != f.bytes:
+                problems.append(Problem(self.name, manifest.step, f"size {size} != manifest {f.bytes}", path))
+            elif digest != f.digest:
+                problems.append(Problem(self.name, manifest.step, f"digest {digest} != manifest {f.digest}", path))
+        sd = step_dir(manifest.step)
+        for dirpath, _dirs, files in os.walk(os.path.join(self.root, sd)):
+            for name in files:
+                rel = os.path.relpath(os.path.join(dirpath, name), self.root)
+                if rel not in listed and rel != f"{sd}/{MANIFEST}":
+                    problems.append(Problem(self.name, manifest.step, "file not listed in the manifest", rel, "warning"))
+        return problems
+
+    def clean_incomplete(self, older_than_s: float, dry_run: bool = False) -> list[str]:
+        removed = []
+        try:
+            names = os.listdir(self.root)
+        except FileNotFoundError:
+            return removed
+        cutoff = time.time() - older_than_s
+        for n in names:
+            path = os.path.join(self.root, n)
+            if n.endswith(".tmp") and n.startswith("step-") and os.path.getmtime(path) < cutoff:
+                removed.append(path)
+                if not dry_run:
+                    shutil.rmtree(path, ignore_errors=True)
+        return removed
+
+    def incomplete(self) -> list[str]:
+        try:
+            return sorted(n for n in os.listdir(self.root) if n.endswith(".tmp"))
+        except FileNotFoundError:
+            return []
+
+    # ---- records -------------------------------------------------------------
+    def _put_record(self, name: str, data: bytes) -> None:
+        path = os.path.join(self.root, name)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        replace_file(path, data, fsync=self.config.fsync)
+
+    def _get_record(self, name: str) -> bytes | None:
+        try:
+            with open(os.path.join(self.root, name), "rb") as f:
+                return f.read()
+        except FileNotFoundError:
+            return None
+
+    def _list_records(self, prefix: str) -> list[str]:
+        try:
+            return sorted(os.listdir(os.path.join(self.root, prefix)))
+        except FileNotFoundError:
+            return []
+
+    def size(self, step: int) -> int:
+        return self.manifest(step).nbytes
+
+
+def _shard_indices(shards: list[Shard]) -> dict[Shard, int]:
+    """Shards of one tensor are numbered 0, 1, ... in snapshot order (their zarr array names)."""
+    seen: dict[str, int] = {}
+    out = {}
+    for s in shards:
+        out[s] = seen.get(s.tensor, 0)
+        seen[s.tensor] = out[s] + 1
+    return out
+
+
+__all__ = ["LocalTier"]
