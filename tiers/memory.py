@@ -1,0 +1,210 @@
+"""The memory tier: the latest training state in RAM, updated in place, snapshotted step-consistently.
+
+Updates happen in place, one step at a time (``with tier.update(step) as u``).
+A snapshot (``pin()``) never copies up front: it holds references to the
+current arrays.  When an update then touches a shard that a snapshot still
+holds, the shard is first copied (copy-on-write) and the update goes to the
+copy, so the snapshot keeps the step-s bytes while step s+1 is applied.  A
+snapshot is never a torn mixture: ``pin()`` waits for an update in flight to
+finish, and an update never mutates an array a snapshot references.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import numpy as np
+
+from flowcheck import _native, dtypes
+from flowcheck.config import MemoryConfig
+from flowcheck.errors import StaleStateError, StepNotFoundError
+from flowcheck.manifest import Manifest, ParentRef
+from flowcheck.state import Scalars, Shard, Snapshot, StateLayout
+from flowcheck.tiers.base import Tier, make_manifest, normalize_region, shard_digests
+
+log = logging.getLogger(__name__)
+
+
+class MemoryTier(Tier):
+    name = "memory"
+
+    def __init__(self, config: MemoryConfig, run: str, **kw) -> None:
+        super().__init__(run, **kw)
+        self.config = config
+        self._cond = threading.Condition()
+        self._layout: StateLayout | None = None
+        self._arrays: dict[Shard, np.ndarray] = {}
+        self._step: int | None = None
+        self._scalars = Scalars()
+        self._source = "push"
+        self._stale = False
+        self._updating = False
+        self._pins: dict[int, set[Shard]] = {}
+        self._pin_ids = itertools.count()
+        self._manifest: Manifest | None = None
+        self.head: ParentRef | None = None  # the committed step this state descends from (lineage parent)
+        self.cow_copies = 0  # shards copied because a snapshot held them (a metric)
+
+    # ---- state in ------------------------------------------------------------
+    def _write(self, snapshot: Snapshot, parent: ParentRef | None) -> Manifest:
+        """Replace the whole state (a full push, a resync, or a restore into RAM)."""
+        arrays = {s: np.array(snapshot.array(s), copy=True) for s in snapshot.data}
+        digests = shard_digests(snapshot, arrays)
+        with self._cond:
+            self._wait_idle()
+            self._layout, self._arrays, self._step = snapshot.layout, arrays, snapshot.step
+            self._scalars, self._source, self._stale = snapshot.scalars, snapshot.source, False
+            self._pins.clear()  # old pins keep their own array references
+            self.head = snapshot.origin.parent_ref() if snapshot.origin is not None else parent
+            self._manifest = make_manifest(
+                snapshot, node=self.node, parent=parent, digests=digests, locations={s: () for s in arrays}, files=()
+            )
+            return self._manifest
+
+    @contextmanager
+    def update(self, step: int, scalars: Scalars | None = None) -> Iterator[_Update]:
+        """Apply step ``step`` in place; the new step becomes visible only when the block exits cleanly.
+
+        An exception inside the block marks the state stale: it will not be
+        snapshotted until a full state is written again.
+        """
+        with self._cond:
+            self._wait_idle()
+            if self._layout is None:
+                raise StepNotFoundError("memory tier: no state loaded; write a full snapshot first")
+            self._updating = True
+        ok = False
+        try:
+            u = _Update(self)
+            yield u
+            ok = True
+        finally:
+            with self._cond:
+                self._updating = False
+                if ok:
+                    self._step, self._manifest = step, None
+                    if scalars is not None or u.scalars is not None:
+                        self._scalars = u.scalars or scalars
+                else:
+                    self._stale = True
+                    log.warning("memory tier: update to step %d failed; state marked stale", step)
+                self._cond.notify_all()
+
+    def _writable(self, shard: Shard) -> np.ndarray:
+        """The live array of a shard, copied first if a snapshot still references it."""
+        with self._cond:
+            arr = self._arrays[shard]
+            if any(shard in pinned for pinned in self._pins.values()):
+                fresh = np.empty_like(arr)
+                _native.copy_into(fresh.reshape(-1).view(np.uint8), arr.reshape(-1).view(np.uint8), self.config.copy_threads)
+                self._arrays[shard] = fresh
+                for pinned in self._pins.values():
+                    pinned.discard(shard)
+                self.cow_copies += 1
+                return fresh
+            return arr
+
+    def mark_stale(self, reason: str) -> None:
+        with self._cond:
+            self._stale = True
+        log.warning("memory tier: state marked stale: %s", reason)
+
+    @property
+    def stale(self) -> bool:
+        return self._stale
+
+    @property
+    def step(self) -> int | None:
+        return self._step
+
+    # ---- state out -----------------------------------------------------------
+    def pin(self) -> Snapshot:
+        """A step-consistent snapshot of the current step; call ``release`` when it is persisted."""
+        with self._cond:
+            self._wait_idle()
+            if self._layout is None or self._step is None:
+                raise StepNotFoundError("memory tier: no state loaded")
+            if self._stale:
+                raise StaleStateError(
+                    f"memory tier: the state after step {self._step} is stale (an update failed); "
+                    "it is not snapshotted until a full state push (resync) arrives"
+                )
+            pin_id = next(self._pin_ids)
+            self._pins[pin_id] = set(self._arrays)
+            data = dict(self._arrays)
+            snap = Snapshot(self.run, self._step, self._layout, data, self._scalars, source=self._source)
+            object.__setattr__(snap, "_pin_id", pin_id)  # rides along (frozen dataclass) for release()
+            return snap
+
+    def release(self, snapshot: Snapshot) -> None:
+        pin_id = getattr(snapshot, "_pin_id", None)
+        with self._cond:
+            self._pins.pop(pin_id, None)
+
+    def _wait_idle(self) -> None:
+        while self._updating:
+            self._cond.wait()
+
+    # ---- the tier interface --------------------------------------------------
+    def _committed_steps(self) -> list[int]:
+        return [] if self._step is None or self._stale else [self._step]
+
+    def _manifest_bytes(self, step: int) -> bytes:
+        return self.manifest(step).to_bytes()
+
+    def manifest(self, step: int) -> Manifest:
+        if step not in self._committed_steps():
+            raise StepNotFoundError(f"memory tier: holds step {self._step}, not {step}")
+        if self._manifest is None or self._manifest.step != step:
+            snap = self.pin()
+            try:
+                digests = shard_digests(snap, {s: snap.array(s) for s in snap.data})
+                self._manifest = make_manifest(snap, node=self.node, parent=self.head, digests=digests,
+                                               locations={s: () for s in snap.data}, files=())
+            finally:
+                self.release(snap)
+        return self._manifest
+
+    def read(self, step: int, tensor: str, region=None, *, manifest: Manifest | None = None) -> np.ndarray:
+        snap = self.pin()
+        try:
+            if snap.step != step:
+                raise StepNotFoundError(f"memory tier: holds step {snap.step}, not {step}")
+            spec = snap.layout.spec(tensor)
+            reg = normalize_region(region, spec.shape, tensor)
+            out = np.empty(tuple(s.stop - s.start for s in reg), dtype=dtypes.dtype(spec.dtype).storage)
+            for shard in snap.data:
+                if shard.tensor == tensor and (hit := shard.intersect(reg)) is not None:
+                    out[hit[1]] = snap.array(shard)[hit[0]]
+            return out
+        finally:
+            self.release(snap)
+
+    def _read_shard(self, manifest, tensor, shard, region):
+        return self.read(manifest.step, tensor, tuple(
+            slice(o + r.start, o + r.stop) for o, r in zip(shard.offsets, region)))
+
+    def _delete(self, step: int) -> None:
+        with self._cond:
+            self._wait_idle()
+            self._layout, self._arrays, self._step, self._manifest = None, {}, None, None
+
+    def load(self, step: int, *, verify: bool = True) -> Snapshot:
+        raise NotImplementedError("memory tier: use pin()/release() for a consistent view of RAM state")
+
+
+class _Update:
+    """Handle of one in-place update: ``u.array(shard)`` gives a writable array."""
+
+    def __init__(self, tier: MemoryTier) -> None:
+        self._tier = tier
+        self.scalars: Scalars | None = None
+
+    def array(self, shard: Shard) -> np.ndarray:
+        return self._tier._writable(shard)
+
+    def shards(self) -> list[Shard]:
+        return list(self._tier._arrays)
