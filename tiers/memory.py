@@ -42,6 +42,7 @@ class MemoryTier(Tier):
         self._source = "push"
         self._stale = False
         self._updating = False
+        self._pins_waiting = 0
         self._pins: dict[int, set[Shard]] = {}
         self._pin_ids = itertools.count()
         self._manifest: Manifest | None = None
@@ -72,7 +73,9 @@ class MemoryTier(Tier):
         snapshotted until a full state is written again.
         """
         with self._cond:
-            self._wait_idle()
+            # a waiting snapshot goes first: back-to-back updates must not starve it
+            while self._updating or self._pins_waiting:
+                self._cond.wait()
             if self._layout is None:
                 raise StepNotFoundError("memory tier: no state loaded; write a full snapshot first")
             self._updating = True
@@ -124,7 +127,12 @@ class MemoryTier(Tier):
     def pin(self) -> Snapshot:
         """A step-consistent snapshot of the current step; call ``release`` when it is persisted."""
         with self._cond:
-            self._wait_idle()
+            self._pins_waiting += 1
+            try:
+                self._wait_idle()
+            finally:
+                self._pins_waiting -= 1
+                self._cond.notify_all()
             if self._layout is None or self._step is None:
                 raise StepNotFoundError("memory tier: no state loaded")
             if self._stale:
