@@ -293,8 +293,6 @@ def demo(config_path, workdir, steps, local_every, object_seconds, object_url):
       flowcheck demo --workdir /tmp/fc-demo
       AWS_ENDPOINT_URL=http://127.0.0.1:5000 flowcheck demo --object-url s3://demo-bucket/ckpt
     """
-    import numpy as np
-
     from flowcheck.demo import loss_summary, run_demo
 
     cfg, res = run_demo(workdir, steps=steps, object_url=object_url, local_every=local_every,
@@ -329,7 +327,8 @@ def demo(config_path, workdir, steps, local_every, object_seconds, object_url):
     from flowcheck.torch import to_numpy
 
     loaded = load_file(out)
-    exact = all(np.array_equal(to_numpy(loaded[s.tensor]).view(np.uint8), a.view(np.uint8)) for s, a in res["final_state"].items())
+    exact = all(to_numpy(loaded[s.tensor]).tobytes() == a.tobytes() and loaded[s.tensor].shape == a.shape
+                for s, a in res["final_state"].items())
     click.echo(f"\n$ flowcheck export --step {last} --out {out}\nexported {_size(size)} from the {tier.name} tier; "
                f"safetensors.torch.load_file == live trainer state bit for bit: {exact}")
     click.echo(f"\nnext: flowcheck lineage --config {cfg_path}")

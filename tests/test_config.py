@@ -1,0 +1,73 @@
+"""Config dataclasses and YAML: defaults equal configs/hourly.yaml, bad input named precisely."""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+import yaml
+
+from flowcheck import config
+from flowcheck.errors import ConfigError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_hourly_yaml_equals_embedded_defaults():
+    with open(os.path.join(ROOT, "configs", "hourly.yaml")) as f:
+        raw = yaml.safe_load(f)
+    defaults = dataclasses.asdict(config.Config())
+    defaults.pop("node")
+    assert raw == defaults
+
+
+def test_hourly_policy_is_local_every_k_steps_and_object_hourly():
+    p = config.load(os.path.join(ROOT, "configs", "hourly.yaml")).policy
+    assert p.local.every_steps and p.local.keep_last == 3
+    assert p.object.every_seconds == 3600 and (p.object.keep_hourly, p.object.keep_daily) == (24, 7)
+
+
+def test_relative_paths_are_anchored_at_the_config_file(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("tiers:\n  local: {root: data}\n  object: {url: 'file://obj'}\n")
+    cfg = config.load(str(path))
+    assert cfg.tiers.local.root == str(tmp_path / "data")
+    assert cfg.tiers.object.url == "file://" + str(tmp_path / "obj")
+
+
+@pytest.mark.parametrize(
+    "text, field",
+    [
+        ("tiers: {local: {codec: brotli}}", "tiers.local.codec"),
+        ("tiers: {local: {chunk_mib: -1}}", "chunk_mib"),
+        ("policy: {local: {keep_last: 0}}", "keep_last"),
+        ("policy: {object: {every_seconds: soon}}", "policy.object.every_seconds"),
+        ("tiers: {lokal: {}}", "tiers.lokal"),
+        ("run: ../escape", "run"),
+        ("tiers: {object: {url: not-a-url}}", "tiers.object.url"),
+        ("tiers: {object: {part_mib: 1}}", "part_mib"),
+        ("tiers: [1, 2]", "tiers"),
+    ],
+)
+def test_bad_config_names_file_and_field(tmp_path, text, field):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as e:
+        config.load(str(path))
+    assert field in str(e.value) and "bad.yaml" in str(e.value)
+
+
+def test_invalid_yaml_and_missing_file_are_config_errors(tmp_path):
+    path = tmp_path / "broken.yaml"
+    path.write_text("tiers: {local: [unclosed\n")
+    with pytest.raises(ConfigError, match="broken.yaml"):
+        config.load(str(path))
+    with pytest.raises(ConfigError, match="does not exist"):
+        config.load(str(tmp_path / "nope.yaml"))
+
+
+def test_flowcheck_config_env_is_used(tmp_path, monkeypatch):
+    path = tmp_path / "c.yaml"
+    path.write_text("run: from-env\n")
+    monkeypatch.setenv("FLOWCHECK_CONFIG", str(path))
+    assert config.load().run == "from-env"

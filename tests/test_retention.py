@@ -1,0 +1,42 @@
+"""Retention rules as a pure function: keep-last-N, hourly and daily buckets, never the newest or unclassifiable."""
+from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone
+
+from flowcheck.config import TierPolicy
+from flowcheck.tiers.retention import StepInfo, plan
+
+T0 = datetime(2026, 11, 1, 0, 0, tzinfo=timezone.utc)
+
+
+def _every(minutes: int, count: int) -> list[StepInfo]:
+    return [StepInfo(i, T0 + timedelta(minutes=minutes * i)) for i in range(count)]
+
+
+def test_keep_last_n_deletes_the_rest():
+    p = plan(_every(1, 10), TierPolicy(keep_last=3))
+    assert sorted(p.keep) == [7, 8, 9] and p.delete == tuple(range(7))
+
+
+def test_hourly_and_daily_buckets_keep_newest_step_of_each():
+    steps = _every(20, 24 * 3 * 9)  # 9 days, three steps an hour
+    p = plan(steps, TierPolicy(keep_last=1, keep_hourly=24, keep_daily=7))
+    hourly = [k for k, why in p.keep.items() if why.startswith("hourly")]
+    daily = [k for k, why in p.keep.items() if why.startswith("daily")]
+    assert len(hourly) == 23 and len(daily) == 6  # the newest hour's/day's step is kept as "newest committed"
+    assert all(steps[k].created_at.minute == 40 for k in hourly)  # last step of each hour
+    assert len(p.keep) == 1 + 23 + 6
+
+
+def test_never_deletes_newest_or_unclassifiable():
+    steps = _every(1, 5) + [StepInfo(2_000, None)] + [StepInfo(3, None)]
+    steps = [s for s in steps if s.step != 3] + [StepInfo(3, None)]
+    p = plan(steps, TierPolicy(keep_last=1))
+    assert 2_000 in p.keep and 3 in p.keep
+    assert "unclassifiable" in p.keep[3]
+    assert set(p.delete) == {0, 1, 2, 4}
+
+
+def test_empty_tier_plans_nothing():
+    p = plan([], TierPolicy())
+    assert p.keep == {} and p.delete == ()
