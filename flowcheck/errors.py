@@ -35,6 +35,13 @@ class StepNotFoundError(FlowcheckError, FileNotFoundError):
     """
 
 
+class TensorNotFoundError(FlowcheckError, KeyError):
+    """A step has no tensor of that name."""
+
+    def __str__(self) -> str:  # KeyError would print the message in quotes
+        return str(self.args[0]) if self.args else ""
+
+
 class StepExistsError(FlowcheckError, FileExistsError):
     """A committed step with that number already exists and differs."""
 

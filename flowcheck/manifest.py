@@ -222,6 +222,9 @@ def signing_key(env_var: str = "FLOWCHECK_HMAC_KEY") -> bytes | None:
 
 
 # ---- parsing -------------------------------------------------------------
+_HEX_DIGITS = {"xxh3-128": 32, "sha256": 64}
+
+
 class _Reader:
     """Typed field access that names the file and field in every error."""
 
@@ -249,16 +252,26 @@ class _Reader:
         return tuple(value)
 
     def digest(self, raw: Mapping[str, Any], key: str, path: str, prefix: str) -> str:
-        value = self.get(raw, key, str, path, f"a '{prefix}:<hex>' digest")
-        if not value.startswith(prefix + ":") or not all(c in "0123456789abcdef" for c in value.split(":", 1)[1]):
-            raise self.fail(path, f"a '{prefix}:<hex>' digest", value)
+        width = _HEX_DIGITS[prefix]
+        expected = f"a '{prefix}:<{width} hex digits>' digest"
+        value = self.get(raw, key, str, path, expected)
+        hexpart = value[len(prefix) + 1:]
+        if not value.startswith(prefix + ":") or len(hexpart) != width or not all(c in "0123456789abcdef" for c in hexpart):
+            raise self.fail(path, expected, value)
         return value
+
+    def relpath(self, raw: Mapping[str, Any], key: str, path: str) -> str:
+        value = self.get(raw, key, str, path, "a relative path")
+        try:
+            return check_relpath(value, f"{self.where}: {path}")
+        except UnsafeNameError as e:
+            raise ManifestError(str(e)) from e
 
 
 def _piece(r: _Reader, raw: Any, path: str) -> Piece:
     if not isinstance(raw, Mapping):
         raise r.fail(path, "an object {path, key?, rows?}", raw)
-    p = check_relpath(r.get(raw, "path", str, path + ".path", "a relative path"), f"{r.where}: {path}.path")
+    p = r.relpath(raw, "path", path + ".path")
     key = raw.get("key")
     if key is not None and not isinstance(key, str):
         raise r.fail(path + ".key", "a string", key)
@@ -306,7 +319,7 @@ def parse(raw_bytes: bytes, where: str, *, verify_integrity: bool = True) -> Man
     r = _Reader(where)
     try:
         raw = json.loads(raw_bytes)
-    except (ValueError, UnicodeDecodeError) as e:
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise ManifestError(f"{where}: not valid JSON ({e}); the file is damaged or not a flowcheck manifest") from e
     if not isinstance(raw, dict):
         raise r.fail("<root>", "a JSON object", type(raw).__name__)
@@ -320,7 +333,9 @@ def parse(raw_bytes: bytes, where: str, *, verify_integrity: bool = True) -> Man
     source = r.get(prod, "source", str, "producer.source", f"one of {SOURCES}")
     if source not in SOURCES:
         raise r.fail("producer.source", f"one of {SOURCES}", source)
-    parent_raw = raw.get("parent")
+    if "parent" not in raw:
+        raise r.fail("parent", "an object {step, manifest_digest} or null", "<missing>")
+    parent_raw = raw["parent"]
     parent = None
     if parent_raw is not None:
         parent = ParentRef(
@@ -328,17 +343,22 @@ def parse(raw_bytes: bytes, where: str, *, verify_integrity: bool = True) -> Man
             r.digest(parent_raw, "manifest_digest", "parent.manifest_digest", "sha256"),
         )
     sl = r.get(raw, "source_layout", dict, "source_layout", "an object {tp, pp, dp, vpp}")
-    try:
-        layout = ParallelLayout(**{k: sl[k] for k in ("tp", "pp", "dp") if k in sl}, vpp=sl.get("vpp", 1))
-    except Exception as e:
-        raise r.fail("source_layout", "positive integers tp, pp, dp, vpp", sl) from e
+    dims = {k: r.get(sl, k, int, f"source_layout.{k}", "a positive integer") for k in ("tp", "pp", "dp", "vpp")}
+    if any(v < 1 for v in dims.values()):
+        raise r.fail("source_layout", "positive integers tp, pp, dp, vpp", sl)
+    layout = ParallelLayout(**dims)
     tensors = {name: _tensor(r, name, t) for name, t in r.get(raw, "tensors", dict, "tensors", "an object").items()}
     files = []
     for i, f in enumerate(r.get(raw, "files", list, "files", "a list")):
-        p = check_relpath(r.get(f, "path", str, f"files[{i}].path", "a relative path"), f"{where}: files[{i}].path")
+        p = r.relpath(f, "path", f"files[{i}].path")
         size = r.get(f, "bytes", int, f"files[{i}].bytes", "an integer")
         files.append(FileEntry(p, size, r.digest(f, "digest", f"files[{i}].digest", "xxh3-128")))
-    buckets = tuple(tuple(b) for b in raw.get("buckets", []))
+    buckets_raw = raw.get("buckets", [])
+    if not isinstance(buckets_raw, list) or not all(
+        isinstance(b, list) and all(isinstance(n, str) for n in b) for b in buckets_raw
+    ):
+        raise r.fail("buckets", "a list of lists of tensor names", buckets_raw)
+    buckets = tuple(tuple(b) for b in buckets_raw)
     signature = raw.get("signature")
     if signature is not None and not isinstance(signature, dict):
         raise r.fail("signature", "an object {alg, value}", signature)
@@ -376,6 +396,11 @@ def parse(raw_bytes: bytes, where: str, *, verify_integrity: bool = True) -> Man
             raise ManifestError(
                 f"{where}: field 'integrity': expected the sha256 of the manifest body, found {stored!r}; "
                 "the manifest was modified after it was written"
+            )
+        if raw_bytes.rstrip(b"\n") != canonical_json(raw):
+            raise ManifestError(
+                f"{where}: the file is not in canonical form (sorted keys, no spaces, shortest numbers): "
+                "it was modified after it was written"
             )
         if m.layout().digest() != m.layout_digest:
             raise r.fail("layout_digest", m.layout().digest(), m.layout_digest)

@@ -17,7 +17,7 @@ import numpy as np
 
 from flowcheck import __version__, dtypes
 from flowcheck.digest import data_digest
-from flowcheck.errors import IntegrityError, ManifestError, StepNotFoundError
+from flowcheck.errors import FlowcheckError, IntegrityError, ManifestError, StepNotFoundError, TensorNotFoundError
 from flowcheck.manifest import (
     FileEntry,
     Manifest,
@@ -205,7 +205,7 @@ class Tier(ABC):
 
     def write(self, snapshot: Snapshot, parent: ParentRef | None = None) -> Manifest:
         if snapshot.run != self.run:
-            raise ValueError(f"snapshot of run {snapshot.run!r} written to a tier of run {self.run!r}")
+            raise FlowcheckError(f"{self.name} tier: expected a snapshot of run {self.run!r}, found run {snapshot.run!r}")
         m = self._write(snapshot, parent)
         log.info("%s tier: committed %s step %d (%d bytes)", self.name, self.run, m.step, m.nbytes)
         return m
@@ -214,7 +214,7 @@ class Tier(ABC):
         """A region of a tensor in the global index space, assembled from the shards that cover it."""
         m = manifest or self.manifest(step)
         if tensor not in m.tensors:
-            raise KeyError(f"step {step} has no tensor {tensor!r}")
+            raise TensorNotFoundError(f"step {step} has no tensor {tensor!r}; see `flowcheck show --step {step} --json`")
         t = m.tensors[tensor]
         reg = normalize_region(region, t.global_shape, tensor)
         out = np.empty(tuple(s.stop - s.start for s in reg), dtype=dtypes.dtype(t.dtype).storage)
@@ -257,10 +257,12 @@ class Tier(ABC):
 
     def delete(self, step: int) -> None:
         """Delete a committed step, leaving a pruning record so audit knows the gap is deliberate."""
+        if step not in self.steps():
+            raise StepNotFoundError(f"{self.name} tier: step {step} is not committed; nothing to delete")
         try:
-            digest = self.manifest(step).digest()
-        except (ManifestError, StepNotFoundError):
-            digest = None
+            digest = self.manifest(step, check_signature=False).digest()
+        except FlowcheckError:
+            digest = None  # unreadable manifest: the record still says the step went on purpose
         import json
 
         self._put_record(f"pruned/{step_dir(step)}.json", json.dumps({"step": step, "manifest_digest": digest}).encode())
@@ -295,7 +297,7 @@ class Tier(ABC):
         """Check one step: manifest, every file's size and digest, every shard's data digest."""
         try:
             m = self.manifest(step)
-        except (ManifestError, StepNotFoundError) as e:
+        except FlowcheckError as e:
             return [Problem(self.name, step, str(e), "manifest.json")]
         problems = self._verify_files(m)
         if data and not problems:

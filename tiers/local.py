@@ -166,7 +166,12 @@ class LocalTier(Tier):
 
         if len(shard.location) != 1:
             raise FormatError(f"local tier step {manifest.step} {tensor}: expected one zarr array per shard")
-        path = os.path.join(self.root, shard.location[0].path)
+        rel = shard.location[0].path
+        path = os.path.join(self.root, rel)
+        for f in manifest.files:
+            # zarr reads a missing chunk as fill values: a lost file must not look like zeros
+            if f.path.startswith(rel + "/c") and not os.path.exists(os.path.join(self.root, f.path)):
+                raise IntegrityError(f"local tier: {os.path.join(self.root, f.path)} is missing (listed in the manifest)")
         try:
             arr = zarr.open_array(path, mode="r")
             if tuple(arr.shape) != shard.shape:

@@ -9,7 +9,7 @@ Reads fetch the header, then only the byte ranges of the rows asked for.
 """
 from __future__ import annotations
 
-import json
+import dataclasses
 import logging
 import math
 import os
@@ -135,7 +135,9 @@ class ObjectTier(Tier):
         finally:
             shutil.rmtree(staging, ignore_errors=True)
         m = make_manifest(snapshot, node=self.node, parent=parent, digests=digests, locations=locations, files=files)
-        m = self._sign(m)
+        m = self._sign(dataclasses.replace(m, created_at=identity.created_at))  # the identity the files name
+        if m.digest() != identity.digest():
+            raise IntegrityError(f"object tier {self.url}: step {m.step}: manifest identity changed while writing")
         self._commit_manifest(m)
         self._publish_latest(snapshot.step)
         return m
@@ -174,24 +176,36 @@ class ObjectTier(Tier):
         return [f for f in files if f] or [[]]
 
     def _stage_and_upload(self, snapshot, plan, staging, manifest_id, digests):
+        """Stage file i+1 while file i uploads; staging holds at most two files at a time."""
+        from concurrent.futures import ThreadPoolExecutor
+
         from tqdm.auto import tqdm
 
         sd = step_dir(snapshot.step)
+        names = [f"shard-{i:05d}-of-{len(plan):05d}.safetensors" for i in range(len(plan))]
+        meta = {"run": snapshot.run, "step": str(snapshot.step), "manifest_id": manifest_id, "format": "flowcheck-v1"}
+
+        def stage(i: int) -> tuple[str, int, str, int]:
+            local = os.path.join(staging, names[i])
+            entries = [self._entry(snapshot, p) for p in plan[i]]
+            size, digest = st.write(local, entries, meta)
+            return local, size, digest, size - sum(e.nbytes for e in entries)
+
         files, locations = [], {s: [] for s in snapshot.data}
-        total = snapshot.nbytes
-        with tqdm(total=total, unit="B", unit_scale=True, desc=f"upload {sd}", disable=not self.progress) as bar:
+        with ThreadPoolExecutor(1, "fc-stage") as stager, tqdm(
+            total=snapshot.nbytes, unit="B", unit_scale=True, desc=f"upload {sd}", disable=not self.progress
+        ) as bar:
+            ahead = stager.submit(stage, 0)
             for i, planned in enumerate(plan):
-                name = f"shard-{i:05d}-of-{len(plan):05d}.safetensors"
-                local = os.path.join(staging, name)
-                entries = [self._entry(snapshot, p) for p in planned]
-                meta = {"run": snapshot.run, "step": str(snapshot.step), "manifest_id": manifest_id, "format": "flowcheck-v1"}
-                size, digest = st.write(local, entries, meta)
-                bar.total += size - sum(e.nbytes for e in entries)  # headers count too
-                self._upload(local, f"{sd}/{name}", size, bar)
-                os.unlink(local)  # staging holds at most one file at a time
-                files.append(FileEntry(f"{sd}/{name}", size, digest))
+                local, size, digest, header_bytes = ahead.result()
+                if i + 1 < len(plan):
+                    ahead = stager.submit(stage, i + 1)
+                bar.total += header_bytes
+                self._upload(local, f"{sd}/{names[i]}", size, bar)
+                os.unlink(local)
+                files.append(FileEntry(f"{sd}/{names[i]}", size, digest))
                 for p in planned:
-                    locations[p.shard].append(Piece(f"{sd}/{name}", p.key, p.rows))
+                    locations[p.shard].append(Piece(f"{sd}/{names[i]}", p.key, p.rows))
         return files, {s: tuple(v) for s, v in locations.items()}
 
     def _entry(self, snapshot: Snapshot, p: _Planned) -> st.Entry:
@@ -285,9 +299,9 @@ class ObjectTier(Tier):
         lo = region[0].start if region else 0
         hi = region[0].stop if region else 1
         r0, r1 = max(lo, rows[0]), min(hi, rows[1])
-        if r0 >= r1 and shape:
-            return
         row_bytes = (info.end - info.begin) // max(1, rows[1] - rows[0])
+        if (r0 >= r1 and shape) or row_bytes == 0:
+            return  # nothing to fetch (an empty range is refused by S3)
         start = self.header(piece.path).data_start + info.begin + (r0 - rows[0]) * row_bytes
         raw = self._call(f"reading {piece.path}", self.fs.cat_file, self._p(piece.path),
                          start=start, end=start + (r1 - r0) * row_bytes)

@@ -103,11 +103,13 @@ def parse_header(read: Callable[[int, int], bytes], file_size: int, where: str) 
     raw = read(8, 8 + n)
     try:
         obj = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise FormatError(f"{where}: header is not valid JSON ({e})") from e
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise FormatError(f"{where}: header is not valid JSON ({type(e).__name__})") from e
     if not isinstance(obj, dict):
         raise FormatError(f"{where}: header: expected a JSON object, found {type(obj).__name__}")
-    meta = obj.pop("__metadata__", {}) or {}
+    meta = obj.pop("__metadata__", {})
+    if meta is None:
+        meta = {}
     if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
         raise FormatError(f"{where}: __metadata__: expected a string-to-string map")
     data_size = file_size - 8 - n
@@ -122,11 +124,14 @@ def parse_header(read: Callable[[int, int], bytes], file_size: int, where: str) 
 def _tensor_info(key: str, info: object, data_size: int, where: str) -> TensorInfo:
     if not isinstance(info, dict):
         raise FormatError(f"{where}: tensor {key!r}: expected an object, found {info!r:.60}")
-    dt = dtypes.from_safetensors(str(info.get("dtype")))
+    try:
+        dt = dtypes.from_safetensors(str(info.get("dtype")))
+    except FormatError as e:
+        raise FormatError(f"{where}: tensor {key!r}: {e}") from e
     shape, offs = info.get("shape"), info.get("data_offsets")
-    if not (isinstance(shape, list) and all(isinstance(s, int) and s >= 0 for s in shape)):
+    if not (isinstance(shape, list) and all(_count(s) for s in shape)):
         raise FormatError(f"{where}: tensor {key!r}: shape: expected a list of non-negative integers, found {shape!r:.60}")
-    if not (isinstance(offs, list) and len(offs) == 2 and all(isinstance(o, int) for o in offs) and 0 <= offs[0] <= offs[1]):
+    if not (isinstance(offs, list) and len(offs) == 2 and all(_count(o) for o in offs) and offs[0] <= offs[1]):
         raise FormatError(f"{where}: tensor {key!r}: data_offsets: expected [begin, end], found {offs!r:.60}")
     if offs[1] > data_size:
         raise FormatError(f"{where}: tensor {key!r}: data_offsets end {offs[1]} beyond the data section ({data_size} bytes); file truncated?")
@@ -134,3 +139,8 @@ def _tensor_info(key: str, info: object, data_size: int, where: str) -> TensorIn
     if offs[1] - offs[0] != want:
         raise FormatError(f"{where}: tensor {key!r}: {offs[1] - offs[0]} bytes for {dt.name}{shape} (expected {want})")
     return TensorInfo(dt.name, tuple(shape), offs[0], offs[1])
+
+
+def _count(v: object) -> bool:
+    """A non-negative JSON integer (JSON booleans are not numbers here)."""
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0

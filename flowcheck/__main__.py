@@ -1,0 +1,3 @@
+from flowcheck.cli import main
+
+main()

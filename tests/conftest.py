@@ -1,0 +1,97 @@
+"""Shared fixtures: a real moto S3 server on loopback, AWS environment, fresh buckets."""
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import uuid
+
+import pytest
+
+from tests.helpers import make_snapshot
+
+AWS_TEST_ENV = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _moto_server_command() -> str:
+    beside = os.path.join(os.path.dirname(sys.executable), "moto_server")
+    found = beside if os.path.exists(beside) else shutil.which("moto_server")
+    if not found:
+        pytest.skip("moto_server is not installed: pip install 'moto[server]'")
+    return found
+
+
+def _answers_http(url: str) -> bool:
+    try:
+        urllib.request.urlopen(url, timeout=1).close()
+        return True
+    except urllib.error.HTTPError:
+        return True  # any HTTP answer means the server is up
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="session")
+def moto_server(tmp_path_factory):
+    """A moto S3 server in its own process on 127.0.0.1; yields its endpoint URL."""
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = open(tmp_path_factory.mktemp("moto") / "moto.log", "wb")
+    proc = subprocess.Popen([_moto_server_command(), "-H", "127.0.0.1", "-p", str(port)], stdout=log, stderr=log)
+    try:
+        deadline = time.monotonic() + 30
+        while not _answers_http(url):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"moto_server did not start on {url} (exit code {proc.poll()}); see {log.name}")
+            time.sleep(0.1)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+@pytest.fixture
+def s3_env(moto_server, monkeypatch):
+    """Point the AWS chain at the moto server for one test (undone afterwards)."""
+    monkeypatch.setenv("AWS_ENDPOINT_URL", moto_server)
+    monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
+    monkeypatch.delenv("AWS_REGION", raising=False)
+    monkeypatch.delenv("AWS_PROFILE", raising=False)
+    for key, value in AWS_TEST_ENV.items():
+        monkeypatch.setenv(key, value)
+    return moto_server
+
+
+@pytest.fixture
+def s3_bucket(s3_env):
+    """A fresh, uniquely named bucket on the moto server; yields ``s3://<bucket>/prefix``."""
+    import boto3
+
+    name = f"fc-test-{uuid.uuid4().hex[:16]}"
+    boto3.client("s3", endpoint_url=s3_env, region_name="us-east-1").create_bucket(Bucket=name)
+    yield f"s3://{name}/prefix"
+
+
+@pytest.fixture
+def snapshot():
+    return make_snapshot()
