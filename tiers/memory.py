@@ -201,7 +201,16 @@ class MemoryTier(Tier):
             self._layout, self._arrays, self._step, self._manifest = None, {}, None, None
 
     def load(self, step: int, *, verify: bool = True) -> Snapshot:
-        raise NotImplementedError("memory tier: use pin()/release() for a consistent view of RAM state")
+        """A private copy of the current step (for promotion out of RAM); pin() avoids the copy."""
+        manifest = self.manifest(step)
+        snap = self.pin()
+        try:
+            if snap.step != step:
+                raise StepNotFoundError(f"memory tier: holds step {snap.step}, not {step}")
+            data = {s: np.array(snap.array(s), copy=True) for s in snap.data}
+        finally:
+            self.release(snap)
+        return Snapshot(self.run, step, snap.layout, data, snap.scalars, source=snap.source, origin=manifest)
 
 
 class _Update:

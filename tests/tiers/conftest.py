@@ -9,11 +9,17 @@ import pytest
 
 from flowcheck.config import LocalConfig, ObjectConfig
 
-TIER_KINDS = ["local", "object-file", pytest.param("object-s3", marks=pytest.mark.s3)]
+TIER_KINDS = ["memory", "local", "object-file", pytest.param("object-s3", marks=pytest.mark.s3)]
 
 
 def _tier_factory(kind: str, request, base):
     """A function run -> Tier over one storage location (calling it again reopens the same data)."""
+    if kind == "memory":
+        from flowcheck.config import MemoryConfig
+        from flowcheck.tiers.memory import MemoryTier
+
+        tiers = {}  # RAM cannot be reopened: the same run gives the same tier
+        return lambda run: tiers.setdefault(run, MemoryTier(MemoryConfig(), run))
     if kind == "local":
         from flowcheck.tiers.local import LocalTier
 
@@ -54,3 +60,10 @@ def local_tier(tmp_path):
     from flowcheck.tiers.local import LocalTier
 
     return LocalTier(LocalConfig(root=str(tmp_path / "other-local")), "r1")
+
+
+@pytest.fixture
+def persistent(tier_kind) -> None:
+    """For behaviour only a tier that keeps many steps has (RAM holds just the latest state)."""
+    if tier_kind == "memory":
+        pytest.skip("the memory tier holds only the latest state: no history, pruning records or step conflicts")

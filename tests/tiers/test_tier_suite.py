@@ -59,7 +59,7 @@ def test_load_gives_back_scalars_and_layout(tier, snapshot):
     assert set(loaded.shards()) == set(snapshot.shards())
 
 
-def test_steps_lists_only_committed_steps(tier, make_tier):
+def test_steps_lists_only_committed_steps(tier, make_tier, persistent):
     assert tier.steps() == []
     for step in (30, 10, 20):
         tier.write(make_snapshot(step=step))
@@ -79,7 +79,7 @@ def test_failed_write_does_not_block_a_retry(tier):
     assert_step_intact(tier, big_snapshot(40))
 
 
-def test_latest_moves_only_after_commit(tier):
+def test_latest_moves_only_after_commit(tier, persistent):
     assert tier.latest() is None
     tier.write(make_snapshot(step=10))
     assert tier.latest() == 10
@@ -113,14 +113,14 @@ def test_promotion_out_of_the_tier_keeps_manifest_digest(tier, local_tier, snaps
     assert local_tier.verify(10) == []
 
 
-def test_writing_a_step_again_with_different_content_raises_step_exists(tier, snapshot):
+def test_writing_a_step_again_with_different_content_raises_step_exists(tier, snapshot, persistent):
     tier.write(snapshot)
     with pytest.raises(StepExistsError):
         tier.write(make_snapshot(step=10, seed=1))
     assert_step_intact(tier, snapshot)  # the committed step is untouched
 
 
-def test_promoting_different_content_onto_a_committed_step_raises_step_exists(tier, local_tier, snapshot):
+def test_promoting_different_content_onto_a_committed_step_raises_step_exists(tier, local_tier, snapshot, persistent):
     tier.write(snapshot)
     local_tier.write(make_snapshot(step=10, seed=1))
     with pytest.raises(StepExistsError):
@@ -138,7 +138,7 @@ def test_repromoting_identical_content_is_a_no_op(tier, local_tier, snapshot):
     assert tier.steps() == [10]
 
 
-def test_delete_removes_the_step_and_leaves_a_pruning_record(tier, make_tier):
+def test_delete_removes_the_step_and_leaves_a_pruning_record(tier, make_tier, persistent):
     tier.write(make_snapshot(step=10))
     tier.write(make_snapshot(step=20))
     digest = tier.manifest(10).digest()
