@@ -5,3 +5,6 @@ def pwrite_all(fd: int, buffer: Buffer, offset: int = 0, flush_every: int = 0) -
 
 def copy_into(dst: Buffer, src: Buffer, threads: int = 4) -> None:
     """Copy src into dst (same byte size) with up to `threads` threads."""
+
+def sync_filesystem(fd: int) -> None:
+    """syncfs(fd): make every dirty page and inode of fd's filesystem durable."""

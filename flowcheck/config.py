@@ -72,9 +72,12 @@ class LocalConfig:
     codec: str = "none"  # none | lz4 (blosc lz4 + bitshuffle) | zstd
     chunk_mib: int = 16  # inner chunk size inside each shard file (the CRC32C unit)
     workers: int = 4  # shards written in parallel
-    fsync: bool = True
+    fsync: bool = True  # make a step durable before its manifest commits it
+    sync_mode: str = "syncfs"  # syncfs: one flush of the filesystem per step | fsync: one per file and directory
 
     def __post_init__(self) -> None:
+        if self.sync_mode not in ("syncfs", "fsync"):
+            raise ConfigError(f"tiers.local.sync_mode: expected 'syncfs' or 'fsync', found {self.sync_mode!r}")
         if self.codec not in CODECS:
             raise ConfigError(f"tiers.local.codec: expected one of {CODECS}, found {self.codec!r}")
         _positive("tiers.local", "chunk_mib", self.chunk_mib)

@@ -39,9 +39,22 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def fsync_tree_dirs(root: str) -> None:
-    """fsync every directory under root (bottom-up), so new entries are durable."""
-    for dirpath, _dirs, _files in os.walk(root, topdown=False):
+def make_tree_durable(root: str, mode: str) -> None:
+    """Make every file and directory under root durable: one syncfs, or an fsync per file and directory."""
+    if mode == "syncfs":
+        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            _native.sync_filesystem(fd)
+        finally:
+            os.close(fd)
+        return
+    for dirpath, _dirs, files in os.walk(root, topdown=False):
+        for name in files:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
         fsync_dir(dirpath)
 
 
@@ -71,11 +84,14 @@ def replace_file(path: str, data: bytes, *, fsync: bool = True) -> None:
 
 
 class DurableStore(LocalStore):
-    """A zarr LocalStore whose writes are fsync'd and recorded as (key -> bytes, digest)."""
+    """A zarr LocalStore that records what it wrote as (key -> bytes, digest) and starts write-back early.
 
-    def __init__(self, root: str, *, fsync: bool = True) -> None:
+    Files are not fsync'd one by one: the tier makes the whole step durable
+    with ``make_tree_durable`` before its manifest exists.
+    """
+
+    def __init__(self, root: str) -> None:
         super().__init__(root)
-        self.fsync = fsync
         self.written: dict[str, tuple[int, str]] = {}
         self._lock = threading.Lock()
 
@@ -83,10 +99,18 @@ class DurableStore(LocalStore):
         path = os.path.join(str(self.root), key)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         view = value.as_buffer_like()
-        write_file(path, view, fsync=self.fsync)
+        write_file(path, view, fsync=False)
         digest = data_digest(view)
         with self._lock:
             self.written[key] = (memoryview(view).nbytes, digest)
+
+    def put_shard(self, key: str, arr, chunk_rows: int) -> None:
+        """Write a whole uncompressed shard file straight from ``arr`` (see zarr_shard)."""
+        from flowcheck.tiers.zarr_shard import write_shard
+
+        size, digest = write_shard(os.path.join(str(self.root), key), arr, chunk_rows)
+        with self._lock:
+            self.written[key] = (size, digest)
 
     async def set(self, key: str, value: Buffer) -> None:
         if not self._is_open:

@@ -66,4 +66,4 @@ def local_tier(tmp_path):
 def persistent(tier_kind) -> None:
     """For behaviour only a tier that keeps many steps has (RAM holds just the latest state)."""
     if tier_kind == "memory":
-        pytest.skip("the memory tier holds only the latest state: no history, pruning records or step conflicts")
+        pytest.skip("the memory tier holds only the latest state: no stored files, history, pruning records or step conflicts")

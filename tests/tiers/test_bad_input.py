@@ -123,7 +123,7 @@ def test_promoting_a_damaged_step_commits_nothing(tier, tmp_path):
 
 
 # ---- manifests -----------------------------------------------------------------------------------
-def test_a_manifest_with_a_modified_shard_digest_is_refused(tier, two_steps):
+def test_a_manifest_with_a_modified_shard_digest_is_refused(tier, two_steps, persistent):
     def edit(raw):
         shard = raw["tensors"][BIG]["shards"][0]
         shard["digest"] = other_digest(shard["digest"])
@@ -137,7 +137,7 @@ def test_a_manifest_with_a_modified_shard_digest_is_refused(tier, two_steps):
     assert_other_step_intact(tier, two_steps)
 
 
-def test_a_resealed_manifest_with_a_wrong_shard_digest_fails_the_data_check(tier, two_steps):
+def test_a_resealed_manifest_with_a_wrong_shard_digest_fails_the_data_check(tier, two_steps, persistent):
     def edit(raw):
         shard = raw["tensors"]["small"]["shards"][0]
         shard["digest"] = other_digest(shard["digest"])
@@ -150,7 +150,7 @@ def test_a_resealed_manifest_with_a_wrong_shard_digest_fails_the_data_check(tier
     assert_other_step_intact(tier, two_steps)
 
 
-def test_verify_reports_a_manifest_naming_a_path_outside_the_root(tier, two_steps):
+def test_verify_reports_a_manifest_naming_a_path_outside_the_root(tier, two_steps, persistent):
     def edit(raw):
         raw["tensors"]["small"]["shards"][0]["location"][0]["path"] = "../../etc/x"
 
