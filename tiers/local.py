@@ -27,6 +27,7 @@ from flowcheck.digest import file_digest
 from flowcheck.errors import FormatError, IntegrityError, StepExistsError, StepNotFoundError, TierError
 from flowcheck.manifest import FileEntry, Manifest, ParentRef, Piece, ShardEntry
 from flowcheck.state import Shard, Snapshot
+from flowcheck.tiers import zarr_shard
 from flowcheck.tiers.base import Problem, Tier, make_manifest, parse_step_dir, shard_digests, step_dir
 from flowcheck.tiers.durable import DurableStore, fsync_dir, make_tree_durable, replace_file
 
@@ -177,12 +178,26 @@ class LocalTier(Tier):
             if f.path.startswith(rel + "/c") and not os.path.exists(os.path.join(self.root, f.path)):
                 raise IntegrityError(f"local tier: {os.path.join(self.root, f.path)} is missing (listed in the manifest)")
         try:
+            with open(os.path.join(path, "zarr.json"), "rb") as f:
+                meta = json.loads(f.read())
+        except FileNotFoundError:
+            raise IntegrityError(f"local tier: {path}/zarr.json is missing") from None
+        except ValueError as e:
+            raise IntegrityError(f"local tier: {path}/zarr.json is not valid JSON ({e})") from e
+        if tuple(meta.get("shape", ())) != shard.shape:
+            raise FormatError(f"{path}: zarr array shape {meta.get('shape')} != manifest shard shape {list(shard.shape)}")
+        chunk = zarr_shard.plain_layout(meta)
+        dt = np.dtype(dtypes.dtype(manifest.tensors[tensor].dtype).storage)
+        try:
+            whole_rows = all(r.start == 0 and r.stop == n for r, n in zip(region[1:], shard.shape[1:]))
+            if chunk is not None and whole_rows and meta.get("data_type") == dt.name:
+                # hot path: uncompressed single-shard array, read the rows asked for directly
+                key = os.path.join(path, "c", *(["0"] * len(shard.shape)))
+                if not os.path.exists(key):
+                    return np.zeros(tuple(r.stop - r.start for r in region), dt)  # zarr stored no chunk: all fill
+                return zarr_shard.read_rows(key, shard.shape, dt, chunk[0], region[0].start, region[0].stop)
             arr = zarr.open_array(path, mode="r")
-            if tuple(arr.shape) != shard.shape:
-                raise FormatError(f"{path}: zarr array shape {arr.shape} != manifest shard shape {list(shard.shape)}")
             return np.asarray(arr[region]) if shard.shape else np.asarray(arr[...])
-        except (FormatError, FileNotFoundError):
-            raise
         except Exception as e:  # zarr raises plain ValueError/RuntimeError on a bad CRC or metadata
             raise IntegrityError(f"local tier: cannot read {path}: {e}") from e
 

@@ -54,3 +54,63 @@ def write_shard(path: str, arr: np.ndarray, chunk_rows: int) -> tuple[int, str]:
     finally:
         os.close(fd)
     return offset, hasher.hexdigest()
+
+
+_PLAIN = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]
+_MISSING = np.uint64(2**64 - 1)
+
+
+def plain_layout(meta: dict) -> tuple[int, ...] | None:
+    """The inner chunk shape if a zarr.json describes the layout ``write_shard`` produces, else None."""
+    try:
+        (codec,) = meta["codecs"]
+        conf = codec["configuration"]
+        shard_shape = meta["chunk_grid"]["configuration"]["chunk_shape"]
+        shape = meta["shape"]
+        chunk = conf["chunk_shape"]
+        plain = (
+            codec["name"] == "sharding_indexed" and conf["codecs"] == _PLAIN and conf["index_codecs"] == _PLAIN
+            and conf.get("index_location", "end") == "end" and len(shape) >= 1
+            and all(s >= n for s, n in zip(shard_shape, shape)) and list(chunk[1:]) == list(shape[1:])
+        )
+    except (KeyError, TypeError, ValueError):
+        return None
+    return tuple(chunk) if plain else None
+
+
+def read_rows(path: str, shape: tuple[int, ...], dtype: np.dtype, chunk_rows: int, start: int, stop: int) -> np.ndarray:
+    """Rows [start, stop) of a single-shard array in ``write_shard``'s layout, every chunk's CRC32C checked.
+
+    Reads the index, then only the chunks covering the rows, straight into the result.
+    """
+    row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize
+    n_chunks = -(-shape[0] // chunk_rows)
+    out = np.zeros((stop - start, *shape[1:]), dtype=dtype)  # chunks zarr did not store stay fill (0)
+    flat = out.reshape(-1).view(np.uint8)
+    with open(path, "rb") as f:
+        index_bytes = 16 * n_chunks
+        f.seek(-(index_bytes + 4), os.SEEK_END)
+        raw = f.read(index_bytes + 4)
+        if len(raw) != index_bytes + 4 or google_crc32c.value(raw[:-4]) != int.from_bytes(raw[-4:], "little"):
+            raise ValueError(f"{path}: shard index is truncated or fails its CRC32C")
+        index = np.frombuffer(raw[:-4], dtype="<u8").reshape(n_chunks, 2)
+        for c in range(start // chunk_rows, -(-stop // chunk_rows)):
+            offset, nbytes = index[c]
+            if offset == _MISSING:
+                continue  # an all-fill chunk zarr chose not to store
+            lo, hi = max(start, c * chunk_rows), min(stop, (c + 1) * chunk_rows)
+            if nbytes != chunk_rows * row_bytes + 4:
+                raise ValueError(f"{path}: chunk {c} is {nbytes} bytes in the index, expected {chunk_rows * row_bytes + 4}")
+            f.seek(int(offset))
+            whole = lo == c * chunk_rows and hi == (c + 1) * chunk_rows
+            # a chunk wholly inside the rows asked for is read straight into the result
+            body = flat[(lo - start) * row_bytes:(hi - start) * row_bytes] if whole else np.empty(chunk_rows * row_bytes, np.uint8)
+            tail = bytearray(4)
+            if f.readinto(body) != body.nbytes or f.readinto(tail) != 4:
+                raise ValueError(f"{path}: chunk {c} is truncated")
+            if google_crc32c.value(body) != int.from_bytes(tail, "little"):
+                raise ValueError(f"{path}: chunk {c} fails its CRC32C")
+            if not whole:
+                first = (lo - c * chunk_rows) * row_bytes
+                flat[(lo - start) * row_bytes:(hi - start) * row_bytes] = body[first:first + (hi - lo) * row_bytes]
+    return out
