@@ -36,6 +36,13 @@ log = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
 
 
+def aws_endpoint_region(config: ObjectConfig) -> tuple[str | None, str | None]:
+    """The S3 endpoint and region: the config's, else the standard AWS environment's."""
+    endpoint = config.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    region = config.region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+    return endpoint, region
+
+
 def filesystem(config: ObjectConfig):
     """(fsspec filesystem, root path) for the configured URL; S3 follows the AWS environment."""
     import fsspec
@@ -47,10 +54,9 @@ def filesystem(config: ObjectConfig):
             import s3fs  # noqa: F401
         except ImportError as e:
             raise TierError("tiers.object.url is s3:// but s3fs is not installed: pip install 'flowcheck[s3]'") from e
-        endpoint = config.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        endpoint, region = aws_endpoint_region(config)
         if endpoint:
             options.setdefault("endpoint_url", endpoint)
-        region = config.region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
         if region:
             options.setdefault("client_kwargs", {}).setdefault("region_name", region)
         # fail in seconds, not minutes, when the endpoint is down; s3fs retries on top of this
@@ -78,6 +84,7 @@ class ObjectTier(Tier):
         super().__init__(run, **kw)
         self.config = config
         self.fs, base = filesystem(config)
+        self._endpoint, self._region = aws_endpoint_region(config)
         self.protocol = self.fs.protocol if isinstance(self.fs.protocol, str) else self.fs.protocol[0]
         self.root = f"{base}/{run}"
         self.staging_dir = staging_dir
@@ -231,12 +238,30 @@ class ObjectTier(Tier):
             fsync_dir(os.path.dirname(remote))
             bar.update(size)
             return
+        if self.protocol in ("s3", "s3a") and self._boto3_client() is not None:
+            from flowcheck.tiers.s3_upload import upload_file
+
+            self._call(f"uploading {rel}", upload_file, self._boto3_client(), local, remote,
+                       part_bytes=self.config.part_mib << 20, concurrency=self.config.upload_workers, progress=bar.update)
+            return
         cb = _bar_callback(bar)
         kwargs = {}
         if self.protocol in ("s3", "s3a"):
             kwargs = {"chunksize": self.config.part_mib << 20, "max_concurrency": self.config.upload_workers}
         self._call(f"uploading {rel}", self.fs.put_file, local, remote, callback=cb, **kwargs)
         bar.update(max(0, size - cb.seen))
+
+    def _boto3_client(self):
+        """boto3 for S3 uploads when installed (the s3 extra); None falls back to s3fs put_file."""
+        if not hasattr(self, "_boto3"):
+            try:
+                from flowcheck.tiers.s3_upload import s3_client
+
+                opts = self.config.storage_options
+                self._boto3 = s3_client(opts.get("endpoint_url") or self._endpoint, self._region, opts)
+            except ImportError:
+                self._boto3 = None
+        return self._boto3
 
     def _commit_manifest(self, m: Manifest) -> None:
         rel = f"{step_dir(m.step)}/{MANIFEST}"
