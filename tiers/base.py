@@ -148,6 +148,7 @@ class Tier(ABC):
         self.node = node
         self.signing_key = signing_key
         self.require_signature = require_signature
+        self._manifest_cache: dict[int, tuple[object, Manifest]] = {}
 
     # ---- primitives ------------------------------------------------------
     @abstractmethod
@@ -190,10 +191,24 @@ class Tier(ABC):
     def steps(self) -> list[int]:
         return self._committed_steps()
 
-    def manifest(self, step: int, *, check_signature: bool = True) -> Manifest:
-        """The parsed, integrity-checked manifest of a committed step (signature checked per the policy)."""
-        raw = self._manifest_bytes(step)
-        m = parse(raw, f"{self.name} tier {self.run}/{step_dir(step)}/manifest.json")
+    def _manifest_token(self, step: int) -> object | None:
+        """Something that changes when a step's manifest file changes (None: do not cache)."""
+        return None
+
+    def manifest(self, step: int, *, check_signature: bool = True, fresh: bool = False) -> Manifest:
+        """The parsed, integrity-checked manifest of a committed step (signature checked per the policy).
+
+        Parsed manifests are cached while the tier says the file is unchanged
+        (committed manifests are immutable); ``fresh`` re-reads, as verify does.
+        """
+        token = None if fresh else self._manifest_token(step)
+        cached = self._manifest_cache.get(step)
+        if token is not None and cached is not None and cached[0] == token:
+            m = cached[1]
+        else:
+            m = parse(self._manifest_bytes(step), f"{self.name} tier {self.run}/{step_dir(step)}/manifest.json")
+            if token is not None:
+                self._manifest_cache[step] = (token, m)
         if check_signature:
             self._check_signature(m)
         if m.step != step or m.run != self.run:
@@ -266,6 +281,7 @@ class Tier(ABC):
         import json
 
         self._put_record(f"pruned/{step_dir(step)}.json", json.dumps({"step": step, "manifest_digest": digest}).encode())
+        self._manifest_cache.pop(step, None)
         self._delete(step)
 
     def pruned(self) -> dict[int, str | None]:
@@ -296,7 +312,7 @@ class Tier(ABC):
     def verify(self, step: int, *, data: bool = True) -> list[Problem]:
         """Check one step: manifest, every file's size and digest, every shard's data digest."""
         try:
-            m = self.manifest(step)
+            m = self.manifest(step, fresh=True)
         except FlowcheckError as e:
             return [Problem(self.name, step, str(e), "manifest.json")]
         problems = self._verify_files(m)

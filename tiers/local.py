@@ -17,6 +17,7 @@ import os
 import shutil
 import time
 import uuid
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -63,6 +64,7 @@ class LocalTier(Tier):
         super().__init__(run, **kw)
         self.config = config
         self.root = os.path.join(config.root, run)
+        self._chunks_by_manifest: OrderedDict[int, tuple[Manifest, dict[str, list[str]]]] = OrderedDict()
 
     # ---- listing / manifests ---------------------------------------------
     def _committed_steps(self) -> list[int]:
@@ -76,6 +78,13 @@ class LocalTier(Tier):
             if s is not None and os.path.exists(os.path.join(self.root, n, MANIFEST)):
                 steps.append(s)
         return sorted(steps)
+
+    def _manifest_token(self, step: int) -> object | None:
+        try:
+            st = os.stat(os.path.join(self.root, step_dir(step), MANIFEST))
+        except FileNotFoundError:
+            return None
+        return (st.st_ino, st.st_size, st.st_mtime_ns)
 
     def _manifest_bytes(self, step: int) -> bytes:
         try:
@@ -173,10 +182,10 @@ class LocalTier(Tier):
             raise FormatError(f"local tier step {manifest.step} {tensor}: expected one zarr array per shard")
         rel = shard.location[0].path
         path = os.path.join(self.root, rel)
-        for f in manifest.files:
+        for f in self._chunk_files(manifest).get(rel, ()):
             # zarr reads a missing chunk as fill values: a lost file must not look like zeros
-            if f.path.startswith(rel + "/c") and not os.path.exists(os.path.join(self.root, f.path)):
-                raise IntegrityError(f"local tier: {os.path.join(self.root, f.path)} is missing (listed in the manifest)")
+            if not os.path.exists(os.path.join(self.root, f)):
+                raise IntegrityError(f"local tier: {os.path.join(self.root, f)} is missing (listed in the manifest)")
         try:
             with open(os.path.join(path, "zarr.json"), "rb") as f:
                 meta = json.loads(f.read())
@@ -200,6 +209,23 @@ class LocalTier(Tier):
             return np.asarray(arr[region]) if shard.shape else np.asarray(arr[...])
         except Exception as e:  # zarr raises plain ValueError/RuntimeError on a bad CRC or metadata
             raise IntegrityError(f"local tier: cannot read {path}: {e}") from e
+
+    def _chunk_files(self, manifest: Manifest) -> dict[str, list[str]]:
+        """Array path -> its chunk files, once per manifest (not a scan of every file per shard)."""
+        hit = self._chunks_by_manifest.get(id(manifest))
+        found = hit[1] if hit is not None and hit[0] is manifest else None
+        if found is None:
+            found = {}
+            for f in manifest.files:
+                head, sep, _ = f.path.partition("/c/")
+                if not sep and f.path.endswith("/c"):
+                    head, sep = f.path[:-2], "/c"
+                if sep:
+                    found.setdefault(head, []).append(f.path)
+            self._chunks_by_manifest[id(manifest)] = (manifest, found)  # holding it keeps the id unique
+            while len(self._chunks_by_manifest) > 8:
+                self._chunks_by_manifest.popitem(last=False)
+        return found
 
     # ---- delete / verify / clean -------------------------------------------
     def _delete(self, step: int) -> None:

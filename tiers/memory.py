@@ -163,7 +163,7 @@ class MemoryTier(Tier):
     def _manifest_bytes(self, step: int) -> bytes:
         return self.manifest(step).to_bytes()
 
-    def manifest(self, step: int, *, check_signature: bool = True) -> Manifest:
+    def manifest(self, step: int, *, check_signature: bool = True, fresh: bool = False) -> Manifest:
         if step not in self._committed_steps():
             raise StepNotFoundError(f"memory tier: holds step {self._step}, not {step}")
         if self._manifest is None or self._manifest.step != step:
