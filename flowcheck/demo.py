@@ -132,12 +132,8 @@ def run_demo(workdir: str, *, steps: int = 300, object_url: str | None = None, l
         if step % max(1, steps // 6) == 0:
             echo(f"  step {step:5d}  loss {loss.item():.4f}  local {store.local.steps()[-3:]}  "
                  f"object {store.object.steps()[-3:] if store.object else []}")
-    runner.drain()
-    runner.trigger("local")
-    runner.drain()
-    runner.trigger("object")
-    runner.drain()
     runner.stop()
+    runner.flush()
     final = {s: np.array(a, copy=True) for s, a in snapshot_from_torch("demo", start + steps, model, opt).data.items()}
     results = {
         "first_step": start + 1, "last_step": start + steps, "losses": losses, "push_seconds": push_s,
@@ -148,12 +144,23 @@ def run_demo(workdir: str, *, steps: int = 300, object_url: str | None = None, l
 
 
 def _ensure_bucket(cfg: Config) -> None:
-    from flowcheck.tiers.object import filesystem
+    """The demo creates its bucket when missing (a real deployment's bucket is made by its owner)."""
+    from flowcheck.errors import TierError
+    from flowcheck.tiers.object import aws_endpoint_region, filesystem
+    from flowcheck.tiers.s3_upload import s3_client
 
-    fs, root = filesystem(cfg.tiers.object)
+    _fs, root = filesystem(cfg.tiers.object)
     bucket = root.split("/", 1)[0]
-    if not fs.exists(bucket):
-        fs.mkdir(bucket)
+    endpoint, region = aws_endpoint_region(cfg.tiers.object)
+    client = s3_client(endpoint, region, cfg.tiers.object.storage_options)
+    try:
+        client.head_bucket(Bucket=bucket)
+    except Exception:  # noqa: BLE001 - missing bucket, or an endpoint problem the create reports
+        try:
+            extra = {} if region in (None, "us-east-1") else {"CreateBucketConfiguration": {"LocationConstraint": region}}
+            client.create_bucket(Bucket=bucket, **extra)
+        except Exception as e:  # noqa: BLE001 - botocore's own error tree
+            raise TierError(f"demo: cannot create bucket {bucket!r} at {endpoint or 'AWS'}: {e}") from e
 
 
 def loss_summary(losses: list[float]) -> str:

@@ -119,6 +119,16 @@ class PolicyRunner:
             if fut is not None:
                 fut.result(timeout)
 
+    def flush(self) -> None:
+        """Persist the current RAM step to every tier now (end of training, clean shutdown).
+
+        Runs after the jobs in flight, in the caller's thread: a trigger now
+        could be coalesced into a promotion of an older step.
+        """
+        self.drain()
+        self._timed("local", self._snapshot_local)
+        self._timed("object", self._promote)
+
     def stop(self, wait: bool = True) -> None:
         if self._scheduler is not None:
             self._scheduler.shutdown(wait=wait)

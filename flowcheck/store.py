@@ -16,7 +16,7 @@ import numpy as np
 
 from flowcheck import config as config_mod
 from flowcheck.config import Config
-from flowcheck.errors import ManifestError, StepNotFoundError
+from flowcheck.errors import FlowcheckError, StepNotFoundError
 from flowcheck.manifest import Manifest, ParentRef, signing_key
 from flowcheck.state import Snapshot
 from flowcheck.tiers import retention
@@ -169,7 +169,7 @@ class Store:
                 for s in t.steps():
                     try:
                         infos.append(retention.StepInfo(s, retention.parse_time(t.manifest(s).created_at)))
-                    except ManifestError as e:
+                    except FlowcheckError as e:
                         log.warning("gc: %s tier step %d is unclassifiable (%s); keeping it", t.name, s, e)
                         infos.append(retention.StepInfo(s, None))
                 plan = retention.plan(infos, policy)

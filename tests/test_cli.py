@@ -113,3 +113,15 @@ def test_signed_manifests_and_required_signatures(tmp_path, monkeypatch):
     result = _run("show", "--step", "2", "--config", str(strict))
     assert result.exit_code == 2 and "HMAC does not match" in result.output
     assert "k3y-for-tests" not in result.output
+
+
+@pytest.mark.s3
+def test_demo_with_an_s3_object_store_over_http(tmp_path, s3_env):
+    """`demo --object-url s3://bucket/prefix` against the moto server, AWS settings from the environment."""
+    exe = os.path.join(os.path.dirname(sys.executable), "flowcheck")
+    proc = subprocess.run([exe, "demo", "--workdir", str(tmp_path / "w"), "--steps", "20", "--local-every", "10",
+                           "--object-seconds", "0.5", "--object-url", "s3://demo-bucket/ckpt"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "from the object tier" in proc.stdout and "bit for bit: True" in proc.stdout
+    assert "s3://demo-bucket/ckpt" in (tmp_path / "w" / "flowcheck.yaml").read_text()

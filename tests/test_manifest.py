@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from flowcheck.digest import sha256
-from flowcheck.errors import FlowcheckError, ManifestError, UnsafeNameError
+from flowcheck.errors import FlowcheckError, ManifestError
 from flowcheck.manifest import (
     FileEntry,
     Manifest,

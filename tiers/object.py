@@ -34,6 +34,7 @@ from flowcheck.tiers.durable import commit_file_exclusive, fsync_dir, replace_fi
 log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
+PIPELINE_MIN_FILE = 256 << 20
 
 
 def aws_endpoint_region(config: ObjectConfig) -> tuple[str | None, str | None]:
@@ -161,8 +162,13 @@ class ObjectTier(Tier):
         return {s: shard_digests(snapshot, {s: snapshot.array(s)})[s] for s in snapshot.data}
 
     def _plan(self, snapshot: Snapshot) -> list[list[_Planned]]:
-        """Pack shards into files of at most max_file_mib, splitting larger shards by rows."""
-        limit = self.config.max_file_mib << 20
+        """Pack shards into files of at most max_file_mib, splitting larger shards by rows.
+
+        A step smaller than four full files is cut into about four (of at least
+        256 MiB): staging file i+1 then overlaps uploading file i instead of
+        preceding all of it (BENCHMARKS.md, P5).
+        """
+        limit = min(self.config.max_file_mib << 20, max(PIPELINE_MIN_FILE, -(-snapshot.nbytes // 4)))
         files: list[list[_Planned]] = [[]]
         used = 0
         counters: dict[str, int] = {}

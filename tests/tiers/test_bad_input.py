@@ -7,7 +7,7 @@ import time
 import pytest
 
 from flowcheck.config import ObjectConfig
-from flowcheck.errors import FlowcheckError, IntegrityError, ManifestError, TierError, UnsafeNameError
+from flowcheck.errors import FlowcheckError, IntegrityError, ManifestError, TierError
 from flowcheck.digest import sha256
 from flowcheck.manifest import canonical_json
 from flowcheck.tiers.base import step_dir

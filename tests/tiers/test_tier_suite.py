@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from flowcheck.errors import IntegrityError, StepExistsError, StepNotFoundError, TierError
+from flowcheck.errors import StepExistsError, StepNotFoundError
 from flowcheck.state import Shard, TensorSpec
 from tests.helpers import (
     BIG,
