@@ -14,6 +14,7 @@ import logging
 import math
 import os
 import shutil
+import threading
 import time
 import uuid
 from collections import OrderedDict
@@ -27,6 +28,7 @@ from flowcheck.config import ObjectConfig
 from flowcheck.errors import FormatError, IntegrityError, StepExistsError, StepNotFoundError, TierError
 from flowcheck.manifest import FileEntry, Manifest, ParentRef, Piece, ShardEntry
 from flowcheck.state import Shard, Snapshot
+from flowcheck.tiers import range_reads
 from flowcheck.tiers import safetensors_io as st
 from flowcheck.tiers.base import Problem, Tier, make_manifest, parse_step_dir, shard_digests, step_dir
 from flowcheck.tiers.durable import commit_file_exclusive, fsync_dir, replace_file
@@ -35,6 +37,7 @@ log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
 PIPELINE_MIN_FILE = 256 << 20
+READ_AHEAD = 256 << 20  # bytes of whole shards fetched together when a step is read shard by shard
 
 
 def aws_endpoint_region(config: ObjectConfig) -> tuple[str | None, str | None]:
@@ -91,6 +94,8 @@ class ObjectTier(Tier):
         self.staging_dir = staging_dir
         self.progress = progress
         self._headers: OrderedDict[str, st.Header] = OrderedDict()
+        self._window: dict[tuple, np.ndarray] = {}
+        self._window_lock = threading.Lock()
 
     @property
     def url(self) -> str:
@@ -252,8 +257,11 @@ class ObjectTier(Tier):
         if self.protocol in ("s3", "s3a") and self._boto3_client() is not None:
             from flowcheck.tiers.s3_upload import upload_file
 
+            # parts no larger than needed to keep every worker busy on this file (S3's minimum is 5 MiB)
+            workers = self.config.upload_workers
+            part = max(5 << 20, min(self.config.part_mib << 20, -(-size // workers)))
             self._call(f"uploading {rel}", upload_file, self._boto3_client(), local, remote,
-                       part_bytes=self.config.part_mib << 20, concurrency=self.config.upload_workers, progress=bar.update)
+                       part_bytes=part, concurrency=workers, progress=bar.update)
             return
         cb = _bar_callback(bar)
         kwargs = {}
@@ -314,22 +322,68 @@ class ObjectTier(Tier):
             self._headers.popitem(last=False)
         return h
 
+    def _piece_info(self, manifest: Manifest, tensor: str, shard: ShardEntry, piece: Piece):
+        """(header entry, row range) of one stored piece, checked against the manifest."""
+        dt = dtypes.dtype(manifest.tensors[tensor].dtype)
+        rows = piece.rows or ((0, shard.shape[0]) if shard.shape else (0, 1))
+        info = self.header(piece.path).tensors.get(piece.key or "")
+        want_shape = shard.shape if piece.rows is None else (rows[1] - rows[0], *shard.shape[1:])
+        if info is None or info.dtype != dt.name or info.shape != tuple(want_shape):
+            raise FormatError(
+                f"{self.url}/{piece.path}: tensor {piece.key!r}: expected {dt.name}{list(want_shape)}, "
+                f"found {'nothing' if info is None else f'{info.dtype}{list(info.shape)}'}"
+            )
+        return info, rows
+
     def _read_shard(self, manifest: Manifest, tensor: str, shard: ShardEntry, region) -> np.ndarray:
+        if all(r.start == 0 and r.stop == n for r, n in zip(region, shard.shape)):
+            return self._whole_shard(manifest, tensor, shard)
         dt = dtypes.dtype(manifest.tensors[tensor].dtype)
         out = np.empty(tuple(s.stop - s.start for s in region), dtype=dt.storage)
-        if not shard.shape:
-            region = ()
         for piece in shard.location:
-            rows = piece.rows or ((0, shard.shape[0]) if shard.shape else (0, 1))
-            info = self.header(piece.path).tensors.get(piece.key or "")
-            want_shape = shard.shape if piece.rows is None else (rows[1] - rows[0], *shard.shape[1:])
-            if info is None or info.dtype != dt.name or info.shape != tuple(want_shape):
-                raise FormatError(
-                    f"{self.url}/{piece.path}: tensor {piece.key!r}: expected {dt.name}{list(want_shape)}, "
-                    f"found {'nothing' if info is None else f'{info.dtype}{list(info.shape)}'}"
-                )
+            info, rows = self._piece_info(manifest, tensor, shard, piece)
             self._read_piece(piece, info, rows, region, shard.shape, out, dt)
         return out
+
+    def _whole_shard(self, manifest: Manifest, tensor: str, shard: ShardEntry) -> np.ndarray:
+        """A whole shard, from a read-ahead window: this shard and the next ones of the manifest
+        (up to READ_AHEAD bytes) are fetched together, so reading a step shard after shard costs a
+        few large concurrent requests instead of one round trip per shard."""
+        key = (manifest.step, manifest.created_at, tensor, shard.offsets)
+        with self._window_lock:
+            hit = self._window.pop(key, None)
+        if hit is not None:
+            return hit
+        order = [(n, e) for n, t in manifest.tensors.items() for e in t.shards]
+        first = next(i for i, (n, e) in enumerate(order) if n == tensor and e.offsets == shard.offsets)
+        batch, total = [], 0
+        for n, e in order[first:]:
+            size = math.prod(e.shape) * dtypes.dtype(manifest.tensors[n].dtype).itemsize
+            if batch and total + size > READ_AHEAD:
+                break
+            batch.append((n, e))
+            total += size
+        arrays = self._fetch_whole(manifest, batch)
+        with self._window_lock:
+            self._window = {(manifest.step, manifest.created_at, n, e.offsets): a for (n, e), a in zip(batch[1:], arrays[1:])}
+        return arrays[0]
+
+    def _fetch_whole(self, manifest: Manifest, batch) -> list[np.ndarray]:
+        wants, places, outs = [], [], []
+        for name, entry in batch:
+            out = np.empty(entry.shape, dtype=dtypes.dtype(manifest.tensors[name].dtype).storage)
+            outs.append(out)
+            flat = out.reshape(-1).view(np.uint8)
+            for piece in entry.location:
+                info, rows = self._piece_info(manifest, name, entry, piece)
+                row_bytes = (info.end - info.begin) // max(1, rows[1] - rows[0])
+                start = self.header(piece.path).data_start + info.begin
+                wants.append(range_reads.Want(self._p(piece.path), start, start + info.end - info.begin))
+                places.append((flat, rows[0] * row_bytes))
+        blobs = self._call("reading shards", range_reads.fetch, self.fs, wants)
+        for (flat, offset), blob in zip(places, blobs):
+            flat[offset:offset + len(blob)] = np.frombuffer(blob, np.uint8)
+        return outs
 
     def _read_piece(self, piece, info, rows, region, shape, out, dt) -> None:
         lo = region[0].start if region else 0
