@@ -149,10 +149,15 @@ def _ensure_bucket(cfg: Config) -> None:
     from flowcheck.tiers.object import aws_endpoint_region, filesystem
     from flowcheck.tiers.s3_upload import s3_client
 
-    _fs, root = filesystem(cfg.tiers.object)
+    fs, root = filesystem(cfg.tiers.object)
     bucket = root.split("/", 1)[0]
     endpoint, region = aws_endpoint_region(cfg.tiers.object)
-    client = s3_client(endpoint, region, cfg.tiers.object.storage_options)
+    try:
+        client = s3_client(endpoint, region, cfg.tiers.object.storage_options)
+    except ImportError:  # s3fs without boto3
+        if not fs.exists(bucket):
+            fs.mkdir(bucket)
+        return
     try:
         client.head_bucket(Bucket=bucket)
     except Exception:  # noqa: BLE001 - missing bucket, or an endpoint problem the create reports
