@@ -128,7 +128,7 @@ def run_demo(workdir: str, *, steps: int = 300, object_url: str | None = None, l
         runner.on_step(step)
         push_s += time.perf_counter() - t1
         train_s += t1 - t0
-        losses.append(float(loss))
+        losses.append(loss.item())
         if step % max(1, steps // 6) == 0:
             echo(f"  step {step:5d}  loss {loss.item():.4f}  local {store.local.steps()[-3:]}  "
                  f"object {store.object.steps()[-3:] if store.object else []}")
