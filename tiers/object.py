@@ -95,6 +95,7 @@ class ObjectTier(Tier):
         self.progress = progress
         self._headers: OrderedDict[str, st.Header] = OrderedDict()
         self._window: dict[tuple, np.ndarray] = {}
+        self._expected: tuple | None = None  # the shard a sequential reader asks for next
         self._window_lock = threading.Lock()
 
     @property
@@ -356,16 +357,21 @@ class ObjectTier(Tier):
             return hit
         order = [(n, e) for n, t in manifest.tensors.items() for e in t.shards]
         first = next(i for i, (n, e) in enumerate(order) if n == tensor and e.offsets == shard.offsets)
+        # read ahead only when the reader goes through the step in manifest order (like OS readahead):
+        # a reader in another order would otherwise fetch a window per shard and use one entry of it
+        sequential = key == self._expected
         batch, total = [], 0
-        for n, e in order[first:]:
+        for n, e in order[first:] if sequential else order[first:first + 1]:
             size = math.prod(e.shape) * dtypes.dtype(manifest.tensors[n].dtype).itemsize
             if batch and total + size > READ_AHEAD:
                 break
             batch.append((n, e))
             total += size
         arrays = self._fetch_whole(manifest, batch)
+        nxt = first + len(batch)
         with self._window_lock:
             self._window = {(manifest.step, manifest.created_at, n, e.offsets): a for (n, e), a in zip(batch[1:], arrays[1:])}
+            self._expected = (manifest.step, manifest.created_at, order[nxt][0], order[nxt][1].offsets) if nxt < len(order) else None
         return arrays[0]
 
     def _fetch_whole(self, manifest: Manifest, batch) -> list[np.ndarray]:
