@@ -31,12 +31,16 @@ def write_file(path: str, data, *, fsync: bool = True, exclusive: bool = False) 
         os.close(fd)
 
 
-def fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+def fsync_file(path: str, flags: int = os.O_RDONLY) -> None:
+    fd = os.open(path, flags)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def fsync_dir(path: str) -> None:
+    fsync_file(path, os.O_RDONLY | os.O_DIRECTORY)
 
 
 def make_tree_durable(root: str, mode: str) -> None:
@@ -50,11 +54,7 @@ def make_tree_durable(root: str, mode: str) -> None:
         return
     for dirpath, _dirs, files in os.walk(root, topdown=False):
         for name in files:
-            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            fsync_file(os.path.join(dirpath, name))
         fsync_dir(dirpath)
 
 

@@ -31,7 +31,7 @@ from flowcheck.state import Shard, Snapshot
 from flowcheck.tiers import range_reads
 from flowcheck.tiers import safetensors_io as st
 from flowcheck.tiers.base import Problem, Tier, make_manifest, parse_step_dir, shard_digests, step_dir
-from flowcheck.tiers.durable import commit_file_exclusive, fsync_dir, replace_file
+from flowcheck.tiers.durable import commit_file_exclusive, fsync_dir, fsync_file, replace_file
 
 log = logging.getLogger(__name__)
 
@@ -247,11 +247,7 @@ class ObjectTier(Tier):
         if self.protocol == "file":
             os.makedirs(os.path.dirname(remote), exist_ok=True)
             shutil.copyfile(local, remote)
-            fd = os.open(remote, os.O_RDONLY)
-            try:
-                os.fsync(fd)  # the manifest must not be durable before the data it names
-            finally:
-                os.close(fd)
+            fsync_file(remote)  # the manifest must not be durable before the data it names
             fsync_dir(os.path.dirname(remote))
             bar.update(size)
             return
