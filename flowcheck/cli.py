@@ -1,4 +1,4 @@
-"""The `flowcheck` command line: list, show, snapshot, promote, export, audit, lineage, gc, demo.
+"""The `flowcheck` command line: list, show, snapshot, promote, export, restore, import, audit, lineage, gc, demo.
 
 Every command takes ``--config FILE`` (or $FLOWCHECK_CONFIG; the embedded
 defaults otherwise).  FlowcheckErrors print as one line and exit 2; audit
@@ -41,10 +41,24 @@ def _handled(fn):
     return wrapper
 
 
-def _store(config_path: str | None, progress: bool = False):
+def _store(config_path: str | None, progress: bool = False, run: str | None = None):
+    from dataclasses import replace
+
+    from flowcheck import config as config_mod
     from flowcheck.store import open_store
 
-    return open_store(config_path, progress=progress)
+    cfg = config_mod.load(config_path)
+    if run is not None and run != cfg.run:
+        cfg = replace(cfg, run=run)
+    return open_store(cfg, progress=progress)
+
+
+def _step_arg(step: str) -> int | str:
+    if step == "latest":
+        return step
+    if not step.isdigit():
+        raise click.BadParameter(f"expected a step number or 'latest', found {step!r}", param_hint="--step")
+    return int(step)
 
 
 def _size(n: int) -> str:
@@ -182,27 +196,106 @@ def promote(config_path, step, dst):
 @main.command()
 @_config_option
 @click.option("--step", required=True, help="Step number or 'latest'.")
-@click.option("--format", "fmt", default="safetensors", type=click.Choice(["safetensors"]), help="Output format.")
+@click.option("--run", default=None, help="Run name (default: the config's run).")
+@click.option("--format", "fmt", default="safetensors", type=click.Choice(["safetensors", "torch"]), help="Output format.")
 @click.option("--out", required=True, type=click.Path(dir_okay=False), help="Output file.")
 @click.option("--from", "prefer", default="auto", type=click.Choice(["auto", "local", "object"]), help="Tier to read.")
 @click.option("--no-optim", is_flag=True, help="Model tensors only.")
 @_handled
-def export(config_path, step, fmt, out, prefer, no_optim):
-    """Write one step as a consolidated safetensors file (full tensors, every digest verified).
+def export(config_path, step, run, fmt, out, prefer, no_optim):
+    """Write one step as a consolidated single-layout file (full tensors, every digest verified).
+
+    safetensors (HF-style; the model description goes into __metadata__) or a
+    torch.save'd dict of tensors.
 
     \b
     Example:
       flowcheck export --step latest --format safetensors --out model.safetensors --config flowcheck.yaml
     """
-    from flowcheck.restore import export_safetensors
+    from flowcheck.restore import export_file
+    from flowcheck.restore.source import open_step
 
-    store = _store(config_path)
-    tier = store.find(step if step == "latest" else int(step), prefer if prefer != "auto" else "auto")
-    if tier.name == "memory":
-        tier = store.find(tier.latest() if step == "latest" else int(step), "local")
-    m = tier.manifest(tier.latest() if step == "latest" else int(step))
-    size, digest = export_safetensors(tier, m, out, include_optimizer=not no_optim)
+    store = _store(config_path, run=run)
+    tier, m = open_step(store, _step_arg(step), prefer)
+    size, digest = export_file(tier, m, out, fmt=fmt, include_optimizer=not no_optim)
     click.echo(f"exported step {m.step} from the {tier.name} tier to {out} ({_size(size)}, {digest})")
+
+
+@main.command()
+@_config_option
+@click.option("--step", required=True, help="Step number or 'latest'.")
+@click.option("--run", default=None, help="Run name (default: the config's run).")
+@click.option("--tp", type=int, default=1, show_default=True, help="Target tensor-parallel size.")
+@click.option("--pp", type=int, default=1, show_default=True, help="Target pipeline-parallel size.")
+@click.option("--vpp", type=int, default=1, show_default=True, help="Virtual pipeline size (model chunks per stage).")
+@click.option("--format", "fmt", default="megatron-dist", show_default=True,
+              type=click.Choice(["megatron-dist", "megatron"]), help="torch_dist (DCP) or legacy mp_rank_* files.")
+@click.option("--from", "prefer", default="auto", type=click.Choice(["auto", "memory", "local", "object"]),
+              help="Tier to read (auto: the fastest holding the step).")
+@click.option("--no-optim", is_flag=True, help="Model weights only.")
+@click.option("--dtype", default=None, type=click.Choice(["bf16", "fp32"]), help="Weights dtype (default: as stored).")
+@click.option("--layer-spec", default=None, type=click.Choice(["local", "te"]), help="Key names (default: as stored).")
+@click.option("--arch", "arch_path", default=None, type=click.Path(dir_okay=False, exists=True),
+              help="Model description (Megatron argument names, YAML/JSON) when the step carries none.")
+@click.option("--out", required=True, type=click.Path(file_okay=False), help="Checkpoint directory to create.")
+@click.option("--force", is_flag=True, help="Replace --out if it exists.")
+@click.option("--workers", type=int, default=4, show_default=True, help="Parallel readers.")
+@_handled
+def restore(config_path, step, run, tp, pp, vpp, fmt, prefer, no_optim, dtype, layer_spec, arch_path, out, force, workers):
+    """Write a stored step as a Megatron checkpoint in any TP/PP/VPP layout (verified, resharded, atomic).
+
+    Load it with Megatron's --load OUT (add --no-load-rng: RNG states of
+    another layout are not meaningful, flowcheck does not write them).
+
+    \b
+    Example:
+      flowcheck restore --step latest --tp 2 --pp 2 --out ckpt/ --config flowcheck.yaml
+    """
+    from flowcheck.restore.arch import load_arch
+    from flowcheck.restore.megatron_common import Target
+    from flowcheck.restore.service import restore as do_restore
+
+    store = _store(config_path, progress=True, run=run)
+    target = Target(tp=tp, pp=pp, vpp=vpp, fmt=fmt, dtype=dtype, optim=not no_optim, layer_spec=layer_spec)
+    arch = load_arch(arch_path) if arch_path else None
+    rep = do_restore(store, _step_arg(step), target, out, prefer=prefer, arch=arch, force=force,
+                     progress=sys.stderr.isatty(), workers=workers)
+    click.echo(
+        f"restored step {rep.step} of run {rep.run} from the {rep.tier} tier into {rep.out}: "
+        f"{fmt}, TP={tp} PP={pp} VPP={vpp}, {len(rep.files)} files, {_size(rep.bytes)} in {rep.seconds:.1f} s"
+    )
+    for f in rep.files:
+        click.echo(f"  {os.path.relpath(f, rep.out)}")
+
+
+@main.command(name="import")
+@_config_option
+@click.option("--run", default=None, help="Run name (default: the config's run).")
+@click.option("--step", required=True, type=int, help="Step number to commit the checkpoint as.")
+@click.option("--arch", "arch_path", default=None, type=click.Path(dir_okay=False, exists=True),
+              help="Model description when the checkpoint carries none (Megatron argument names).")
+@click.option("--tier", default="local", type=click.Choice(["local", "object"]), help="Tier to commit to.")
+@click.option("--trust-pickle", is_flag=True, help="Allow arbitrary pickled objects in .pt files (trusted sources only).")
+@click.argument("source", type=click.Path(exists=True))
+@_handled
+def import_(config_path, run, step, arch_path, tier, trust_pickle, source):
+    """Commit an existing checkpoint (Megatron directory in either format, or safetensors) as a step.
+
+    \b
+    Example:
+      flowcheck import --run gpt --step 5000 /ckpts/gpt/ --config flowcheck.yaml
+    """
+    from flowcheck.restore.arch import load_arch
+    from flowcheck.restore.importer import import_into
+
+    store = _store(config_path, progress=True, run=run)
+    arch = load_arch(arch_path) if arch_path else None
+    m = import_into(store, source, step, arch=arch, tier=tier, trust_pickle=trust_pickle)
+    click.echo(
+        f"committed step {m.step} of run {m.run} to the {tier} tier ({m.producer.source}, "
+        f"source layout TP={m.source_layout.tp} PP={m.source_layout.pp} VPP={m.source_layout.vpp}): "
+        f"{len(m.tensors)} tensors, {_size(m.nbytes)}, digest {m.digest()}"
+    )
 
 
 @main.command()

@@ -95,10 +95,11 @@ class Store:
             self.memory.head = m.parent_ref()  # the RAM state now descends from this committed step
             return m
 
-    def write(self, snapshot: Snapshot, tier: str = "local", parent: ParentRef | None = None) -> Manifest:
-        """Commit a snapshot directly to a tier; the parent defaults to the newest earlier committed step."""
+    def write(self, snapshot: Snapshot, tier: str = "local", parent: ParentRef | None = None, *, root: bool = False) -> Manifest:
+        """Commit a snapshot directly to a tier; the parent defaults to the newest earlier committed step
+        (``root=True``: no parent, e.g. an imported checkpoint starts its own lineage)."""
         with self._locks[tier]:
-            if parent is None and snapshot.origin is None:
+            if parent is None and snapshot.origin is None and not root:
                 parent = self._newest_before(snapshot.step)
             return self.tier(tier).write(snapshot, parent)
 

@@ -1,5 +1,5 @@
-"""The restore service: assemble verified global tensors from any tier and write them in a target layout."""
+"""The restore service: verified global tensors from any tier, resharded into a Megatron layout, or imported from one."""
 from flowcheck.restore.assemble import assemble_tensor
-from flowcheck.restore.export import export_safetensors
+from flowcheck.restore.export import export_file, export_safetensors
 
-__all__ = ["assemble_tensor", "export_safetensors"]
+__all__ = ["assemble_tensor", "export_file", "export_safetensors"]

@@ -1,32 +1,65 @@
-"""Export one step as a consolidated safetensors file (full tensors, HF-style) for evaluation."""
+"""Export one step as a consolidated single-layout file (full tensors, canonical names) for evaluation."""
 from __future__ import annotations
 
+import json
 import os
+
+import torch
 
 from flowcheck.manifest import Manifest
 from flowcheck.restore.assemble import assemble_tensor
 from flowcheck.tiers import safetensors_io as st
 from flowcheck.tiers.base import Tier
 
+EXPORT_FORMATS = ("safetensors", "torch")
+
+
+def export_file(tier: Tier, manifest: Manifest, out: str, *, fmt: str = "safetensors",
+                include_optimizer: bool = True) -> tuple[int, str]:
+    """Write every (verified) tensor of a step to ``out`` atomically; return (bytes, digest note)."""
+    if fmt == "safetensors":
+        return export_safetensors(tier, manifest, out, include_optimizer=include_optimizer)
+    if fmt != "torch":
+        from flowcheck.errors import ConfigError
+
+        raise ConfigError(f"--format: expected one of {EXPORT_FORMATS}, found {fmt!r}")
+    from flowcheck.torch.state import from_numpy
+
+    state = {n: from_numpy(assemble_tensor(tier, manifest, n), manifest.tensors[n].dtype) for n in _names(manifest, include_optimizer)}
+    return _atomic(out, lambda tmp: torch.save(state, tmp)), f"manifest {manifest.digest()}"
+
 
 def export_safetensors(tier: Tier, manifest: Manifest, out: str, *, include_optimizer: bool = True) -> tuple[int, str]:
-    """Write every (verified) tensor of a step to ``out`` atomically; return (bytes, xxh3 digest)."""
-    names = [n for n in manifest.tensors if include_optimizer or not n.startswith("optimizer.")]
     entries = [
         st.Entry(n, manifest.tensors[n].dtype, manifest.tensors[n].global_shape, _loader(tier, manifest, n))
-        for n in names
+        for n in _names(manifest, include_optimizer)
     ]
     meta = {"run": manifest.run, "step": str(manifest.step), "manifest_id": manifest.digest(), "format": "pt"}
+    if manifest.scalars.get("optimizer_step") is not None:
+        meta["optimizer_step"] = str(manifest.scalars["optimizer_step"])
+    model = (manifest.scalars.get("extra") or {}).get("model")
+    if isinstance(model, dict):  # Megatron argument names, values JSON-encoded (specs/megatron.md)
+        meta.update({k: json.dumps(v) for k, v in model.items()})
+    digest = []
+    size = _atomic(out, lambda tmp: digest.append(st.write(tmp, entries, meta)[1]))
+    return size, digest[0]
+
+
+def _names(manifest: Manifest, include_optimizer: bool) -> list[str]:
+    return [n for n in manifest.tensors if include_optimizer or not n.startswith("optimizer.")]
+
+
+def _atomic(out: str, write) -> int:
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     tmp = f"{out}.partial"
     try:
-        size, digest = st.write(tmp, entries, meta)
+        write(tmp)
         os.replace(tmp, out)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
-    return size, digest
+    return os.path.getsize(out)
 
 
 def _loader(tier: Tier, manifest: Manifest, name: str):

@@ -1,0 +1,373 @@
+"""``flowcheck import``: bring an existing checkpoint under management as a committed step (``source: import``).
+
+Sources: a Megatron checkpoint directory (legacy ``mp_rank_*`` files or
+``torch_dist``, any TP/PP/VPP, optimizer state where the format carries it in
+a model-shaped form) or a safetensors file of canonical names.  Every rank's
+tensors are recorded as shards in the canonical index space with the same
+rules restore cuts with, so a TP=4 import restores at TP=2.  Nothing is
+unpickled beyond tensors, containers and ``argparse.Namespace``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from flowcheck.errors import FormatError
+from flowcheck.restore.arch import ModelArch, arch_from_metadata
+from flowcheck.restore.megatron_common import TRACKER, iter_dirname
+from flowcheck.restore.megatron_dist import OPT_PREFIX as DIST_OPT, dist_key
+from flowcheck.restore.megatron_map import Param, canonical_suffix, model_params, rank_tensors
+from flowcheck.restore.source import MEGATRON_KEY, MODEL_KEY, OPT
+from flowcheck.state import ParallelLayout, Scalars, Shard, Snapshot, StateLayout, TensorSpec
+
+log = logging.getLogger(__name__)
+RESTORE_RECORD = "flowcheck_restore.json"  # written by restore: which stored step a directory came from
+_RANK_RE = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
+
+
+@dataclass
+class Collected:
+    """Shards gathered from a source, keyed by canonical tensor, plus what the source says of itself."""
+
+    arch: ModelArch
+    layout: ParallelLayout
+    shards: dict[Shard, np.ndarray] = field(default_factory=dict)
+    dtypes: dict[str, torch.dtype] = field(default_factory=dict)
+    optimizer_step: int | None = None
+    megatron: dict[str, Any] = field(default_factory=dict)
+
+    def add(self, name: str, offsets: tuple[int, ...], data: torch.Tensor) -> None:
+        shard = Shard(name, offsets, tuple(data.shape))
+        if shard in self.shards:
+            return  # a replica (TP-replicated tensor, tied output layer): the first copy is kept
+        self.dtypes[name] = data.dtype
+        self.shards[shard] = _to_numpy(data)
+
+
+def _to_numpy(t: torch.Tensor) -> np.ndarray:
+    from flowcheck.torch.state import to_numpy
+
+    return to_numpy(t.detach().contiguous().clone())
+
+
+# ---- public entry -------------------------------------------------------------------
+def import_checkpoint(path: str, run: str, step: int, *, arch: ModelArch | None = None, trust_pickle: bool = False) -> Snapshot:
+    """A Snapshot (``source: import``, or ``restore`` for a directory flowcheck restore wrote) of ``path``."""
+    if os.path.isfile(path) and path.endswith(".safetensors"):
+        got = _from_safetensors(path, arch)
+    elif os.path.isdir(path):
+        it_dir = _iteration_dir(path)
+        if os.path.exists(os.path.join(it_dir, "metadata.json")):
+            got = _from_dist(it_dir, arch, trust_pickle)
+        else:
+            got = _from_legacy(it_dir, arch, trust_pickle)
+    else:
+        raise FormatError(
+            f"{path}: expected a Megatron checkpoint directory (with {TRACKER} or iter_*/) "
+            "or a .safetensors file, found neither"
+        )
+    return _snapshot(got, run, step)
+
+
+def import_into(store: Any, path: str, step: int, *, arch: ModelArch | None = None, tier: str = "local",
+                trust_pickle: bool = False) -> Any:
+    """Import ``path`` and commit it to ``tier`` of ``store``; returns the manifest.
+
+    A directory written by ``flowcheck restore`` keeps its lineage: the step is
+    committed with ``source: restore`` and the restored step as its parent.
+    """
+    from dataclasses import replace
+
+    from flowcheck.manifest import ParentRef
+
+    snap = import_checkpoint(path, store.config.run, step, arch=arch, trust_pickle=trust_pickle)
+    record = restore_record(path) if os.path.isdir(path) else None
+    if record is not None:
+        parent = ParentRef(int(record["step"]), str(record["manifest_digest"]))
+        return store.write(replace(snap, source="restore"), tier, parent)
+    return store.write(snap, tier, root=True)
+
+
+def restore_record(path: str) -> dict[str, Any] | None:
+    """The record restore leaves in a directory it wrote (run, step, manifest digest), if any."""
+    p = os.path.join(path, RESTORE_RECORD)
+    if not os.path.isfile(p):
+        return None
+    with open(p, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _snapshot(got: Collected, run: str, step: int) -> Snapshot:
+    roles = {p.name: p.role for p in model_params(got.arch)}
+    specs = []
+    for name in sorted({s.tensor for s in got.shards}):
+        base = name.split(".", 2)[2] if name.startswith(OPT) else name
+        shape = _global_shape(got, name)
+        dtype = str(got.dtypes[name]).replace("torch.", "")
+        specs.append(TensorSpec(name, dtype, shape, roles.get(base, "replicated")))
+    _check_complete(got, specs)
+    extra = {MODEL_KEY: got.arch.to_json()}
+    if got.megatron:
+        extra[MEGATRON_KEY] = got.megatron
+    groups = got.megatron.get("param_groups")
+    scalars = Scalars(optimizer_step=got.optimizer_step, optimizer={"param_groups": groups} if groups else None, extra=extra)
+    return Snapshot(run, step, StateLayout(tuple(specs), got.layout), dict(got.shards), scalars, source="import")
+
+
+def _global_shape(got: Collected, name: str) -> tuple[int, ...]:
+    base = name.split(".", 2)[2] if name.startswith(OPT) else name
+    for p in model_params(got.arch):
+        if p.name == base:
+            return p.shape
+    boxes = [s for s in got.shards if s.tensor == name]
+    return tuple(max(o + n for o, n in zip(s.offsets, s.shape)) for s in boxes[:1]) if boxes else ()
+
+
+def _check_complete(got: Collected, specs: list[TensorSpec]) -> None:
+    names = {s.name for s in specs}
+    missing = [p.name for p in model_params(got.arch) if p.name not in names]
+    if missing:
+        raise FormatError(
+            f"the checkpoint lacks {len(missing)} tensor(s) its model description needs: {missing[:5]}; "
+            "is the description (args / --arch) the model's?"
+        )
+    for spec in specs:
+        covered = sum(int(np.prod(s.shape)) for s in got.shards if s.tensor == spec.name)
+        if covered != int(np.prod(spec.shape)):
+            raise FormatError(
+                f"{spec.name}: the checkpoint's shards cover {covered} of {int(np.prod(spec.shape))} elements "
+                "of the global tensor; ranks are missing"
+            )
+
+
+# ---- Megatron directories ---------------------------------------------------------------
+def _iteration_dir(path: str) -> str:
+    tracker = os.path.join(path, TRACKER)
+    if os.path.isfile(tracker):
+        with open(tracker, encoding="utf-8") as f:
+            text = f.read().strip()
+        name = "release" if text == "release" else (iter_dirname(int(text)) if text.isdigit() else None)
+        if name is None:
+            raise FormatError(f"{tracker}: expected an iteration number or 'release', found {text[:40]!r}")
+        it_dir = os.path.join(path, name)
+        if not os.path.isdir(it_dir):
+            raise FormatError(f"{tracker} names {name}, but {it_dir} does not exist")
+        return it_dir
+    if os.path.basename(os.path.normpath(path)).startswith("iter_") or os.path.exists(os.path.join(path, "metadata.json")):
+        return path
+    raise FormatError(f"{path}: no {TRACKER} and not an iter_* directory: not a Megatron checkpoint")
+
+
+def _torch_load(path: str, trust_pickle: bool) -> Any:
+    try:
+        with torch.serialization.safe_globals([argparse.Namespace]):
+            return torch.load(path, map_location="cpu", weights_only=not trust_pickle)
+    except (EOFError, RuntimeError, OSError) as e:
+        raise FormatError(f"{path}: cannot read ({e})") from e
+    except Exception as e:  # pickle.UnpicklingError: an object type outside the allow-list
+        raise FormatError(
+            f"{path}: holds objects flowcheck does not unpickle ({str(e).splitlines()[0][:200]}); "
+            "if you trust this checkpoint, pass --trust-pickle"
+        ) from e
+
+
+def _args_dict(args: Any) -> dict[str, Any]:
+    raw = vars(args) if isinstance(args, argparse.Namespace) else dict(args or {})
+    return {k: v for k, v in raw.items() if isinstance(v, (int, float, str, bool, type(None)))}
+
+
+def _arch_from_args(args: dict[str, Any], arch: ModelArch | None, where: str) -> ModelArch:
+    if arch is not None:
+        return arch
+    if not args:
+        raise FormatError(f"{where}: the checkpoint has no args; give the model with --arch FILE.yaml")
+    return ModelArch.from_mapping(args, f"{where} args")
+
+
+def _from_legacy(it_dir: str, arch: ModelArch | None, trust_pickle: bool) -> Collected:
+    ranks = {}
+    for name in sorted(os.listdir(it_dir)):
+        m = _RANK_RE.match(name)
+        if m and os.path.isfile(os.path.join(it_dir, name, "model_optim_rng.pt")):
+            ranks[int(m.group(1)), int(m.group(2) or 0)] = os.path.join(it_dir, name, "model_optim_rng.pt")
+    if not ranks:
+        raise FormatError(f"{it_dir}: no mp_rank_*/model_optim_rng.pt files (and no metadata.json for torch_dist)")
+    tp, pp = max(t for t, _ in ranks) + 1, max(p for _, p in ranks) + 1
+    if len(ranks) != tp * pp:
+        raise FormatError(f"{it_dir}: found {len(ranks)} rank files, expected TP*PP = {tp}*{pp}; the checkpoint is incomplete")
+    got: Collected | None = None
+    for (t, p), path in sorted(ranks.items()):
+        obj = _torch_load(path, trust_pickle)
+        args = _args_dict(obj.get("args"))
+        chunks = sorted(k for k in obj if re.fullmatch(r"model\d*", k))
+        vpp = len(chunks) if chunks != ["model"] else 1
+        if got is None:
+            a = _arch_from_args(args, arch, path)
+            a.check_layout(tp, pp, vpp)
+            got = Collected(a, ParallelLayout(tp=tp, pp=pp, vpp=vpp), megatron=_megatron_extra(obj, args))
+        spec = _layer_spec(obj[chunks[0]])
+        rts = {(rt.chunk, rt.key): rt for rt in rank_tensors(got.arch, tp, pp, vpp, t, p, spec)}
+        for v, ck in enumerate(chunks):
+            _collect(got, obj[ck], v, rts, path)
+        if "optimizer" in obj:
+            _legacy_optimizer(got, obj["optimizer"], rts, path)
+    return got
+
+
+def _layer_spec(state: dict[str, Any]) -> str:
+    return "te" if any(".layer_norm_weight" in k for k in state) else "local"
+
+
+def _collect(got: Collected, state: dict[str, Any], chunk: int, rts: dict, where: str, prefix: str = "") -> None:
+    for key, value in state.items():
+        if not isinstance(value, torch.Tensor):
+            continue  # _extra_state and other non-tensor entries
+        rt = rts.get((chunk, key))
+        if rt is None:
+            raise FormatError(f"{where}: unexpected tensor {key!r} (chunk {chunk}) for the described model")
+        if tuple(value.shape) != rt.shape:
+            raise FormatError(f"{where}: {key}: expected local shape {list(rt.shape)}, found {list(value.shape)}")
+        for part in rt.parts:
+            if not part.pad:
+                got.add(prefix + rt.param.name, tuple(s.start for s in part.src), value[part.dest])
+
+
+def _legacy_optimizer(got: Collected, opt: dict[str, Any], rts: dict, where: str) -> None:
+    inner = opt.get("optimizer", opt) if isinstance(opt, dict) else None
+    if not isinstance(inner, dict) or "state" not in inner or "param_groups" not in inner:
+        log.warning("%s: optimizer state is not the non-distributed form (distrib_optim.pt?): not imported", where)
+        return
+    order = sorted(rts.values(), key=lambda rt: rt.chunk)
+    groups = [[rt for rt in order if len(rt.shape) > 1], [rt for rt in order if len(rt.shape) <= 1]]
+    flat = [rt for g in groups for rt in g]
+    masters = [t for g in opt.get("fp32_from_fp16_params", []) for t in g]
+    count = sum(len(g["params"]) for g in inner["param_groups"])
+    if count != len(flat):
+        raise FormatError(f"{where}: optimizer has {count} parameters, the model rank has {len(flat)}")
+    got.megatron.setdefault("param_groups", [_json_group(g) for g in inner["param_groups"]])
+    for idx, rt in enumerate(flat):
+        for slot, value in (inner["state"].get(idx) or {}).items():
+            if slot == "step":
+                got.optimizer_step = int(value)
+                continue
+            _collect(got, {rt.key: value}, rt.chunk, {(rt.chunk, rt.key): rt}, where, f"{OPT}{slot}.")
+        if masters:
+            _collect(got, {rt.key: masters[idx]}, rt.chunk, {(rt.chunk, rt.key): rt}, where, f"{OPT}fp32_param.")
+
+
+def _json_group(group: dict[str, Any]) -> dict[str, Any]:
+    return json.loads(json.dumps({k: v for k, v in group.items() if k != "params"}, default=lambda o: None))
+
+
+def _megatron_extra(obj: dict[str, Any], args: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {"args": args}
+    for key in ("opt_param_scheduler", "num_floating_point_operations_so_far"):
+        if key in obj:
+            out[key] = json.loads(json.dumps(obj[key], default=lambda o: None))
+    return out
+
+
+def _from_dist(it_dir: str, arch: ModelArch | None, trust_pickle: bool) -> Collected:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    with open(os.path.join(it_dir, "metadata.json"), encoding="utf-8") as f:
+        meta = json.load(f)
+    if meta.get("sharded_backend") != "torch_dist":
+        raise FormatError(f"{it_dir}/metadata.json: expected sharded_backend 'torch_dist', found {meta.get('sharded_backend')!r}")
+    common_path = os.path.join(it_dir, "common.pt")
+    common = _torch_load(common_path, trust_pickle) if os.path.isfile(common_path) else {}
+    args = _args_dict(common.get("args"))
+    a = _arch_from_args(args, arch, it_dir)
+    reader = FileSystemReader(it_dir)
+    stored = reader.read_metadata().state_dict_metadata
+    state = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype)
+             for k, m in stored.items() if isinstance(m, TensorStorageMetadata)}
+    dcp.load(state, storage_reader=reader, no_dist=True)
+    src = ParallelLayout(tp=int(args.get("tensor_model_parallel_size") or 1), pp=int(args.get("pipeline_model_parallel_size") or 1),
+                         vpp=int(args.get("virtual_pipeline_model_parallel_size") or 1))
+    got = Collected(a, src, megatron=_megatron_extra(common, args))
+    opt_common = (common.get("optimizer") or {}).get("optimizer") or {}
+    if opt_common.get("param_groups"):
+        got.megatron["param_groups"] = [_json_group(g) for g in opt_common["param_groups"]]
+        steps = [g.get("step") for g in opt_common["param_groups"] if g.get("step") is not None]
+        got.optimizer_step = int(steps[0]) if steps else None
+    for p in model_params(a):
+        key = dist_key(p)
+        _dist_take(got, p, p.name, state, key, it_dir)
+        for k in state:
+            if k.startswith(DIST_OPT + ".") and k.endswith("." + key) and k[len(DIST_OPT) + 1:-len(key) - 1].isidentifier():
+                slot = k[len(DIST_OPT) + 1:-len(key) - 1]
+                if slot == "param" and got.dtypes.get(p.name) == torch.float32:
+                    continue  # fp32 training: the master copy is the model tensor itself
+                _dist_take(got, p, f"{OPT}{'fp32_param' if slot == 'param' else slot}.{p.name}", state, k, it_dir)
+    return got
+
+
+def _dist_take(got: Collected, p: Param, name: str, state: dict[str, torch.Tensor], key: str, where: str) -> None:
+    t = state.get(key)
+    if t is None:
+        if name == p.name and not (p.name == "output_layer.weight" and got.arch.tied):
+            raise FormatError(f"{where}: torch_dist checkpoint lacks {key!r} that the model needs")
+        return
+    if p.layer is not None:
+        if t.shape[0] != got.arch.num_layers:
+            raise FormatError(f"{where}: {key}: expected {got.arch.num_layers} stacked layers, found shape {list(t.shape)}")
+        t = t[p.layer]
+    if p.role == "vocab":
+        if t.shape[0] < p.shape[0]:
+            raise FormatError(f"{where}: {key}: {t.shape[0]} vocabulary rows, fewer than vocab_size {p.shape[0]}")
+        t = t[: p.shape[0]]
+    if tuple(t.shape) != p.shape:
+        raise FormatError(f"{where}: {key}: expected shape {list(p.shape)}, found {list(t.shape)}")
+    got.add(name, (0,) * t.dim(), t)
+
+
+# ---- safetensors ----------------------------------------------------------------------------
+def _from_safetensors(path: str, arch: ModelArch | None) -> Collected:
+    from safetensors import safe_open
+
+    try:
+        f = safe_open(path, "pt")
+    except Exception as e:
+        raise FormatError(f"{path}: not a readable safetensors file ({e})") from e
+    meta = f.metadata() or {}
+    a = arch or arch_from_metadata(meta, f"{path} __metadata__")
+    if a is None:
+        raise FormatError(f"{path}: no model description in __metadata__; give it with --arch FILE.yaml")
+    params = {p.name: p for p in model_params(a)}
+    got = Collected(a, ParallelLayout())
+    if "optimizer_step" in meta and str(meta["optimizer_step"]).isdigit():
+        got.optimizer_step = int(meta["optimizer_step"])
+    for key in f.keys():
+        slot_prefix, base = "", key
+        if key.startswith(OPT):
+            slot, base = key[len(OPT):].split(".", 1)
+            slot_prefix = f"{OPT}{slot}."
+        name = _canonical_name(base)
+        p = params.get(name)
+        if p is None:
+            if name == "output_layer.weight" and a.tied:
+                continue
+            raise FormatError(f"{path}: tensor {key!r} is not part of the described model")
+        t = f.get_tensor(key)
+        if p.role == "vocab":
+            t = t[: p.shape[0]]
+        if tuple(t.shape) != p.shape:
+            raise FormatError(f"{path}: {key}: expected shape {list(p.shape)}, found {list(t.shape)}")
+        got.add(slot_prefix + name, (0,) * t.dim(), t)
+    return got
+
+
+def _canonical_name(key: str) -> str:
+    m = re.match(r"^decoder\.layers\.(\d+)\.(.+)$", key)
+    return f"decoder.layers.{m.group(1)}.{canonical_suffix(m.group(2))}" if m else key

@@ -1,0 +1,108 @@
+"""Writer of Megatron-LM's ``torch_dist`` format: one PyTorch DCP checkpoint of global, layer-stacked tensors.
+
+The layout is the target's only through the vocabulary padding and ``args``:
+Megatron reshards on load itself.  Optimizer state goes in the
+``fully_reshardable`` form (``optimizer.state.{param,exp_avg,exp_avg_sq}.<key>``,
+model shapes), the only optimizer form that survives a TP/PP change.
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+from typing import Any
+
+import torch
+
+from flowcheck.restore.arch import ModelArch
+from flowcheck.restore.megatron_common import StepMeta, Target, iter_dirname
+from flowcheck.restore.megatron_map import Param, local_suffix
+
+METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
+            "common_backend": "torch", "common_backend_version": 1}
+OPT_PREFIX = "optimizer.state"
+
+
+def dist_key(param: Param) -> str:
+    """The torch_dist key: layer tensors are stacked under ``decoder.layers.<suffix>`` with TE norm names."""
+    if param.layer is None:
+        return param.name
+    return f"decoder.layers.{local_suffix(param.suffix, 'te')}"
+
+
+def pad_vocab(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """Vocabulary rows for the target TP: truncate, or append copies of the last row (Megatron's converters)."""
+    if t.shape[0] >= rows:
+        return t[:rows]
+    return torch.cat([t, t[-1:].expand(rows - t.shape[0], *t.shape[1:])])
+
+
+class DistWriter:
+    """Collects global tensors (stacking layers) and saves them as one DCP checkpoint."""
+
+    def __init__(self, arch: ModelArch, target: Target, root: str) -> None:
+        self.arch, self.target, self.root = arch, target, root
+        self.state: dict[str, Any] = {}
+
+    def _put(self, key: str, param: Param, t: torch.Tensor) -> None:
+        if param.role == "vocab":
+            t = pad_vocab(t, self.arch.padded_vocab(self.target.tp))
+        if param.layer is None:
+            self.state[key] = t.contiguous()
+            return
+        stacked = self.state.get(key)
+        if stacked is None:
+            stacked = self.state[key] = torch.empty((self.arch.num_layers, *t.shape), dtype=t.dtype)
+        stacked[param.layer] = t
+
+    def add(self, param: Param, model: torch.Tensor, master: torch.Tensor | None, moments: dict[str, torch.Tensor]) -> None:
+        key = dist_key(param)
+        self._put(key, param, model)
+        if not self.target.optim or not moments:
+            return
+        self._put(f"{OPT_PREFIX}.param.{key}", param, master if master is not None else model.float())
+        for slot, t in moments.items():
+            self._put(f"{OPT_PREFIX}.{slot}.{key}", param, t)
+
+    def finish(self, meta: StepMeta, workers: int = 4) -> list[str]:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
+
+        it_dir = os.path.join(self.root, iter_dirname(meta.iteration))
+        os.makedirs(it_dir, exist_ok=True)
+        state = dict(self.state)
+        state.update(self._objects())
+        dcp.save(
+            state,
+            storage_writer=FileSystemWriter(it_dir, thread_count=workers, sync_files=True),
+            planner=DefaultSavePlanner(flatten_state_dict=False),
+            no_dist=True,
+        )
+        torch.save(self._common(meta), os.path.join(it_dir, "common.pt"))
+        with open(os.path.join(it_dir, "metadata.json"), "w", encoding="utf-8") as f:
+            json.dump(METADATA, f)
+        return sorted(os.path.join(it_dir, n) for n in os.listdir(it_dir))
+
+    def _objects(self) -> dict[str, io.BytesIO]:
+        """Non-tensor entries Megatron's strict load asks for (per-layer ``_extra_state``)."""
+        return {}
+
+    def _common(self, meta: StepMeta) -> dict[str, Any]:
+        common: dict[str, Any] = {
+            "args": meta.args,
+            "checkpoint_version": 3.0,
+            "iteration": meta.iteration,
+            "num_floating_point_operations_so_far": meta.flops,
+            "content_metadata": {"singleton_local_shards": False, "chained_optim_avoid_prefix": True},
+        }
+        if self.target.optim and any(k.startswith(OPT_PREFIX) for k in self.state):
+            group = dict(meta.param_group)
+            if meta.optimizer_step is not None:
+                group["step"] = meta.optimizer_step
+            common["optimizer"] = {
+                "optimizer": {"param_groups": [dict(group, wd_mult=1.0), dict(group, wd_mult=0.0)]},
+                "param_state_sharding_type": "fully_reshardable",
+            }
+            if meta.scheduler is not None:
+                common["opt_param_scheduler"] = meta.scheduler
+        return common

@@ -1,0 +1,168 @@
+"""``flowcheck restore``: read a step (verified), reshard it, write a Megatron checkpoint directory atomically.
+
+Order of work, so that bad input never leaves anything behind: resolve the
+step and its model, check the target layout and every tensor's shape, then
+write into ``<out>.tmp-<pid>`` (tracker file last) and rename it into place.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from flowcheck.errors import FlowcheckError, StepExistsError
+from flowcheck.restore.arch import ModelArch
+from flowcheck.restore.megatron_common import DTYPES, TRACKER, StepMeta, Target, megatron_args
+from flowcheck.restore.megatron_dist import DistWriter
+from flowcheck.restore.megatron_legacy import LegacyWriter
+from flowcheck.restore.megatron_map import Param
+from flowcheck.restore.source import MEGATRON_KEY, OPT, StepReader
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RestoreReport:
+    out: str
+    step: int
+    run: str
+    tier: str
+    target: Target
+    files: list[str] = field(default_factory=list)
+    bytes: int = 0
+    seconds: float = 0.0
+
+
+def restore(
+    store: Any,
+    step: int | str,
+    target: Target,
+    out: str,
+    *,
+    prefer: str = "auto",
+    arch: ModelArch | None = None,
+    force: bool = False,
+    progress: bool = False,
+    workers: int = 4,
+) -> RestoreReport:
+    """Write step ``step`` of ``store`` into ``out`` as a Megatron checkpoint in ``target``'s layout."""
+    t0 = time.perf_counter()
+    reader = StepReader.open(store, step, prefer, arch)
+    target.check(reader.arch)
+    params = reader.params()
+    slots = [s for s in reader.slots() if s not in ("step", "fp32_param")] if target.optim else []
+    out = os.path.abspath(out)
+    if os.path.exists(out) and not force:
+        raise StepExistsError(f"{out} already exists; pass --force to replace it")
+    staging = f"{out}.tmp-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    os.makedirs(staging)
+    try:
+        writer_cls = DistWriter if target.fmt == "megatron-dist" else LegacyWriter
+        writer = writer_cls(reader.arch, target, staging)
+        meta = _meta(reader, target, params)
+        for param, model, master, moments in _tensors(reader, target, params, slots, workers, progress):
+            writer.add(param, model, master, moments)
+        files = writer.finish(meta, workers)
+        _write_record(staging, reader, target)
+        with open(os.path.join(staging, TRACKER), "w", encoding="utf-8") as f:
+            f.write(str(reader.step))  # written last: Megatron reads the tracker to find the iteration
+        _replace_dir(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    files = [os.path.join(out, os.path.relpath(p, staging)) for p in files] + [os.path.join(out, TRACKER)]
+    size = sum(os.path.getsize(p) for p in files if os.path.isfile(p))
+    return RestoreReport(out, reader.step, reader.manifest.run, reader.tier.name, target, files, size,
+                         time.perf_counter() - t0)
+
+
+def _tensors(reader: StepReader, target: Target, params: list[Param], slots: list[str], workers: int, progress: bool):
+    """(param, model, fp32 master, moments) per canonical tensor, read in parallel with a bounded window."""
+    want = DTYPES.get(target.dtype) if target.dtype else None
+
+    def load(param: Param):
+        master_name = f"{OPT}fp32_param.{param.name}"
+        has_master = reader.has(master_name)
+        if want == torch.float32 and has_master:
+            model = reader.tensor(master_name)
+        else:
+            model = reader.tensor(param.name, want)
+        master = reader.tensor(master_name) if (slots and has_master) else None
+        if master is None and slots and model.dtype != torch.float32:
+            master = model.float()
+        moments = {s: reader.tensor(f"{OPT}{s}.{param.name}") for s in slots}
+        return param, model, master, moments
+
+    bar = _bar(len(params), progress, f"restore step {reader.step}")
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        window: deque = deque()
+        for param in params:
+            window.append(pool.submit(load, param))
+            if len(window) >= 2 * workers:
+                yield window.popleft().result()
+                bar.update()
+        while window:
+            yield window.popleft().result()
+            bar.update()
+    bar.close()
+
+
+def _bar(total: int, enabled: bool, desc: str):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="tensor", disable=not enabled, leave=False)
+
+
+def _meta(reader: StepReader, target: Target, params: list[Param]) -> StepMeta:
+    scalars = reader.manifest.scalars
+    extra = scalars.get("extra") or {}
+    imported = extra.get(MEGATRON_KEY) or {}
+    first = params[0].name
+    stored = reader.manifest.tensors[first].dtype
+    dtype = DTYPES[target.dtype] if target.dtype else (torch.bfloat16 if stored == "bfloat16" else torch.float32)
+    groups = (scalars.get("optimizer") or {}).get("param_groups") or imported.get("param_groups") or [{}]
+    group = {k: (tuple(v) if k == "betas" else v) for k, v in groups[0].items() if k not in ("params", "step")}
+    return StepMeta(
+        iteration=reader.step,
+        args=megatron_args(reader.arch, target, reader.step, imported.get("args"), dtype),
+        optimizer_step=scalars.get("optimizer_step"),
+        param_group=group,
+        scheduler=imported.get("opt_param_scheduler"),
+        flops=float(imported.get("num_floating_point_operations_so_far", 0.0)),
+    )
+
+
+def _write_record(root: str, reader: StepReader, target: Target) -> None:
+    """Say which stored step this directory is, so a resumed run's lineage links back to it."""
+    import json
+
+    from flowcheck.restore.importer import RESTORE_RECORD
+
+    m = reader.manifest
+    record = {"run": m.run, "step": m.step, "manifest_digest": m.digest(), "tier": reader.tier.name,
+              "target": {"tp": target.tp, "pp": target.pp, "vpp": target.vpp, "format": target.fmt}}
+    with open(os.path.join(root, RESTORE_RECORD), "w", encoding="utf-8") as f:
+        json.dump(record, f, indent=1)
+
+
+def _replace_dir(staging: str, out: str) -> None:
+    """Rename the finished directory into place; an existing one (``--force``) goes only after that."""
+    if not os.path.exists(out):
+        os.rename(staging, out)
+        return
+    old = f"{out}.old-{os.getpid()}"
+    os.rename(out, old)
+    try:
+        os.rename(staging, out)
+    except OSError as e:
+        os.rename(old, out)
+        raise FlowcheckError(f"cannot move the restored checkpoint into {out}: {e}") from e
+    shutil.rmtree(old, ignore_errors=True)
