@@ -1,0 +1,214 @@
+"""Restore and import through the service and the CLI, checked bit for bit against the canonical state."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+
+from flowcheck.cli import main
+from flowcheck.errors import FlowcheckError, IntegrityError, StepExistsError, StepNotFoundError
+from flowcheck.restore.arch import LayoutError
+from flowcheck.restore.importer import import_into
+from flowcheck.restore.megatron_common import Target
+from flowcheck.restore.service import restore
+from flowcheck.state import ParallelLayout, Scalars, Shard, Snapshot, StateLayout, TensorSpec
+
+from .conftest import SMALL, canonical_state, make_store, store_config, write_reference
+
+LAYOUTS = [(1, 1, 1), (2, 2, 1), (4, 1, 1), (2, 2, 2)]
+
+
+def _same(store, step, state):
+    bad = [n for n in state if not np.array_equal(store.read(step, n), state[n].numpy())]
+    assert not bad, f"differ after the round trip: {bad[:5]}"
+
+
+@pytest.mark.parametrize("fmt", ["megatron-dist", "megatron"])
+@pytest.mark.parametrize("tp,pp,vpp", LAYOUTS)
+def test_restore_then_import_gives_back_every_tensor_bit_for_bit(tmp_path, gqa_store, fmt, tp, pp, vpp):
+    store, state, _ = gqa_store
+    rep = restore(store, 10, Target(tp, pp, vpp, fmt), str(tmp_path / "out"))
+    assert os.path.isfile(tmp_path / "out" / "latest_checkpointed_iteration.txt")
+    assert (tmp_path / "out" / "latest_checkpointed_iteration.txt").read_text() == "10"
+    back = make_store(tmp_path, "back")
+    m = import_into(back, rep.out, 10)
+    assert m.source_layout == ParallelLayout(tp=tp, pp=pp, vpp=vpp)
+    assert m.scalars["optimizer_step"] == 7
+    _same(back, 10, state)
+
+
+def _model_files(root):
+    out = {}
+    for dirpath, _, files in os.walk(root):
+        for f in files:
+            if f == "model_optim_rng.pt":
+                obj = torch.load(os.path.join(dirpath, f), weights_only=False)
+                out[os.path.relpath(dirpath, root)] = {k: v for k, v in obj.items() if k.startswith("model") or k == "optimizer"}
+    return out
+
+
+def test_round_trip_between_layouts_is_bit_identical(tmp_path, gqa_store):
+    """capture at A -> restore at B -> capture at B -> restore at A gives what restore at A gave."""
+    store, _, _ = gqa_store
+    a, b = Target(4, 1, 1, "megatron"), Target(2, 2, 2, "megatron")
+    first = restore(store, 10, a, str(tmp_path / "a1")).out
+    at_a = make_store(tmp_path, "at_a")
+    import_into(at_a, first, 10)
+    mid = restore(at_a, 10, b, str(tmp_path / "b")).out
+    at_b = make_store(tmp_path, "at_b")
+    import_into(at_b, mid, 10)
+    again = restore(at_b, 10, a, str(tmp_path / "a2")).out
+    one, two = _model_files(first), _model_files(again)
+    assert one.keys() == two.keys() and len(one) == 4
+    for rank in one:
+        for chunk, tensors in one[rank].items():
+            if chunk.startswith("model"):
+                for key, t in tensors.items():
+                    assert torch.equal(t, two[rank][chunk][key]), (rank, key)
+
+
+def test_shards_cut_any_way_by_several_nodes_restore_the_same(tmp_path, gqa_store):
+    """Stored shards of uneven row ranges (DP groups on several nodes, mixed sources) reassemble exactly."""
+    store, state, arch = gqa_store
+    ref = store.manifest(10)
+    data = {}
+    for name, t in state.items():
+        arr = t.numpy()
+        cuts = [0, arr.shape[0] // 3, arr.shape[0]] if arr.shape[0] > 2 else [0, arr.shape[0]]
+        for lo, hi in zip(cuts, cuts[1:]):
+            data[Shard(name, (lo,) + (0,) * (arr.ndim - 1), (hi - lo,) + arr.shape[1:])] = arr[lo:hi].copy()
+    layout = StateLayout(tuple(TensorSpec(n, "float32", tuple(t.shape), ref.tensors[n].role) for n, t in state.items()),
+                         ParallelLayout(dp=3))
+    other = make_store(tmp_path, "nodes")
+    other.write(Snapshot("nodes", 10, layout, data, Scalars.from_json(ref.scalars), source="mirror"))
+    one = restore(store, 10, Target(2, 2, 1, "megatron"), str(tmp_path / "one")).out
+    two = restore(other, 10, Target(2, 2, 1, "megatron"), str(tmp_path / "two")).out
+    a, b = _model_files(one), _model_files(two)
+    for rank in a:
+        for key, t in a[rank]["model"].items():
+            assert torch.equal(t, b[rank]["model"][key])
+
+
+def test_bf16_restore_casts_weights_and_keeps_fp32_moments(tmp_path, gqa_store):
+    store, state, _ = gqa_store
+    out = restore(store, 10, Target(2, 1, 1, "megatron", dtype="bf16"), str(tmp_path / "bf16")).out
+    obj = torch.load(os.path.join(out, "iter_0000010", "mp_rank_00", "model_optim_rng.pt"), weights_only=False)
+    w = obj["model"]["decoder.layers.0.mlp.linear_fc2.weight"]
+    assert w.dtype == torch.bfloat16
+    assert torch.equal(w, torch.chunk(state["decoder.layers.0.mlp.linear_fc2.weight"], 2, 1)[0].bfloat16())
+    assert obj["args"].bf16 and obj["args"].tensor_model_parallel_size == 2
+    masters = obj["optimizer"]["fp32_from_fp16_params"]
+    assert all(t.dtype == torch.float32 for g in masters for t in g)
+
+
+def test_restore_reads_the_object_tier_when_asked(tmp_path, gqa_store):
+    store, state, _ = gqa_store
+    store.promote(10)
+    rep = restore(store, 10, Target(2, 1, 1, "megatron-dist"), str(tmp_path / "o"), prefer="object")
+    assert rep.tier == "object"
+    back = make_store(tmp_path, "back")
+    import_into(back, rep.out, 10)
+    _same(back, 10, state)
+
+
+# ---- bad input: a clear error before anything is written ---------------------------------
+def test_unknown_step_writes_nothing(tmp_path, gqa_store):
+    store, _, _ = gqa_store
+    with pytest.raises(StepNotFoundError):
+        restore(store, 99, Target(), str(tmp_path / "x"))
+    assert not any(p.name.startswith("x") for p in tmp_path.iterdir())
+
+
+def test_layout_the_model_cannot_take_writes_nothing(tmp_path, gqa_store):
+    store, _, _ = gqa_store
+    with pytest.raises(LayoutError, match="num_attention_heads"):
+        restore(store, 10, Target(tp=3), str(tmp_path / "x"))
+    assert not (tmp_path / "x").exists()
+
+
+def test_damaged_shard_fails_the_restore_and_leaves_no_partial_directory(tmp_path, gqa_store):
+    store, _, _ = gqa_store
+    step_dir = tmp_path / "local" / "r1" / "step-000000010"
+    victim = next(p for p in sorted(step_dir.rglob("*")) if p.is_file() and "linear_fc2" in str(p) and p.stat().st_size > 512)
+    raw = bytearray(victim.read_bytes())
+    raw[-100] ^= 0x01
+    victim.write_bytes(bytes(raw))
+    with pytest.raises(IntegrityError):
+        restore(store, 10, Target(2, 2, 1, "megatron"), str(tmp_path / "x"))
+    assert not any(p.name.startswith("x") for p in tmp_path.iterdir())
+
+
+def test_existing_output_is_refused_unless_forced(tmp_path, gqa_store):
+    store, _, _ = gqa_store
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    with pytest.raises(StepExistsError):
+        restore(store, 10, Target(), str(out))
+    assert (out / "keep.txt").read_text() == "mine"
+    restore(store, 10, Target(), str(out), force=True)
+    assert not (out / "keep.txt").exists() and (out / "latest_checkpointed_iteration.txt").exists()
+
+
+def test_import_refuses_a_checkpoint_with_missing_ranks(tmp_path, gqa_store):
+    store, _, _ = gqa_store
+    out = restore(store, 10, Target(2, 2, 1, "megatron"), str(tmp_path / "ck")).out
+    os.remove(os.path.join(out, "iter_0000010", "mp_rank_01_001", "model_optim_rng.pt"))
+    with pytest.raises(FlowcheckError, match="rank"):
+        import_into(make_store(tmp_path, "x"), out, 10)
+
+
+def test_step_without_model_description_asks_for_arch(tmp_path):
+    from flowcheck.restore.arch import load_arch
+
+    arch = SMALL["mha_tied"]
+    state = canonical_state(arch, optim=False)
+    specs = tuple(TensorSpec(n, "float32", tuple(t.shape)) for n, t in state.items())
+    store = make_store(tmp_path)
+    store.write(Snapshot("r1", 5, StateLayout(specs), {Shard.whole(s): state[s.name].numpy() for s in specs}))
+    with pytest.raises(FlowcheckError, match="--arch"):
+        restore(store, 5, Target(), str(tmp_path / "x"))
+    arch_file = tmp_path / "arch.yaml"
+    arch_file.write_text("\n".join(f"{k}: {v if v is not None else 'null'}" for k, v in arch.to_json().items()))
+    restore(store, 5, Target(2, 2, 1, "megatron"), str(tmp_path / "x"), arch=load_arch(str(arch_file)))
+
+
+# ---- CLI ---------------------------------------------------------------------------------
+def test_cli_import_restore_export(tmp_path):
+    arch = SMALL["mha_tied"]
+    state = canonical_state(arch)
+    ref = write_reference(str(tmp_path / "ref.safetensors"), arch, state)
+    cfg = store_config(tmp_path)
+    run = CliRunner().invoke
+    r = run(main, ["import", "--config", cfg, "--run", "gpt", "--step", "100", ref])
+    assert r.exit_code == 0, r.output
+    assert "committed step 100 of run gpt" in r.output
+    out = str(tmp_path / "ck")
+    r = run(main, ["restore", "--config", cfg, "--run", "gpt", "--step", "latest", "--tp", "2", "--pp", "2",
+                   "--format", "megatron", "--out", out])
+    assert r.exit_code == 0, r.output
+    assert "mp_rank_01_001/model_optim_rng.pt" in r.output
+    r = run(main, ["restore", "--config", cfg, "--run", "gpt", "--step", "100", "--tp", "2", "--out", out])
+    assert r.exit_code == 2 and "already exists" in r.output
+    r = run(main, ["restore", "--config", cfg, "--run", "gpt", "--step", "100", "--tp", "3", "--out", str(tmp_path / "z")])
+    assert r.exit_code == 2 and "TP=3" in r.output and not (tmp_path / "z").exists()
+    for fmt in ("safetensors", "torch"):
+        r = run(main, ["export", "--config", cfg, "--run", "gpt", "--step", "100", "--format", fmt, "--no-optim",
+                       "--out", str(tmp_path / f"model.{fmt}")])
+        assert r.exit_code == 0, r.output
+    exported = torch.load(tmp_path / "model.torch", weights_only=True)
+    assert set(exported) == {n for n in state if not n.startswith("optimizer.")}
+    # the exported safetensors carries the model description: it imports as is
+    r = run(main, ["import", "--config", cfg, "--run", "again", "--step", "1", str(tmp_path / "model.safetensors")])
+    assert r.exit_code == 0, r.output
+
+
+def test_a_restored_directory_imports_as_a_branch_of_its_step(tmp_path, gqa_store):
+    store, _, _ = gqa_store
+    out = restore(store, 10, Target(2, 1, 1, "megatron-dist"), str(tmp_path / "ck")).out
+    m = import_into(make_store(tmp_path, "resumed"), out, 11)
+    assert m.producer.source == "restore"
+    assert m.parent.step == 10 and m.parent.manifest_digest == store.manifest(10).digest()
