@@ -19,6 +19,7 @@ BENCHES = {
     "p3": "bench_local_snapshot.py",
     "p5": "bench_object_upload.py",
     "readback": "bench_readback.py",
+    "p6": "bench_restore.py",
 }
 
 

@@ -50,7 +50,6 @@ class StepMeta:
     param_group: dict[str, Any]  # hyper-parameters (lr, betas, eps, weight_decay, ...)
     scheduler: dict[str, Any] | None
     flops: float = 0.0
-    rng: Any = None  # per (tp, pp) rank RNG states, only when restoring into the stored layout
 
 
 def iter_dirname(iteration: int) -> str:

@@ -40,8 +40,9 @@ def pad_vocab(t: torch.Tensor, rows: int) -> torch.Tensor:
 class DistWriter:
     """Collects global tensors (stacking layers) and saves them as one DCP checkpoint."""
 
-    def __init__(self, arch: ModelArch, target: Target, root: str) -> None:
-        self.arch, self.target, self.root = arch, target, root
+    def __init__(self, arch: ModelArch, target: Target, root: str, meta: StepMeta, slots: list[str], workers: int = 4) -> None:
+        self.arch, self.target, self.meta, self.workers = arch, target, meta, workers
+        self.it_dir = os.path.join(root, iter_dirname(meta.iteration))
         self.state: dict[str, Any] = {}
 
     def _put(self, key: str, param: Param, t: torch.Tensor) -> None:
@@ -55,33 +56,31 @@ class DistWriter:
             stacked = self.state[key] = torch.empty((self.arch.num_layers, *t.shape), dtype=t.dtype)
         stacked[param.layer] = t
 
-    def add(self, param: Param, model: torch.Tensor, master: torch.Tensor | None, moments: dict[str, torch.Tensor]) -> None:
+    def add(self, param: Param, slot: str | None, tensor: torch.Tensor) -> None:
+        """One canonical tensor (``slot`` None: the weight; fp32_param: the master copy; else a moment)."""
         key = dist_key(param)
-        self._put(key, param, model)
-        if not self.target.optim or not moments:
-            return
-        self._put(f"{OPT_PREFIX}.param.{key}", param, master if master is not None else model.float())
-        for slot, t in moments.items():
-            self._put(f"{OPT_PREFIX}.{slot}.{key}", param, t)
+        if slot is None:
+            self._put(key, param, tensor)
+        elif self.target.optim:
+            self._put(f"{OPT_PREFIX}.{'param' if slot == 'fp32_param' else slot}.{key}", param, tensor)
 
-    def finish(self, meta: StepMeta, workers: int = 4) -> list[str]:
+    def finish(self) -> list[str]:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
 
-        it_dir = os.path.join(self.root, iter_dirname(meta.iteration))
-        os.makedirs(it_dir, exist_ok=True)
+        os.makedirs(self.it_dir, exist_ok=True)
         state = dict(self.state)
         state.update(self._objects())
         dcp.save(
             state,
-            storage_writer=FileSystemWriter(it_dir, thread_count=workers, sync_files=True),
+            storage_writer=FileSystemWriter(self.it_dir, thread_count=self.workers, sync_files=True),
             planner=DefaultSavePlanner(flatten_state_dict=False),
             no_dist=True,
         )
-        torch.save(self._common(meta), os.path.join(it_dir, "common.pt"))
-        with open(os.path.join(it_dir, "metadata.json"), "w", encoding="utf-8") as f:
+        torch.save(self._common(self.meta), os.path.join(self.it_dir, "common.pt"))
+        with open(os.path.join(self.it_dir, "metadata.json"), "w", encoding="utf-8") as f:
             json.dump(METADATA, f)
-        return sorted(os.path.join(it_dir, n) for n in os.listdir(it_dir))
+        return sorted(os.path.join(self.it_dir, n) for n in os.listdir(self.it_dir))
 
     def _objects(self) -> dict[str, io.BytesIO]:
         """Non-tensor entries Megatron's strict load asks for (per-layer ``_extra_state``)."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from collections import OrderedDict, defaultdict
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -23,59 +23,76 @@ FILE = "model_optim_rng.pt"
 
 
 class LegacyWriter:
-    """Collects each rank's local tensors, then writes one file per rank."""
+    """Cuts each canonical tensor into the ranks holding it; a rank's file is written as soon as it is complete."""
 
-    def __init__(self, arch: ModelArch, target: Target, root: str) -> None:
-        self.arch, self.target, self.root = arch, target, root
+    def __init__(self, arch: ModelArch, target: Target, root: str, meta: StepMeta, slots: list[str], workers: int = 4) -> None:
+        self.arch, self.target, self.meta = arch, target, meta
+        self.it_dir = os.path.join(root, iter_dirname(meta.iteration))
         self.ranks = [(t, p) for p in range(target.pp) for t in range(target.tp)]
         self.where: dict[str, list[tuple[tuple[int, int], RankTensor]]] = defaultdict(list)
         self.order: dict[tuple[int, int], list[RankTensor]] = {}
+        self.pending: dict[tuple[int, int], int] = {}
+        per_tensor = 1 + len(slots) if target.optim else 1
         for rank in self.ranks:
             rts = list(rank_tensors(arch, target.tp, target.pp, target.vpp, rank[0], rank[1], target.spec(arch)))
             self.order[rank] = sorted(rts, key=lambda rt: rt.chunk)  # stable: named_parameters order per chunk
+            self.pending[rank] = len(rts) * per_tensor
             for rt in rts:
                 self.where[rt.param.name].append((rank, rt))
-        self.model: dict[tuple[int, int], dict[tuple[int, str], torch.Tensor]] = defaultdict(dict)
-        self.slots: dict[tuple[int, int], dict[tuple[int, str], dict[str, torch.Tensor]]] = defaultdict(dict)
+        self.model: dict[tuple[int, int], dict[tuple[int, str], torch.Tensor]] = {r: {} for r in self.ranks}
+        self.slots: dict[tuple[int, int], dict[tuple[int, str], dict[str, torch.Tensor]]] = {r: {} for r in self.ranks}
+        self.pool = ThreadPoolExecutor(max_workers=min(workers, len(self.ranks)))
+        self.futures: list[Future] = []
 
-    def add(self, param: Param, model: torch.Tensor, master: torch.Tensor | None, moments: dict[str, torch.Tensor]) -> None:
+    def add(self, param: Param, slot: str | None, tensor: torch.Tensor) -> None:
+        """One canonical tensor (``slot`` None: the weight; else an optimizer slot such as exp_avg, fp32_param)."""
         for rank, rt in self.where[param.name]:
-            self.model[rank][rt.chunk, rt.key] = cut(model, rt)
-            state = {slot: cut(t, rt) for slot, t in moments.items()}
-            if master is not None:
-                state["fp32_param"] = cut(master, rt)
-            if state:
-                self.slots[rank][rt.chunk, rt.key] = state
+            local = cut(tensor, rt)
+            if slot is None:
+                self.model[rank][rt.chunk, rt.key] = local
+            else:
+                self.slots[rank].setdefault((rt.chunk, rt.key), {})[slot] = local
+            self.pending[rank] -= 1
+            if self.pending[rank] == 0:
+                self.futures.append(self.pool.submit(self._write_rank, rank))
 
-    def finish(self, meta: StepMeta, workers: int = 4) -> list[str]:
-        it_dir = os.path.join(self.root, iter_dirname(meta.iteration))
-        with ThreadPoolExecutor(max_workers=workers) as pool:
-            return list(pool.map(lambda r: self._write_rank(r, it_dir, meta), self.ranks))
+    def finish(self) -> list[str]:
+        try:
+            incomplete = [r for r, n in self.pending.items() if n]
+            if incomplete:
+                raise RuntimeError(f"restore: ranks {incomplete} did not receive all their tensors")
+            return [f.result() for f in self.futures]
+        finally:
+            self.pool.shutdown(wait=True, cancel_futures=True)
 
-    def _write_rank(self, rank: tuple[int, int], it_dir: str, meta: StepMeta) -> str:
+    def _write_rank(self, rank: tuple[int, int]) -> str:
         tp_rank, pp_rank = rank
+        meta = self.meta
         obj: dict[str, Any] = {
             "args": meta.args,
             "checkpoint_version": 3.0,
             "iteration": meta.iteration,
             "num_floating_point_operations_so_far": meta.flops,
         }
+        model = self.model.pop(rank)
         for v in range(self.target.vpp):
             obj[chunk_key(self.target.vpp, v)] = OrderedDict(
-                (rt.key, self.model[rank][v, rt.key]) for rt in self.order[rank] if rt.chunk == v
+                (rt.key, model[v, rt.key]) for rt in self.order[rank] if rt.chunk == v
             )
-        if self.target.optim and self.slots[rank]:
-            obj["optimizer"] = self._optimizer(rank, meta)
+        slots = self.slots.pop(rank)
+        if self.target.optim and slots:
+            obj["optimizer"] = self._optimizer(rank, slots)
             if meta.scheduler is not None:
                 obj["opt_param_scheduler"] = meta.scheduler
-        if meta.rng is not None:
-            obj["rng_state"] = meta.rng[rank]
-        path = os.path.join(it_dir, rank_dirname(tp_rank, pp_rank, self.target.pp), FILE)
+        path = os.path.join(self.it_dir, rank_dirname(tp_rank, pp_rank, self.target.pp), FILE)
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        torch.save(obj, path)
+        with open(path, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
         return path
 
-    def _optimizer(self, rank: tuple[int, int], meta: StepMeta) -> dict[str, Any]:
+    def _optimizer(self, rank: tuple[int, int], slots: dict[tuple[int, str], dict[str, torch.Tensor]]) -> dict[str, Any]:
         """Megatron's param groups: weights (wd) first, then 1-D params (wd_mult 0); state by index."""
         rts = self.order[rank]
         groups = [[rt for rt in rts if len(rt.shape) > 1], [rt for rt in rts if len(rt.shape) <= 1]]
@@ -83,20 +100,20 @@ class LegacyWriter:
         for wd_mult, members in zip((1.0, 0.0), groups):
             ids = []
             for rt in members:
-                slots = self.slots[rank].get((rt.chunk, rt.key), {})
-                entry = {k: v for k, v in slots.items() if k != "fp32_param"}
-                if meta.optimizer_step is not None:
-                    entry["step"] = torch.tensor(float(meta.optimizer_step))
+                held = slots.get((rt.chunk, rt.key), {})
+                entry = {k: v for k, v in held.items() if k != "fp32_param"}
+                if self.meta.optimizer_step is not None:
+                    entry["step"] = torch.tensor(float(self.meta.optimizer_step))
                 state[index] = entry
-                if "fp32_param" in slots:
-                    masters.append(slots["fp32_param"])
+                if "fp32_param" in held:
+                    masters.append(held["fp32_param"])
                 ids.append(index)
                 index += 1
-            group = dict(meta.param_group)
+            group = dict(self.meta.param_group)
             group.update(wd_mult=wd_mult, params=ids)
             param_groups.append(group)
         inner = {"state": state, "param_groups": param_groups}
-        if meta.args.bf16:
+        if self.meta.args.bf16:
             # Float16OptimizerWithFloat16Params: fp32 masters per group, in group order
             split = len(groups[0])
             return {"optimizer": inner, "fp32_from_fp16_params": [masters[:split], masters[split:]]}

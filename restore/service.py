@@ -65,12 +65,12 @@ def restore(
     shutil.rmtree(staging, ignore_errors=True)
     os.makedirs(staging)
     try:
-        writer_cls = DistWriter if target.fmt == "megatron-dist" else LegacyWriter
-        writer = writer_cls(reader.arch, target, staging)
         meta = _meta(reader, target, params)
-        for param, model, master, moments in _tensors(reader, target, params, slots, workers, progress):
-            writer.add(param, model, master, moments)
-        files = writer.finish(meta, workers)
+        writer_cls = DistWriter if target.fmt == "megatron-dist" else LegacyWriter
+        writer = writer_cls(reader.arch, target, staging, meta, slots + (["fp32_param"] if slots else []), workers)
+        for param, slot, tensor in _tensors(reader, target, params, slots, workers, progress):
+            writer.add(param, slot, tensor)
+        files = writer.finish()
         _write_record(staging, reader, target)
         with open(os.path.join(staging, TRACKER), "w", encoding="utf-8") as f:
             f.write(str(reader.step))  # written last: Megatron reads the tracker to find the iteration
@@ -85,32 +85,45 @@ def restore(
 
 
 def _tensors(reader: StepReader, target: Target, params: list[Param], slots: list[str], workers: int, progress: bool):
-    """(param, model, fp32 master, moments) per canonical tensor, read in parallel with a bounded window."""
+    """(param, slot, tensor) for every tensor the writer needs: slot None is the weight, ``fp32_param`` the
+    fp32 master (stored, or the weight itself), others optimizer moments.
+
+    Read on a thread pool with a bounded window; from the object tier in manifest order by one reader, so
+    the tier's read-ahead fetches many shards per request.
+    """
     want = DTYPES.get(target.dtype) if target.dtype else None
+    jobs = []  # (param, slot, stored name)
+    for p in params:
+        master = f"{OPT}fp32_param.{p.name}"
+        jobs.append((p, None, master if want == torch.float32 and reader.has(master) else p.name))
+        if slots and reader.has(master):
+            jobs.append((p, "fp32_param", master))
+        jobs.extend((p, s, f"{OPT}{s}.{p.name}") for s in slots)
+    if reader.tier.name == "object":
+        position = {n: i for i, n in enumerate(reader.manifest.tensors)}
+        jobs.sort(key=lambda j: position[j[2]])
+        workers = 1
 
-    def load(param: Param):
-        master_name = f"{OPT}fp32_param.{param.name}"
-        has_master = reader.has(master_name)
-        if want == torch.float32 and has_master:
-            model = reader.tensor(master_name)
-        else:
-            model = reader.tensor(param.name, want)
-        master = reader.tensor(master_name) if (slots and has_master) else None
-        if master is None and slots and model.dtype != torch.float32:
-            master = model.float()
-        moments = {s: reader.tensor(f"{OPT}{s}.{param.name}") for s in slots}
-        return param, model, master, moments
+    def load(job):
+        param, slot, name = job
+        stored = reader.tensor(name)
+        if slot is not None:
+            return [(param, slot, stored.float())]
+        out = [(param, None, stored if want is None else stored.to(want))]
+        if slots and not reader.has(f"{OPT}fp32_param.{param.name}"):
+            out.append((param, "fp32_param", stored.float()))  # no stored master: the weight is the master
+        return out
 
-    bar = _bar(len(params), progress, f"restore step {reader.step}")
+    bar = _bar(len(jobs), progress, f"restore step {reader.step}")
     with ThreadPoolExecutor(max_workers=workers) as pool:
         window: deque = deque()
-        for param in params:
-            window.append(pool.submit(load, param))
+        for job in jobs:
+            window.append(pool.submit(load, job))
             if len(window) >= 2 * workers:
-                yield window.popleft().result()
+                yield from window.popleft().result()
                 bar.update()
         while window:
-            yield window.popleft().result()
+            yield from window.popleft().result()
             bar.update()
     bar.close()
 

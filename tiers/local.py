@@ -182,10 +182,7 @@ class LocalTier(Tier):
             raise FormatError(f"local tier step {manifest.step} {tensor}: expected one zarr array per shard")
         rel = shard.location[0].path
         path = os.path.join(self.root, rel)
-        for f in self._chunk_files(manifest).get(rel, ()):
-            # zarr reads a missing chunk as fill values: a lost file must not look like zeros
-            if not os.path.exists(os.path.join(self.root, f)):
-                raise IntegrityError(f"local tier: {os.path.join(self.root, f)} is missing (listed in the manifest)")
+        listed = self._chunk_files(manifest).get(rel, ())
         try:
             with open(os.path.join(path, "zarr.json"), "rb") as f:
                 meta = json.loads(f.read())
@@ -201,10 +198,18 @@ class LocalTier(Tier):
             whole_rows = all(r.start == 0 and r.stop == n for r, n in zip(region[1:], shard.shape[1:]))
             if chunk is not None and whole_rows and meta.get("data_type") == dt.name:
                 # hot path: uncompressed single-shard array, read the rows asked for directly
-                key = os.path.join(path, "c", *(["0"] * len(shard.shape)))
-                if not os.path.exists(key):
+                key = "/".join([rel, "c", *(["0"] * len(shard.shape))])
+                if key not in listed:
                     return np.zeros(tuple(r.stop - r.start for r in region), dt)  # zarr stored no chunk: all fill
-                return zarr_shard.read_rows(key, shard.shape, dt, chunk[0], region[0].start, region[0].stop)
+                try:
+                    return zarr_shard.read_rows(os.path.join(self.root, key), shard.shape, dt, chunk[0],
+                                                region[0].start, region[0].stop)
+                except FileNotFoundError:
+                    raise IntegrityError(f"local tier: {os.path.join(self.root, key)} is missing (listed in the manifest)") from None
+            for f in listed:
+                # zarr reads a missing chunk as fill values: a lost file must not look like zeros
+                if not os.path.exists(os.path.join(self.root, f)):
+                    raise IntegrityError(f"local tier: {os.path.join(self.root, f)} is missing (listed in the manifest)")
             arr = zarr.open_array(path, mode="r")
             return np.asarray(arr[region]) if shard.shape else np.asarray(arr[...])
         except Exception as e:  # zarr raises plain ValueError/RuntimeError on a bad CRC or metadata

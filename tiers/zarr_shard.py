@@ -85,7 +85,7 @@ def read_rows(path: str, shape: tuple[int, ...], dtype: np.dtype, chunk_rows: in
     """
     row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize
     n_chunks = -(-shape[0] // chunk_rows)
-    out = np.zeros((stop - start, *shape[1:]), dtype=dtype)  # chunks zarr did not store stay fill (0)
+    out = np.empty((stop - start, *shape[1:]), dtype=dtype)
     flat = out.reshape(-1).view(np.uint8)
     with open(path, "rb") as f:
         index_bytes = 16 * n_chunks
@@ -96,9 +96,10 @@ def read_rows(path: str, shape: tuple[int, ...], dtype: np.dtype, chunk_rows: in
         index = np.frombuffer(raw[:-4], dtype="<u8").reshape(n_chunks, 2)
         for c in range(start // chunk_rows, -(-stop // chunk_rows)):
             offset, nbytes = index[c]
-            if offset == _MISSING:
-                continue  # an all-fill chunk zarr chose not to store
             lo, hi = max(start, c * chunk_rows), min(stop, (c + 1) * chunk_rows)
+            if offset == _MISSING:
+                flat[(lo - start) * row_bytes:(hi - start) * row_bytes] = 0  # an all-fill chunk zarr did not store
+                continue
             if nbytes != chunk_rows * row_bytes + 4:
                 raise ValueError(f"{path}: chunk {c} is {nbytes} bytes in the index, expected {chunk_rows * row_bytes + 4}")
             f.seek(int(offset))
