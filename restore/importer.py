@@ -184,11 +184,20 @@ def _args_dict(args: Any) -> dict[str, Any]:
     return {k: v for k, v in raw.items() if isinstance(v, (int, float, str, bool, type(None)))}
 
 
-def _arch_from_args(args: dict[str, Any], arch: ModelArch | None, where: str) -> ModelArch:
+def _arch_from_args(args: dict[str, Any], arch: ModelArch | None, where: str, vocab_rows: int | None = None) -> ModelArch:
+    """The model from ``--arch``, else the checkpoint's args; without a vocabulary size in the args, the
+    stored (padded) embedding rows stand in for it — the true vocabulary is then unknown, and said so."""
     if arch is not None:
         return arch
     if not args:
         raise FormatError(f"{where}: the checkpoint has no args; give the model with --arch FILE.yaml")
+    if not args.get("vocab_size") and not args.get("padded_vocab_size") and vocab_rows:
+        log.warning("%s: args name no vocab_size/padded_vocab_size; using the %d stored embedding rows "
+                    "(give --arch with vocab_size to drop Megatron's padding rows)", where, vocab_rows)
+        args = dict(args, vocab_size=vocab_rows)
+    elif not args.get("vocab_size") and args.get("padded_vocab_size"):
+        log.warning("%s: args name no vocab_size; keeping all %d padded rows as the vocabulary", where,
+                    args["padded_vocab_size"])
     return ModelArch.from_mapping(args, f"{where} args")
 
 
@@ -210,7 +219,8 @@ def _from_legacy(it_dir: str, arch: ModelArch | None, trust_pickle: bool) -> Col
         chunks = sorted(k for k in obj if re.fullmatch(r"model\d*", k))
         vpp = len(chunks) if chunks != ["model"] else 1
         if got is None:
-            a = _arch_from_args(args, arch, path)
+            emb = obj.get(chunks[0], {}).get("embedding.word_embeddings.weight")
+            a = _arch_from_args(args, arch, path, emb.shape[0] * tp if isinstance(emb, torch.Tensor) else None)
             a.check_layout(tp, pp, vpp)
             got = Collected(a, ParallelLayout(tp=tp, pp=pp, vpp=vpp), megatron=_megatron_extra(obj, args))
         spec = _layer_spec(obj[chunks[0]])
@@ -287,9 +297,10 @@ def _from_dist(it_dir: str, arch: ModelArch | None, trust_pickle: bool) -> Colle
     common_path = os.path.join(it_dir, "common.pt")
     common = _torch_load(common_path, trust_pickle) if os.path.isfile(common_path) else {}
     args = _args_dict(common.get("args"))
-    a = _arch_from_args(args, arch, it_dir)
     reader = FileSystemReader(it_dir)
     stored = reader.read_metadata().state_dict_metadata
+    emb = stored.get("embedding.word_embeddings.weight")
+    a = _arch_from_args(args, arch, it_dir, emb.size[0] if isinstance(emb, TensorStorageMetadata) else None)
     state = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype)
              for k, m in stored.items() if isinstance(m, TensorStorageMetadata)}
     dcp.load(state, storage_reader=reader, no_dist=True)

@@ -7,7 +7,6 @@ model shapes), the only optimizer form that survives a TP/PP change.
 """
 from __future__ import annotations
 
-import io
 import json
 import os
 from typing import Any
@@ -21,6 +20,8 @@ from flowcheck.restore.megatron_map import Param, local_suffix
 METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
             "common_backend": "torch", "common_backend_version": 1}
 OPT_PREFIX = "optimizer.state"
+# modules with ``_extra_state`` in megatron-core's local spec (TE adds core_attention)
+_EXTRA_STATE_MODULES = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1", "mlp.linear_fc2")
 
 
 def dist_key(param: Param) -> str:
@@ -82,9 +83,18 @@ class DistWriter:
             json.dump(METADATA, f)
         return sorted(os.path.join(self.it_dir, n) for n in os.listdir(self.it_dir))
 
-    def _objects(self) -> dict[str, io.BytesIO]:
-        """Non-tensor entries Megatron's strict load asks for (per-layer ``_extra_state``)."""
-        return {}
+    def _objects(self) -> dict[str, list]:
+        """Per-layer ``_extra_state`` entries, which Megatron's default strict load asks for.
+
+        Megatron stores a ShardedObject as ``<key>/shard_<layer>_<layers>`` holding ``torch.save([obj])``;
+        DCP torch.saves a non-tensor value, so ``[None]`` (no extra state: local spec, or a fresh TE
+        module) is written as such.
+        """
+        modules = list(_EXTRA_STATE_MODULES)
+        if self.target.spec(self.arch) == "te":
+            modules.append("self_attention.core_attention")
+        n = self.arch.num_layers
+        return {f"decoder.layers.{m}._extra_state/shard_{i}_{n}": [None] for m in modules for i in range(n)}
 
     def _common(self, meta: StepMeta) -> dict[str, Any]:
         common: dict[str, Any] = {
