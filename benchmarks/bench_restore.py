@@ -165,6 +165,35 @@ def main(argv: list[str] | None = None) -> dict:
                 sink["n"] = rep.bytes
             return go
 
+        def fc_read_only() -> None:
+            """flowcheck's read path alone: every tensor read, verified and cut for its ranks; nothing written."""
+            from flowcheck.restore.service import _tensors
+            from flowcheck.restore.source import StepReader
+
+            reader = StepReader.open(sink["store"], STEP, "local")
+            params = reader.params()
+            slots = [x for x in reader.slots() if x not in ("step", "fp32_param")]
+            by_name: dict = {}
+            for rts in rank_rts.values():
+                for rt in rts:
+                    by_name.setdefault(rt.param.name, []).append(rt)
+            n = 0
+            for p, _slot, t in _tensors(reader, Target(tp=TP, pp=PP), params, slots, args.workers, False):
+                for rt in by_name[p.name]:
+                    n += cut(t, rt).nbytes
+            sink["n"] = n
+
+        def raw_write() -> None:
+            """The write bound: the state's bytes written sequentially to one file, then fsync."""
+            os.makedirs(out, exist_ok=True)
+            block = os.urandom(64 << 20)
+            with open(os.path.join(out, "raw.bin"), "wb", buffering=0) as fh:
+                left = nbytes
+                while left > 0:
+                    left -= fh.write(memoryview(block)[:min(left, len(block))])
+                os.fsync(fh.fileno())
+            sink["n"] = nbytes
+
         def dcp_rank(rank) -> dict:
             names = {rt.param.name for rt in rank_rts[rank]}
             keys = sorted(names | {f"optimizer.{s}.{n}" for s in SLOT_NAMES for n in names})
@@ -213,8 +242,12 @@ def main(argv: list[str] | None = None) -> dict:
                    note=f"workers={w}; DCP files fsync'd (sync_files=True) + os.sync"), fc_restore("megatron-dist", "local"),
              fresh_store, clean),
             (c.Row(f"flowcheck restore local -> megatron (legacy) TP{TP}/PP{PP}", nbytes=nbytes,
-                   note=f"workers={w}; torch.save per rank, no fsync in flowcheck; os.sync in timed region"),
+                   note=f"workers={w}; torch.save per rank, each file fsync'd as soon as its rank is complete; + os.sync"),
              fc_restore("megatron", "local"), fresh_store, clean),
+            (c.Row(f"flowcheck read + verify + cut for TP{TP}/PP{PP}, nothing written", nbytes=nbytes,
+                   note=f"workers={w}; the read half of a restore"), fc_read_only, fresh_store, None),
+            (c.Row("raw write + fsync of the same number of bytes (one file)", nbytes=nbytes,
+                   note="the write half's bound on this disk"), raw_write, None, clean),
             (c.Row("DCP load only: 4 ranks x dcp.load(full tensors of the rank's stage)", nbytes=nbytes,
                    note="nothing written; TP peers re-read the same stage (2nd read warm)"), dcp_load_only, None, None),
             (c.Row(f"DCP load + reshard (cut) + torch.save per rank, TP{TP}/PP{PP}", nbytes=nbytes,
@@ -237,7 +270,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     table_rows = [r for r, *_ in rows]
     raw = table_rows[0]
-    fc_dist, fc_leg, dcp_only, dcp_rs = table_rows[1:5]
+    fc_dist, fc_leg, fc_read, raw_w, dcp_only, dcp_rs = table_rows[1:7]
 
     def ratio(a, b) -> float | None:  # b_time / a_time: > 1 means a is faster
         return b.median / a.median if a.times and b.times else None
@@ -248,17 +281,19 @@ def main(argv: list[str] | None = None) -> dict:
         ("flowcheck local megatron (legacy) vs DCP reshard + torch.save (speed-up)", ratio(fc_leg, dcp_rs), ">= 1.5x"),
         ("flowcheck local megatron-dist vs DCP reshard + torch.save (speed-up)", ratio(fc_dist, dcp_rs), ">= 1.5x"),
         ("flowcheck local megatron-dist vs DCP load only (speed-up)", ratio(fc_dist, dcp_only), "-"),
+        ("flowcheck read + verify + cut vs raw read (throughput)", ratio(fc_read, raw), "-"),
+        ("raw write + fsync vs raw read (throughput): the bound on any durable restore", ratio(raw_w, raw), "-"),
     ]
-    if len(table_rows) > 5:
-        s3_ref, fc_obj = table_rows[5:7]
+    if len(table_rows) > 7:
+        s3_ref, fc_obj = table_rows[7:9]
         goals += [("flowcheck object (moto) megatron-dist vs local megatron-dist (throughput)", ratio(fc_obj, fc_dist), "-"),
                   ("flowcheck object (moto) megatron-dist vs boto3 get of every file (throughput)", ratio(fc_obj, s3_ref), "-")]
     goal_md = ["| comparison | ratio | goal |", "|---|---:|---|"]
     goal_md += [f"| {n} | {'–' if v is None else f'{v:.2f}x'} | {g} |" for n, v, g in goals]
     cache = ("page cache dropped before every measurement (cold local reads and DCP file, moto's spooled objects too)"
              if cold and not args.warm else "page cache NOT dropped (warm)")
-    notes = ("- fsync: flowcheck megatron-dist writes with FileSystemWriter(sync_files=True); the legacy writer and the DCP "
-             "alternative use torch.save without fsync. For equal durability every writing measurement calls os.sync() "
+    notes = ("- fsync: flowcheck's writers fsync every file (DCP FileSystemWriter(sync_files=True); legacy: per rank file); the DCP "
+             "alternative uses torch.save without fsync. For equal durability every writing measurement calls os.sync() "
              "inside its timed region.\n"
              "- flowcheck megatron-dist writes the model tensors twice (model + optimizer.state.param, fully_reshardable), "
              "so its output is ~4/3 of the state; legacy output = state + vocab padding. GB/s are of state bytes.\n"

@@ -212,3 +212,16 @@ def test_a_restored_directory_imports_as_a_branch_of_its_step(tmp_path, gqa_stor
     m = import_into(make_store(tmp_path, "resumed"), out, 11)
     assert m.producer.source == "restore"
     assert m.parent.step == 10 and m.parent.manifest_digest == store.manifest(10).digest()
+
+
+@pytest.mark.parametrize("fmt", ["megatron", "megatron-dist"])
+def test_transformer_engine_key_names_round_trip(tmp_path, gqa_store, fmt):
+    store, state, _ = gqa_store
+    out = restore(store, 10, Target(2, 2, 1, fmt, layer_spec="te"), str(tmp_path / "te")).out
+    if fmt == "megatron":
+        obj = torch.load(os.path.join(out, "iter_0000010", "mp_rank_00_000", "model_optim_rng.pt"), weights_only=False)
+        assert "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight" in obj["model"]
+        assert not any("input_layernorm" in k for k in obj["model"])
+    back = make_store(tmp_path, "back")
+    import_into(back, out, 10)
+    _same(back, 10, state)
