@@ -20,6 +20,9 @@ from flowcheck.restore.megatron_common import StepMeta, Target, cut, iter_dirnam
 from flowcheck.restore.megatron_map import Param, RankTensor, chunk_key, rank_tensors
 
 FILE = "model_optim_rng.pt"
+# keys Megatron's _get_param_groups puts in every group (its scheduler reads max_lr/min_lr, lr_mult, wd_mult)
+_MEGATRON_GROUP = {"lr_mult": 1.0, "is_expert_parallel": False, "default_config": True, "is_decoupled_lr": False,
+                   "min_lr": 0.0}
 
 
 class LegacyWriter:
@@ -109,7 +112,8 @@ class LegacyWriter:
                     masters.append(held["fp32_param"])
                 ids.append(index)
                 index += 1
-            group = dict(self.meta.param_group)
+            group = dict(_MEGATRON_GROUP, max_lr=self.meta.param_group.get("lr", 0.0))
+            group.update(self.meta.param_group)  # torch's load_state_dict replaces a group's keys with these
             group.update(wd_mult=wd_mult, params=ids)
             param_groups.append(group)
         inner = {"state": state, "param_groups": param_groups}

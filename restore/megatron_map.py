@@ -151,6 +151,7 @@ def rank_tensors(
 ) -> Iterator[RankTensor]:
     """Every tensor rank (tp_rank, pp_rank) holds, with its chunk, key and parts."""
     first, last = (pp_rank == 0), (pp_rank == pp - 1)
+    tied_output = None
     for param in model_params(arch):
         shape, parts = tp_parts(arch, param, tp, tp_rank)
         if param.layer is not None:
@@ -161,10 +162,12 @@ def rank_tensors(
             if first:
                 yield RankTensor(param, 0, param.name, shape, parts)
             if param.name == "embedding.word_embeddings.weight" and arch.tied and pp > 1 and last:
-                # tied embeddings at PP>1: the last stage keeps its own copy as the output layer
-                yield RankTensor(param, vpp - 1, "output_layer.weight", shape, parts)
+                # tied embeddings at PP>1: the last stage keeps its own copy as the output layer (its last module)
+                tied_output = RankTensor(param, vpp - 1, "output_layer.weight", shape, parts)
         elif last:
             yield RankTensor(param, vpp - 1, param.name, shape, parts)
+    if tied_output is not None:
+        yield tied_output
 
 
 def parse_layer_key(key: str) -> tuple[int, str] | None:

@@ -128,6 +128,37 @@ def load_logits(jobs: list[LoadJob], tp: int, pp: int, vpp: int = 1, timeout: fl
         return [torch.load(os.path.join(d, f"logits_{i}.pt"), weights_only=True) for i in range(len(jobs))]
 
 
+def load_optimizer(jobs: list[LoadJob], tp: int, pp: int, vpp: int = 1, slots=("exp_avg", "exp_avg_sq", "param"),
+                   timeout: float = 300) -> list[dict]:
+    """For torch_dist jobs: the fully_reshardable optimizer state Megatron loads at (tp, pp, vpp), per job a dict
+    {(tp_rank, pp_rank): {(slot, "model"|"model<v>", local param name): tensor}}."""
+    payload = [{"index": i, "ckpt_dir": os.path.abspath(j.ckpt_dir), "fmt": j.fmt, "arch": j.arch, "slots": list(slots)}
+               for i, j in enumerate(jobs)]
+    with _task_dir() as d:
+        _run("optim", payload, tp, pp, vpp, timeout, task_dir=d)
+        results: list[dict] = [{} for _ in jobs]
+        for name in os.listdir(d):
+            if name.startswith("optim_"):
+                i = int(name.split("_")[1])
+                got = torch.load(os.path.join(d, name), weights_only=True)
+                results[i][tuple(got["rank"])] = got["state"]
+        return results
+
+
+def parameter_names(archs: list[dict], tp: int, pp: int, vpp: int = 1, timeout: float = 300) -> list[dict]:
+    """Per arch: {(tp_rank, pp_rank): [(chunk, name, shape), ...]} in named_parameters() order."""
+    payload = [{"index": i, "arch": a} for i, a in enumerate(archs)]
+    with _task_dir() as d:
+        _run("names", payload, tp, pp, vpp, timeout, task_dir=d)
+        results: list[dict] = [{} for _ in archs]
+        for name in os.listdir(d):
+            if name.startswith("names_"):
+                with open(os.path.join(d, name)) as f:
+                    got = json.load(f)
+                results[int(name.split("_")[1])][tuple(got["rank"])] = [(v, n, tuple(s)) for v, n, s in got["names"]]
+        return results
+
+
 def megatron_save(model_dir_ref: str, arch: dict, ckpt_dir: str, fmt: str, tp: int, pp: int, vpp: int = 1) -> None:
     """Megatron itself writes the reference weights as a checkpoint at (tp, pp, vpp): at TP1/PP1 straight
     from model.safetensors, otherwise through a TP1 torch_dist checkpoint that megatron reshards on load."""

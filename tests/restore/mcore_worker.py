@@ -352,7 +352,42 @@ def step_logits(task: dict, job: dict, input_ids: torch.Tensor) -> None:
         torch.save(logits, os.path.join(task["dir"], f"logits_{job['index']}.pt"))
 
 
-STEPS = {"reference": step_reference, "save": step_save, "logits": step_logits}
+def step_optim(task: dict, job: dict, input_ids: torch.Tensor) -> None:
+    """Load the fully_reshardable optimizer state of a torch_dist checkpoint the way Megatron's distributed
+    optimizer asks for it: for every model ShardedTensor (or SwiGLU factory), one per slot with the key
+    ``optimizer.state.<slot>.<model key>`` and the model param's local shape; save what each rank got."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+    from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
+
+    _, _, vpp = _layout()
+    chunks = build_chunks(job["arch"], task["tp"], task["pp"], task["vpp"])
+    iter_dir, _ = read_tracker(job["ckpt_dir"])
+    model_sd = sharded_model_state(chunks, {"singleton_local_shards": False})
+    request = {}
+    for slot in job["slots"]:
+        for ck, entries in model_sd.items():
+            for name, sh in entries.items():
+                if isinstance(sh, (ShardedTensor, ShardedTensorFactory)):
+                    request[f"{slot}|{ck}|{name}"] = make_sharded_optimizer_tensor(
+                        sh, torch.empty_like(sh.data), prefix=f"optimizer.state.{slot}")
+    loaded = dist_checkpointing.load(request, iter_dir)
+    rank = (parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank())
+    out = {tuple(k.split("|")): v.clone() for k, v in loaded.items() if "|" in k}  # (common state comes too)
+    torch.save({"rank": rank, "state": out}, os.path.join(task["dir"], f"optim_{job['index']}_{dist.get_rank()}.pt"))
+
+
+def step_names(task: dict, job: dict, input_ids: torch.Tensor) -> None:
+    """Each rank's trainable parameters in named_parameters() order per chunk: the order Megatron's
+    (non-distributed) optimizer indexes its state by."""
+    chunks = build_chunks(job["arch"], task["tp"], task["pp"], task["vpp"])
+    rank = (parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank())
+    names = [(v, n, list(p.shape)) for v, c in enumerate(chunks) for n, p in c.named_parameters() if p.requires_grad]
+    with open(os.path.join(task["dir"], f"names_{job['index']}_{dist.get_rank()}.json"), "w") as f:
+        json.dump({"rank": list(rank), "names": names}, f)
+
+
+STEPS = {"reference": step_reference, "save": step_save, "logits": step_logits, "optim": step_optim,
+         "names": step_names}
 
 
 # ---------------------------------------------------------------- processes
