@@ -130,12 +130,16 @@ def load_logits(jobs: list[LoadJob], tp: int, pp: int, vpp: int = 1, timeout: fl
 
 def load_optimizer(jobs: list[LoadJob], tp: int, pp: int, vpp: int = 1, slots=("exp_avg", "exp_avg_sq", "param"),
                    timeout: float = 300) -> list[dict]:
-    """For torch_dist jobs: the fully_reshardable optimizer state Megatron loads at (tp, pp, vpp), per job a dict
+    """The optimizer state Megatron loads at (tp, pp, vpp) — torch_dist: fully_reshardable sharded tensors;
+    legacy: the non-distributed optimizer's torch state_dict — per job a dict
     {(tp_rank, pp_rank): {(slot, "model"|"model<v>", local param name): tensor}}."""
     payload = [{"index": i, "ckpt_dir": os.path.abspath(j.ckpt_dir), "fmt": j.fmt, "arch": j.arch, "slots": list(slots)}
                for i, j in enumerate(jobs)]
+    op = {"megatron-dist": "optim", "megatron": "legacy_optim"}
+    if len({j.fmt for j in jobs}) != 1:
+        raise ValueError("load_optimizer: give jobs of one format per call")
     with _task_dir() as d:
-        _run("optim", payload, tp, pp, vpp, timeout, task_dir=d)
+        _run(op[jobs[0].fmt], payload, tp, pp, vpp, timeout, task_dir=d)
         results: list[dict] = [{} for _ in jobs]
         for name in os.listdir(d):
             if name.startswith("optim_"):

@@ -376,6 +376,32 @@ def step_optim(task: dict, job: dict, input_ids: torch.Tensor) -> None:
     torch.save({"rank": rank, "state": out}, os.path.join(task["dir"], f"optim_{job['index']}_{dist.get_rank()}.pt"))
 
 
+def step_legacy_optim(task: dict, job: dict, input_ids: torch.Tensor) -> None:
+    """Load a legacy checkpoint's optimizer state the way Megatron's non-distributed FP32Optimizer does:
+    param groups from megatron's _get_param_groups, groups matched by _filter_and_reorder_param_groups,
+    then torch's load_state_dict; save each named parameter's state per rank."""
+    from megatron.core.optimizer import OptimizerConfig, _get_param_groups
+    from megatron.core.optimizer.optimizer import MegatronOptimizer
+
+    _, _, vpp = _layout()
+    chunks = build_chunks(job["arch"], task["tp"], task["pp"], task["vpp"])
+    load_legacy(chunks, job["arch"], job["ckpt_dir"])
+    iter_dir, _ = read_tracker(job["ckpt_dir"])
+    tp_rank, pp_rank = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank()
+    sub = f"mp_rank_{tp_rank:02d}" if task["pp"] == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+    saved = torch.load(os.path.join(iter_dir, sub, "model_optim_rng.pt"), weights_only=False)["optimizer"]
+    groups = _get_param_groups(chunks, OptimizerConfig(optimizer="adam", lr=1e-3, min_lr=0.0, weight_decay=0.1), None)
+    opt = torch.optim.Adam(groups, lr=1e-3)
+    saved["param_groups"] = MegatronOptimizer._filter_and_reorder_param_groups(opt.param_groups, saved["param_groups"])
+    opt.load_state_dict(saved)
+    out = {}
+    for v, c in enumerate(chunks):
+        for n, prm in c.named_parameters():
+            for slot, t in opt.state[prm].items():
+                out[(slot, chunk_key(v, vpp), n)] = t.clone()
+    torch.save({"rank": (tp_rank, pp_rank), "state": out}, os.path.join(task["dir"], f"optim_{job['index']}_{dist.get_rank()}.pt"))
+
+
 def step_names(task: dict, job: dict, input_ids: torch.Tensor) -> None:
     """Each rank's trainable parameters in named_parameters() order per chunk: the order Megatron's
     (non-distributed) optimizer indexes its state by."""
@@ -387,7 +413,7 @@ def step_names(task: dict, job: dict, input_ids: torch.Tensor) -> None:
 
 
 STEPS = {"reference": step_reference, "save": step_save, "logits": step_logits, "optim": step_optim,
-         "names": step_names}
+         "names": step_names, "legacy_optim": step_legacy_optim}
 
 
 # ---------------------------------------------------------------- processes

@@ -90,10 +90,12 @@ def test_checkpoint_written_by_megatron_imports_and_restores_elsewhere(imported)
         assert (logits - want[name]).abs().max().item() <= 1e-5
 
 
-@pytest.mark.parametrize("tp,pp,vpp", [(2, 2, 1), (4, 1, 1), (1, 2, 2)])
-def test_megatron_loads_optimizer_moments_bit_exact(imported, tmp_path, tp, pp, vpp):
-    """torch_dist fully_reshardable: what Megatron's distributed optimizer reads back per rank equals our
-    canonical moments cut by the split rules, bit for bit."""
+@pytest.mark.parametrize("fmt,tp,pp,vpp", [("megatron-dist", 2, 2, 1), ("megatron-dist", 4, 1, 1),
+                                            ("megatron-dist", 1, 2, 2), ("megatron", 2, 2, 2), ("megatron", 4, 1, 1)])
+def test_megatron_loads_optimizer_moments_bit_exact(imported, tmp_path, fmt, tp, pp, vpp):
+    """What Megatron's optimizer reads back per rank (torch_dist: the fully_reshardable sharded tensors;
+    legacy: the non-distributed optimizer's state by parameter index) equals our canonical moments cut by
+    the split rules, bit for bit."""
     from safetensors.torch import load_file, save_file
 
     from flowcheck.restore.megatron_common import cut
@@ -109,23 +111,27 @@ def test_megatron_loads_optimizer_moments_bit_exact(imported, tmp_path, tp, pp, 
         state[f"optimizer.exp_avg.{k}"] = torch.randn(state[k].shape, generator=g)
         state[f"optimizer.exp_avg_sq.{k}"] = torch.rand(state[k].shape, generator=g)
     src = str(tmp_path / "with-optim.safetensors")
-    save_file(state, src, metadata={k: __import__("json").dumps(v) for k, v in arch.to_json().items()})
+    meta = {k: __import__("json").dumps(v) for k, v in arch.to_json().items()}
+    save_file(state, src, metadata=dict(meta, optimizer_step="7"))
     store = make_store(tmp_path, "optim")
     import_into(store, src, 100)
     out = str(tmp_path / "ck")
-    restore(store, 100, Target(tp, pp, vpp, "megatron-dist"), out)
-    (per_rank,) = mcore.load_optimizer([mcore.LoadJob(out, "megatron-dist", mcore.ARCHS[name])], tp, pp, vpp)
+    restore(store, 100, Target(tp, pp, vpp, fmt), out)
+    (per_rank,) = mcore.load_optimizer([mcore.LoadJob(out, fmt, mcore.ARCHS[name])], tp, pp, vpp)
     assert len(per_rank) == tp * pp
     checked = 0
     for (t, p), got in per_rank.items():
         rts = {(chunk_key(vpp, rt.chunk), rt.key): rt for rt in rank_tensors(arch, tp, pp, vpp, t, p)}
         for (slot, ck, key), tensor in got.items():
+            if slot == "step":
+                assert tensor.item() == 7.0 if fmt == "megatron" else True
+                continue
             rt = rts[ck, key]
             canonical = state[rt.param.name if slot == "param" else f"optimizer.{slot}.{rt.param.name}"]
             want = cut(canonical[: arch.vocab_size] if rt.param.role == "vocab" else canonical, rt)
             assert torch.equal(tensor, want), (slot, t, p, key)
             checked += 1
-    assert checked >= 3 * len(rts)
+    assert checked >= (3 if fmt == "megatron-dist" else 2) * len(rts)
 
 
 @pytest.mark.parametrize("tp,pp,vpp", [(2, 2, 2), (4, 2, 1)])
