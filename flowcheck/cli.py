@@ -53,6 +53,24 @@ def _store(config_path: str | None, progress: bool = False, run: str | None = No
     return open_store(cfg, progress=progress)
 
 
+def _reading_store(config_path: str | None, run: str | None, progress: bool = False):
+    """The store to read from: ``--run``, else the config's run — or, when that run has no step and the
+    local tier holds exactly one run, that one (``--run`` may be left out when the store holds one run)."""
+    store = _store(config_path, progress=progress, run=run)
+    if run is not None or any(t.steps() for t in store.tiers(include_memory=False)):
+        return store
+    root = store.config.tiers.local.root
+    try:
+        runs = [d for d in sorted(os.listdir(root))
+                if os.path.isdir(os.path.join(root, d)) and any(n.startswith("step-") for n in os.listdir(os.path.join(root, d)))]
+    except OSError:
+        return store
+    if len(runs) == 1:
+        log.info("run %r has no steps; reading the store's only run %r", store.config.run, runs[0])
+        return _store(config_path, progress=progress, run=runs[0])
+    return store
+
+
 def _step_arg(step: str) -> int | str:
     if step == "latest":
         return step
@@ -215,7 +233,7 @@ def export(config_path, step, run, fmt, out, prefer, no_optim):
     from flowcheck.restore import export_file
     from flowcheck.restore.source import open_step
 
-    store = _store(config_path, run=run)
+    store = _reading_store(config_path, run)
     tier, m = open_step(store, _step_arg(step), prefer)
     size, digest = export_file(tier, m, out, fmt=fmt, include_optimizer=not no_optim)
     click.echo(f"exported step {m.step} from the {tier.name} tier to {out} ({_size(size)}, {digest})")
@@ -255,7 +273,7 @@ def restore(config_path, step, run, tp, pp, vpp, fmt, prefer, no_optim, dtype, l
     from flowcheck.restore.megatron_common import Target
     from flowcheck.restore.service import restore as do_restore
 
-    store = _store(config_path, progress=True, run=run)
+    store = _reading_store(config_path, run, progress=True)
     target = Target(tp=tp, pp=pp, vpp=vpp, fmt=fmt, dtype=dtype, optim=not no_optim, layer_spec=layer_spec)
     arch = load_arch(arch_path) if arch_path else None
     rep = do_restore(store, _step_arg(step), target, out, prefer=prefer, arch=arch, force=force,

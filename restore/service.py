@@ -24,6 +24,7 @@ from flowcheck.restore.megatron_dist import DistWriter
 from flowcheck.restore.megatron_legacy import LegacyWriter
 from flowcheck.restore.megatron_map import Param
 from flowcheck.restore.source import MEGATRON_KEY, OPT, StepReader
+from flowcheck.tiers.durable import fsync_dir, make_tree_durable
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +75,9 @@ def restore(
         _write_record(staging, reader, target)
         with open(os.path.join(staging, TRACKER), "w", encoding="utf-8") as f:
             f.write(str(reader.step))  # written last: Megatron reads the tracker to find the iteration
+        make_tree_durable(staging, "fsync")  # data files are already synced: this covers small files and dirs
         _replace_dir(staging, out)
+        fsync_dir(os.path.dirname(out))
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise

@@ -187,7 +187,8 @@ def test_cli_import_restore_export(tmp_path):
     assert r.exit_code == 0, r.output
     assert "committed step 100 of run gpt" in r.output
     out = str(tmp_path / "ck")
-    r = run(main, ["restore", "--config", cfg, "--run", "gpt", "--step", "latest", "--tp", "2", "--pp", "2",
+    # --run left out: the store holds one run
+    r = run(main, ["restore", "--config", cfg, "--step", "latest", "--tp", "2", "--pp", "2",
                    "--format", "megatron", "--out", out])
     assert r.exit_code == 0, r.output
     assert "mp_rank_01_001/model_optim_rng.pt" in r.output
