@@ -1,4 +1,4 @@
-"""The `flowcheck` command line: list, show, snapshot, promote, export, restore, import, audit, lineage, gc, demo.
+"""The `flowcheck` command line: list, show, snapshot, promote, export, restore, import, serve, audit, lineage, gc, demo.
 
 Every command takes ``--config FILE`` (or $FLOWCHECK_CONFIG; the embedded
 defaults otherwise).  FlowcheckErrors print as one line and exit 2; audit
@@ -284,6 +284,40 @@ def restore(config_path, step, run, tp, pp, vpp, fmt, prefer, no_optim, dtype, l
     )
     for f in rep.files:
         click.echo(f"  {os.path.relpath(f, rep.out)}")
+
+
+@main.command()
+@_config_option
+@_handled
+def serve(config_path):
+    """Run a checkpoint node: take trainers' pushes into RAM, snapshot per the policy, serve the control API.
+
+    Listens on serve.push for Checkpointer pushes and serve.http (loopback by default) for
+    /status /steps /snapshot /resync /metrics. SIGTERM or Ctrl-C: stop taking pushes, finish
+    the snapshot in flight, exit.
+
+    \b
+    Example:
+      flowcheck serve --config configs/node.yaml
+    """
+    import signal
+    import threading
+
+    from flowcheck import config as config_mod
+    from flowcheck.node.service import Node
+
+    node = Node(config_mod.load(config_path)).start()
+    click.echo(f"flowcheck node: run {node.config.run}; push tcp://{node.receiver.address[0]}:{node.receiver.address[1]}; "
+               f"control http://{node.api.address[0]}:{node.api.address[1]}", err=True)
+
+    def _stop(signum, _frame):
+        click.echo(f"flowcheck node: {signal.Signals(signum).name}: finishing work in flight", err=True)
+        threading.Thread(target=node.stop, daemon=True).start()
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    node.wait()
+    click.echo("flowcheck node: stopped", err=True)
 
 
 @main.command(name="import")

@@ -122,12 +122,35 @@ class SigningConfig:
 
 
 @dataclass(frozen=True)
+class ServeConfig:
+    """The checkpoint node (``flowcheck serve``): where trainers push, where the control API listens."""
+
+    push: str = "127.0.0.1:7377"  # HOST:PORT of the push listener (trainers: Checkpointer(node="tcp://HOST:PORT"))
+    http: str = "127.0.0.1:7378"  # HOST:PORT of the HTTP control API; loopback unless you mean otherwise
+    part_timeout_s: float = 60.0  # a step whose senders do not all arrive in time is aborted (never half-applied)
+
+    def __post_init__(self) -> None:
+        for name in ("push", "http"):
+            value = getattr(self, name)
+            host, _, port = str(value).rpartition(":")
+            if not host or not port.isdigit() or not 0 <= int(port) < 65536:
+                raise ConfigError(f"serve.{name}: expected HOST:PORT, found {value!r}")
+        _positive("serve", "part_timeout_s", self.part_timeout_s)
+
+    @staticmethod
+    def split(value: str) -> tuple[str, int]:
+        host, _, port = value.rpartition(":")
+        return host.strip("[]"), int(port)
+
+
+@dataclass(frozen=True)
 class Config:
     run: str = "default"
     node: str = ""  # producer node name; empty = this host's name
     tiers: TiersConfig = TiersConfig()
     policy: PolicyConfig = PolicyConfig()
     signing: SigningConfig = SigningConfig()
+    serve: ServeConfig = ServeConfig()
 
     def __post_init__(self) -> None:
         try:

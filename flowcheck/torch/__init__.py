@@ -1,4 +1,4 @@
-"""flowcheck for PyTorch trainers: state dicts <-> snapshots (the push checkpointer builds on this)."""
+"""flowcheck for PyTorch trainers: state dicts <-> snapshots, and the push Checkpointer."""
 from flowcheck.torch.state import (
     capture_rng,
     restore_rng,
@@ -8,3 +8,11 @@ from flowcheck.torch.state import (
 )
 
 __all__ = ["capture_rng", "restore_rng", "snapshot_from_torch", "to_numpy", "torch_state_from_snapshot"]
+
+
+def __getattr__(name: str):
+    if name in ("Checkpointer", "Coordinates"):  # lazy: importing flowcheck.torch stays cheap
+        from flowcheck.torch import checkpointer
+
+        return getattr(checkpointer, name)
+    raise AttributeError(name)

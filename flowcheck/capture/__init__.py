@@ -1,0 +1,1 @@
+"""Capture: how training state reaches a checkpoint node (push from trainers; mirror capture comes later)."""

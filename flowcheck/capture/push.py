@@ -1,0 +1,368 @@
+"""Push capture, node side: receive trainers' frames and apply each complete step to the memory tier.
+
+Every sender (trainer rank) sends its part of a step; a step becomes visible in RAM only when every
+part is in and every payload digest checks.  Once the memory tier holds a state of the same layout,
+parts are received straight into its arrays inside one ``update(step)`` (copy-on-write keeps a snapshot
+in flight intact), so the node holds the state about once; a part that fails or a sender that vanishes
+aborts the update, which marks the state stale — never a torn or unverified step.
+"""
+from __future__ import annotations
+
+import logging
+import socket
+import socketserver
+import threading
+import time
+from dataclasses import dataclass, field
+from multiprocessing import shared_memory
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from flowcheck import dtypes
+from flowcheck.capture.wire import WireError, recv_exact, recv_header, reply
+from flowcheck.errors import FlowcheckError
+from flowcheck.manifest import ParentRef
+from flowcheck.state import ParallelLayout, Scalars, Shard, Snapshot, StateLayout, TensorSpec
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PushStats:
+    """Counters the node exports as metrics."""
+
+    frames: int = 0
+    bytes: int = 0
+    steps: int = 0
+    rejected: int = 0
+    aborted_steps: int = 0
+    last_step: int | None = None
+    last_receive_s: float = 0.0
+    errors: list[str] = field(default_factory=list)
+
+    def error(self, msg: str) -> None:
+        self.errors = (self.errors + [msg])[-20:]
+
+
+@dataclass(frozen=True)
+class ShardRef:
+    shard: Shard
+    at: int
+    nbytes: int
+
+
+def parse_part(header: dict[str, Any]) -> tuple[StateLayout, list[ShardRef], int]:
+    """The layout a part belongs to, its shards (payload offsets) and payload size; WireError if malformed."""
+    try:
+        specs = tuple(TensorSpec(t["name"], t["dtype"], tuple(t["shape"]), t.get("role", "replicated"))
+                      for t in header["tensors"])
+        layout = StateLayout(specs, ParallelLayout(**header.get("source_layout", {})))
+        sizes = {s.name: dtypes.dtype(s.dtype).itemsize for s in specs}
+        refs, end = [], 0
+        for s in header["shards"]:
+            shard = Shard(s["tensor"], tuple(s["offsets"]), tuple(s["shape"]))
+            nbytes = int(np.prod(shard.shape, dtype=np.int64)) * sizes[shard.tensor]
+            if int(s["at"]) != end:
+                raise WireError(f"shard {shard.tensor} at byte {s['at']}, expected {end} (shards are back to back)")
+            if not shard.within(layout.spec(shard.tensor)):
+                raise WireError(f"shard {shard.tensor} {shard.offsets}+{shard.shape} lies outside its global shape")
+            refs.append(ShardRef(shard, end, nbytes))
+            end += nbytes
+        size = int(header["payload"]["bytes"])
+    except WireError:
+        raise
+    except (KeyError, TypeError, ValueError, FlowcheckError) as e:
+        raise WireError(f"push header: {type(e).__name__}: {e}") from e
+    if size != end:
+        raise WireError(f"push header: payload of {size} bytes, but its shards need {end}")
+    return layout, refs, size
+
+
+class _OpenStep:
+    """One step being received: the memory tier update in progress, and which senders are still due."""
+
+    def __init__(self, step: int, senders: int) -> None:
+        self.step, self.senders = step, senders
+        self.done: set[int] = set()
+        self.failed: str | None = None
+        self.cond = threading.Condition()
+        self.update = None  # memory tier _Update while receiving in place
+        self.fresh: dict[Shard, np.ndarray] = {}  # first state / new layout: received into new arrays
+        self.layout: StateLayout | None = None
+        self.scalars: Scalars | None = None
+        self.fresh_ready = False  # no in-place update possible: parts go to new arrays
+        self.shards: set[Shard] = set()
+        self.parent = None  # ParentRef the sender resumed from, if any
+        self.opened = time.monotonic()
+
+
+class PushReceiver:
+    """Receives push frames on a TCP listener and applies complete steps to ``store``'s memory tier."""
+
+    def __init__(self, store: Any, host: str = "127.0.0.1", port: int = 0, *, part_timeout_s: float = 60.0,
+                 on_step=None) -> None:
+        self.store, self.part_timeout_s, self.on_step = store, part_timeout_s, on_step
+        self.stats = PushStats()
+        self._lock = threading.Lock()
+        self._open: _OpenStep | None = None
+        self._applier: threading.Thread | None = None
+        receiver = self
+
+        class Handler(socketserver.BaseRequestHandler):
+            def handle(self) -> None:
+                receiver._serve(self.request)
+
+        socketserver.ThreadingTCPServer.allow_reuse_address = True
+        self.server = socketserver.ThreadingTCPServer((host, port), Handler)
+        self.server.daemon_threads = True
+        self.address = self.server.server_address
+        self._thread = threading.Thread(target=self.server.serve_forever, name="push-listener", daemon=True)
+
+    def start(self) -> PushReceiver:
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        with self._lock:
+            current = self._open
+        if current is not None:
+            self._fail(current, "node shutting down")
+
+    # ---- one connection -------------------------------------------------------------
+    def _serve(self, sock: socket.socket) -> None:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        while True:
+            try:
+                header = recv_header(sock)
+            except (ConnectionError, OSError):
+                return
+            except WireError as e:
+                self.stats.rejected += 1
+                self.stats.error(str(e))
+                try:
+                    reply(sock, "error", message=str(e))
+                finally:
+                    return
+            kind = header["kind"]
+            if kind == "hello":
+                reply(sock, "ack", node=self.store.config.node or socket.gethostname(), run=self.store.config.run)
+                continue
+            if kind != "push":
+                reply(sock, "error", message=f"unknown frame kind {kind!r}")
+                return
+            try:
+                self._receive_part(sock, header)
+                reply(sock, "ack", step=header.get("step"))
+            except WireError as e:
+                self.stats.rejected += 1
+                self.stats.error(str(e))
+                reply(sock, "error", message=str(e))
+            except (ConnectionError, OSError) as e:
+                log.warning("push: sender lost mid-part: %s", e)
+                return
+
+    def _receive_part(self, sock: socket.socket, header: dict[str, Any]) -> None:
+        t0 = time.monotonic()
+        layout, refs, size = parse_part(header)
+        run, step = header.get("run"), header.get("step")
+        if run != self.store.config.run:
+            self._drain(sock, header, size)
+            raise WireError(f"push for run {run!r}, but this node serves run {self.store.config.run!r}")
+        if not isinstance(step, int) or step < 0:
+            self._drain(sock, header, size)
+            raise WireError(f"push header: step must be a non-negative integer, found {step!r}")
+        senders, sender = int(header.get("senders", 1)), int(header.get("sender", 0))
+        opened = self._join(step, senders, layout)
+        try:
+            digest = self._read_payload(sock, header, refs, size, opened)
+            want = header["payload"].get("digest")
+            if digest != want:
+                raise WireError(f"step {step} part {sender}: payload digest {digest} != header {want}")
+        except BaseException as e:
+            self._fail(opened, f"part {sender} of step {step}: {e}")
+            raise
+        with opened.cond:
+            if sender == 0 or opened.scalars is None:
+                opened.scalars = Scalars.from_json(header.get("scalars") or {})
+                opened.parent = _parent(header.get("parent"))
+            opened.done.add(sender)
+            opened.cond.notify_all()
+        self.stats.frames += 1
+        self.stats.bytes += size
+        self.stats.last_receive_s = time.monotonic() - t0
+
+    def _drain(self, sock: socket.socket, header: dict[str, Any], size: int) -> None:
+        if not header.get("payload", {}).get("shm"):
+            left = size
+            while left:
+                left -= len(recv_exact(sock, min(left, 1 << 20)))
+
+    def _read_payload(self, sock, header, refs: list[ShardRef], size: int, opened: _OpenStep) -> str:
+        """Copy the payload into the step's arrays, hashing on the way; the xxh3-128 of the whole payload."""
+        h = xxhash.xxh3_128()
+        shm_name = header["payload"].get("shm")
+        if shm_name:
+            seg = _attach(shm_name)
+            try:
+                if seg.size < size:
+                    raise WireError(f"shared memory {shm_name!r} holds {seg.size} bytes, the header says {size}")
+                self._copy_from_segment(seg, refs, opened, h)
+            finally:
+                seg.close()
+        else:
+            for ref in refs:
+                if ref.nbytes:
+                    view = self._destination(opened, ref).reshape(-1).view(np.uint8)
+                    recv_exact(sock, ref.nbytes, memoryview(view))
+                    h.update(view)
+                else:
+                    self._destination(opened, ref)
+        return "xxh3-128:" + h.hexdigest()
+
+    def _copy_from_segment(self, seg: shared_memory.SharedMemory, refs: list[ShardRef], opened: _OpenStep, h) -> None:
+        # every view of the segment dies with this frame, so the segment can be closed afterwards
+        whole = np.frombuffer(seg.buf, np.uint8)
+        try:
+            for ref in refs:
+                dest = self._destination(opened, ref)
+                if ref.nbytes:
+                    src = whole[ref.at:ref.at + ref.nbytes]
+                    np.copyto(dest.reshape(-1).view(np.uint8), src)
+                    h.update(src)
+        finally:
+            del whole
+
+    def _destination(self, opened: _OpenStep, ref: ShardRef) -> np.ndarray:
+        spec = opened.layout.spec(ref.shard.tensor)
+        if opened.update is not None:
+            if ref.shard not in opened.shards:
+                # the RAM state is cut differently: this step aborts (stale) and the next push replaces it whole
+                raise WireError(f"shard {ref.shard.tensor} {ref.shard.offsets} is not cut as the RAM state's shards")
+            return opened.update.array(ref.shard)
+        arr = np.empty(ref.shard.shape, dtype=dtypes.dtype(spec.dtype).storage)
+        with opened.cond:
+            opened.fresh[ref.shard] = arr
+        return arr
+
+    # ---- assembling a step -----------------------------------------------------------
+    def _join(self, step: int, senders: int, layout: StateLayout) -> _OpenStep:
+        """The open step ``step`` (opening it, after the previous one closed, if this is its first part)."""
+        while True:
+            with self._lock:
+                current = self._open
+                if current is not None and current.step == step:
+                    if layout.digest() != current.layout.digest() and not _same_tensors(layout, current.layout):
+                        raise WireError(f"step {step}: senders disagree on the model layout")
+                    return current
+                if current is None:
+                    opened = _OpenStep(step, senders)
+                    opened.layout = layout
+                    self._open = opened
+                    self._applier = threading.Thread(target=self._apply, args=(opened,), name=f"push-step-{step}",
+                                                     daemon=True)
+                    self._applier.start()
+                    with opened.cond:
+                        while opened.update is None and opened.failed is None and not opened.fresh_ready:
+                            opened.cond.wait()
+                    return opened
+                waiting_for = current
+            # another step is still being received: wait for it to close (back-pressure on this sender)
+            with waiting_for.cond:
+                waiting_for.cond.wait_for(lambda: self._open is not waiting_for, timeout=self.part_timeout_s)
+
+    def _apply(self, opened: _OpenStep) -> None:
+        """Hold the memory tier's update open while parts arrive; publish the step when all are in."""
+        memory = self.store.memory
+        in_place = memory._layout is not None and _same_tensors(memory._layout, opened.layout) and not memory.stale
+        try:
+            if in_place:
+                with memory.update(opened.step) as u:
+                    with opened.cond:
+                        opened.shards = set(u.shards())
+                        opened.update = u
+                        opened.cond.notify_all()
+                    self._wait_parts(opened)
+                    u.scalars = opened.scalars
+                if opened.parent is not None:
+                    memory.head = opened.parent
+            else:
+                with opened.cond:
+                    opened.fresh_ready = True
+                    opened.cond.notify_all()
+                self._wait_parts(opened)
+                self._write_fresh(opened)
+            self.stats.steps += 1
+            self.stats.last_step = opened.step
+            if self.on_step is not None:
+                self.on_step(opened.step)
+        except Exception as e:  # noqa: BLE001 - an aborted step is reported, the node keeps serving
+            self.stats.aborted_steps += 1
+            self.stats.error(f"step {opened.step} aborted: {e}")
+            log.warning("push: step %d aborted (%s); the RAM state is stale until the next full push", opened.step, e)
+        finally:
+            with self._lock:
+                if self._open is opened:
+                    self._open = None
+            with opened.cond:
+                opened.cond.notify_all()
+
+    def _wait_parts(self, opened: _OpenStep) -> None:
+        with opened.cond:
+            ok = opened.cond.wait_for(lambda: len(opened.done) >= opened.senders or opened.failed is not None,
+                                      timeout=self.part_timeout_s)
+            if opened.failed is not None:
+                raise FlowcheckError(opened.failed)
+            if not ok:
+                raise FlowcheckError(f"only {len(opened.done)} of {opened.senders} senders' parts arrived "
+                                     f"within {self.part_timeout_s:.0f} s")
+
+    def _write_fresh(self, opened: _OpenStep) -> None:
+        if opened.parent is not None:  # the trainer resumed from a stored step: a new branch of its lineage
+            self.store.memory.head = opened.parent
+        covered = {s for s in opened.fresh}
+        layout = opened.layout
+        missing = [t.name for t in layout.tensors if not any(s.tensor == t.name for s in covered)]
+        if missing:
+            raise FlowcheckError(f"step {opened.step}: no sender sent {missing[:5]}")
+        snap = Snapshot(self.store.config.run, opened.step, layout, dict(opened.fresh), opened.scalars or Scalars(),
+                        source="push")
+        self.store.push(snap)
+
+    def _fail(self, opened: _OpenStep, reason: str) -> None:
+        with opened.cond:
+            if opened.failed is None:
+                opened.failed = reason
+            opened.cond.notify_all()
+
+
+def _parent(raw: Any) -> ParentRef | None:
+    if not isinstance(raw, dict):
+        return None
+    try:
+        return ParentRef(int(raw["step"]), str(raw["manifest_digest"]))
+    except (KeyError, TypeError, ValueError) as e:
+        raise WireError(f"push header: parent: expected {{step, manifest_digest}}, found {raw!r}") from e
+
+
+def _same_tensors(a: StateLayout, b: StateLayout) -> bool:
+    return {(t.name, t.dtype, t.shape) for t in a.tensors} == {(t.name, t.dtype, t.shape) for t in b.tensors}
+
+
+def _attach(name: str) -> shared_memory.SharedMemory:
+    """Open the sender's segment without adopting it (the sender unlinks it, not this process)."""
+    if not isinstance(name, str) or "/" in name or len(name) > 250:
+        raise WireError(f"push header: bad shared memory name {name!r}")
+    try:
+        return shared_memory.SharedMemory(name=name, create=False, track=False)
+    except TypeError:  # Python < 3.13: attaching registers the segment with this process's resource tracker
+        from multiprocessing import resource_tracker
+
+        seg = shared_memory.SharedMemory(name=name, create=False)
+        resource_tracker.unregister(seg._name, "shared_memory")  # noqa: SLF001
+        return seg
+    except FileNotFoundError as e:
+        raise WireError(f"shared memory {name!r} does not exist: is the sender on another host?") from e

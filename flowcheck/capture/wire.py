@@ -1,0 +1,82 @@
+"""The push wire format between a trainer's Checkpointer and a checkpoint node.
+
+A frame is ``MAGIC | u32 header length | header JSON | u32 CRC32C of the header | payload``.  The
+header names the run, step, sender, its part of the step, every shard (canonical name, global shape,
+role, offsets, shape, byte offset in the payload) and the payload's xxh3-128 digest; the payload is the
+shards' bytes back to back — over the socket (``tcp://``), or left in a shared-memory segment the node
+reads in place (``shm`` payloads, same host: no copy through the socket).  The node answers every frame
+with a small JSON reply frame (``ack`` or ``error``).  A damaged header or payload is refused, never
+stored.
+"""
+from __future__ import annotations
+
+import json
+import socket
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import google_crc32c
+
+from flowcheck.errors import FormatError
+
+MAGIC = b"FCPUSH1\x00"
+MAX_HEADER = 64 << 20  # a header lists every shard; 64 MiB is far beyond any real model's table
+_LEN = struct.Struct("<I")
+
+
+class WireError(FormatError):
+    """A frame that is not what the protocol says: bad magic, header, CRC, digest or length."""
+
+
+@dataclass(frozen=True)
+class Frame:
+    header: dict[str, Any]
+    payload: memoryview | None = None
+
+
+def encode_header(header: dict[str, Any]) -> bytes:
+    raw = json.dumps(header, separators=(",", ":"), allow_nan=False).encode()
+    return MAGIC + _LEN.pack(len(raw)) + raw + _LEN.pack(google_crc32c.value(raw))
+
+
+def send_frame(sock: socket.socket, header: dict[str, Any], payload: memoryview | bytes | None = None) -> None:
+    sock.sendall(encode_header(header))
+    if payload is not None and len(payload):
+        sock.sendall(payload)
+
+
+def recv_exact(sock: socket.socket, n: int, into: memoryview | None = None) -> memoryview:
+    """Exactly n bytes (into ``into`` when given); ConnectionError if the peer closes early."""
+    buf = into if into is not None else memoryview(bytearray(n))
+    got = 0
+    while got < n:
+        k = sock.recv_into(buf[got:n], n - got)
+        if k == 0:
+            raise ConnectionError(f"peer closed the connection after {got} of {n} bytes")
+        got += k
+    return buf[:n]
+
+
+def recv_header(sock: socket.socket) -> dict[str, Any]:
+    head = bytes(recv_exact(sock, len(MAGIC) + 4))
+    if head[: len(MAGIC)] != MAGIC:
+        raise WireError(f"expected frame magic {MAGIC!r}, found {head[:len(MAGIC)]!r}: not a flowcheck push peer")
+    (size,) = _LEN.unpack(head[len(MAGIC):])
+    if size > MAX_HEADER:
+        raise WireError(f"frame header of {size} bytes exceeds the {MAX_HEADER}-byte limit")
+    raw = bytes(recv_exact(sock, size + 4))
+    body, crc = raw[:size], _LEN.unpack(raw[size:])[0]
+    if google_crc32c.value(body) != crc:
+        raise WireError("frame header fails its CRC32C: damaged in transit")
+    try:
+        header = json.loads(body)
+    except ValueError as e:
+        raise WireError(f"frame header is not JSON ({e})") from e
+    if not isinstance(header, dict) or not isinstance(header.get("kind"), str):
+        raise WireError(f"frame header: expected an object with a 'kind', found {type(header).__name__}")
+    return header
+
+
+def reply(sock: socket.socket, kind: str, **fields: Any) -> None:
+    send_frame(sock, {"kind": kind, **fields})

@@ -1,0 +1,1 @@
+"""The checkpoint node: push receiver, memory tier, policy and control API in one process."""

@@ -1,0 +1,89 @@
+"""The node's HTTP control API (aiohttp, loopback by default): /status /steps /snapshot /resync /metrics."""
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from typing import Any
+
+from flowcheck.errors import FlowcheckError
+
+
+class ControlAPI:
+    """Runs an aiohttp app on its own event-loop thread next to the node's worker threads."""
+
+    def __init__(self, node: Any, host: str, port: int) -> None:
+        self.node, self.host, self.port = node, host, port
+        self.loop = asyncio.new_event_loop()
+        self.address: tuple[str, int] = (host, port)
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="control-api", daemon=True)
+
+    def start(self) -> ControlAPI:
+        self._thread.start()
+        self._ready.wait(30)
+        if self._error is not None:
+            raise FlowcheckError(f"control API cannot listen on {self.host}:{self.port}: {self._error}") from self._error
+        return self
+
+    def stop(self) -> None:
+        if self.loop.is_running():
+            asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self.loop).result(10)
+            self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+
+    def _run(self) -> None:
+        from aiohttp import web
+
+        asyncio.set_event_loop(self.loop)
+        app = web.Application()
+        app.add_routes([
+            web.get("/status", self._status), web.get("/steps", self._steps), web.post("/snapshot", self._snapshot),
+            web.get("/resync", self._resync_get), web.post("/resync", self._resync), web.get("/metrics", self._metrics),
+        ])
+        self._runner = web.AppRunner(app, access_log=None)
+        try:
+            self.loop.run_until_complete(self._runner.setup())
+            site = web.TCPSite(self._runner, self.host, self.port)
+            self.loop.run_until_complete(site.start())
+            sock = site._server.sockets[0]  # noqa: SLF001 - the bound port when 0 was asked
+            self.address = sock.getsockname()[:2]
+        except BaseException as e:  # noqa: BLE001
+            self._error = e
+            self._ready.set()
+            return
+        self._ready.set()
+        self.loop.run_forever()
+
+    @staticmethod
+    def _json(data: Any, status: int = 200):
+        from aiohttp import web
+
+        return web.Response(text=json.dumps(data, default=str), status=status, content_type="application/json")
+
+    async def _status(self, request):
+        return self._json(self.node.status())
+
+    async def _steps(self, request):
+        return self._json(self.node.steps())
+
+    async def _snapshot(self, request):
+        """Persist the RAM state to the local tier now (what the policy does every K steps)."""
+        try:
+            m = await asyncio.get_running_loop().run_in_executor(None, self.node.store.snapshot)
+        except FlowcheckError as e:
+            return self._json({"error": str(e)}, 409)
+        return self._json({"step": m.step, "digest": m.digest(), "tier": "local"})
+
+    async def _resync_get(self, request):
+        return self._json({"resync": self.node.resync})
+
+    async def _resync(self, request):
+        reason = request.query.get("reason", "requested over the control API")
+        return self._json({"resync": self.node.request_resync(reason)})
+
+    async def _metrics(self, request):
+        from aiohttp import web
+
+        return web.Response(text=self.node.metrics(), content_type="text/plain")

@@ -1,0 +1,364 @@
+"""The trainer-side Checkpointer: lazy asynchronous push of the training state to a checkpoint node.
+
+DataStates-LLM's recipe: one host buffer per rank, allocated once and reused (pinned when CUDA is
+present; a shared-memory segment when the node is on the same host, so the node reads it in place);
+``save(step)`` returns at once and a side thread copies every tensor into its slice of the buffer
+while forward/backward run; ``wait()`` — called by a hook right before ``optimizer.step()`` — is the
+only point that blocks; then the buffer streams to the node.  A save asked while the previous one is
+still in flight is coalesced (skipped) or waits, bounded by ``timeout_s``; a slow or dead node is
+reported (``stats``, log) and training goes on.
+
+Data-parallel replicas are not sent N times: each DP rank sends a disjoint share of the tensors
+(FFTrainer's "Checkpoint Razor"), and the manifest's ``scalars.extra.push`` says so.
+"""
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from multiprocessing import shared_memory
+from typing import Any
+from urllib.parse import urlparse
+
+import numpy as np
+import torch
+import xxhash
+
+from flowcheck import dtypes
+from flowcheck.capture.wire import recv_header, send_frame
+from flowcheck.errors import ConfigError, FlowcheckError
+from flowcheck.state import ParallelLayout
+from flowcheck.torch.state import _flatten_optimizer, _json_ready, capture_rng, param_names_of
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Coordinates:
+    """Where this trainer rank sits: data-parallel rank/size (TP/PP come from Megatron when present)."""
+
+    dp_rank: int = 0
+    dp: int = 1
+    tp_rank: int = 0
+    tp: int = 1
+    pp_rank: int = 0
+    pp: int = 1
+
+    @classmethod
+    def detect(cls) -> Coordinates:
+        """From megatron.core.parallel_state when initialised, else torch.distributed (all ranks DP), else 1."""
+        import sys
+
+        ps = sys.modules.get("megatron.core.parallel_state")  # only if the trainer uses Megatron (it is slow to import)
+        if ps is not None:
+            if ps.model_parallel_is_initialized():
+                return cls(ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(),
+                           ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size(),
+                           ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size())
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            return cls(torch.distributed.get_rank(), torch.distributed.get_world_size())
+        return cls()
+
+    @property
+    def sender(self) -> int:
+        return (self.pp_rank * self.tp + self.tp_rank) * self.dp + self.dp_rank
+
+    @property
+    def senders(self) -> int:
+        return self.dp * self.tp * self.pp
+
+
+@dataclass
+class CheckpointerStats:
+    saves: int = 0
+    sent: int = 0
+    coalesced: int = 0
+    failures: int = 0
+    blocked_s: float = 0.0  # total time wait() blocked the trainer
+    last_copy_s: float = 0.0
+    last_send_s: float = 0.0
+    last_error: str | None = None
+    buffer_bytes: int = 0
+
+
+@dataclass
+class _Entry:
+    name: str
+    tensor: torch.Tensor
+    at: int
+    nbytes: int
+
+
+@dataclass
+class _Job:
+    step: int
+    scalars: dict[str, Any]
+    copied: threading.Event = field(default_factory=threading.Event)
+    done: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
+
+
+class Checkpointer:
+    """Push a trainer's state to a checkpoint node every ``save(step)``; block only in ``wait()``.
+
+    Example::
+
+        ckpt = Checkpointer(model, optimizer, lr_scheduler=sched, node="tcp://127.0.0.1:7377", run="gpt")
+        for step, batch in enumerate(data):
+            loss = model(batch).loss; loss.backward()
+            optimizer.step()          # the hook calls ckpt.wait() first
+            optimizer.zero_grad()
+            ckpt.save(step + 1)       # returns at once; the copy overlaps the next forward/backward
+        ckpt.close()
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, lr_scheduler: Any = None,
+                 *, node: str, run: str, extra: Any = None, coords: Coordinates | None = None,
+                 budget_mib: float | None = None, on_busy: str = "wait", timeout_s: float = 30.0,
+                 transport: str = "auto", hook: bool = True, rng: bool = True) -> None:
+        if on_busy not in ("wait", "coalesce"):
+            raise ConfigError(f"on_busy: expected 'wait' or 'coalesce', found {on_busy!r}")
+        if transport not in ("auto", "tcp", "shm"):
+            raise ConfigError(f"transport: expected 'auto', 'tcp' or 'shm', found {transport!r}")
+        url = urlparse(node)
+        if url.scheme != "tcp" or not url.hostname or not url.port:
+            raise ConfigError(f"node: expected tcp://HOST:PORT, found {node!r}")
+        self.model, self.optimizer, self.lr_scheduler = model, optimizer, lr_scheduler
+        self.address = (url.hostname, url.port)
+        self.run, self.extra, self.rng = run, extra, rng
+        self.coords = coords or Coordinates.detect()
+        self.budget = None if budget_mib is None else int(budget_mib * (1 << 20))
+        self.on_busy, self.timeout_s = on_busy, timeout_s
+        self.shm = transport == "shm" or (transport == "auto" and url.hostname in ("127.0.0.1", "localhost", "::1"))
+        self.stats = CheckpointerStats()
+        self.parent: dict[str, Any] | None = None  # set by load(): the next pushes descend from that step
+        self._entries: list[_Entry] = []
+        self._specs: list[dict[str, Any]] = []
+        self._signature: tuple | None = None
+        self._buffer: torch.Tensor | None = None
+        self._segment: shared_memory.SharedMemory | None = None
+        self._sock: socket.socket | None = None
+        self._job: _Job | None = None
+        self._lock = threading.Lock()
+        self._closed = False
+        if hook and optimizer is not None:
+            self._hook = optimizer.register_step_pre_hook(lambda *_: self.wait())
+
+    # ---- the trainer's calls ---------------------------------------------------------------
+    def save(self, step: int) -> bool:
+        """Start pushing the state as of now under ``step``; False if coalesced (a save still in flight)."""
+        self.stats.saves += 1
+        with self._lock:
+            job = self._job
+        if job is not None and not job.done.is_set():
+            if self.on_busy == "coalesce" or not job.done.wait(self.timeout_s):
+                self.stats.coalesced += 1
+                return False
+        tensors = self._tensors()
+        self._plan(tensors)
+        job = _Job(step, self._scalars())
+        with self._lock:
+            self._job = job
+        threading.Thread(target=self._run, args=(job,), name=f"flowcheck-push-{step}", daemon=True).start()
+        return True
+
+    def wait(self) -> None:
+        """Block until the state of the last save is copied out (call before mutating parameters)."""
+        job = self._job
+        if job is None or job.copied.is_set():
+            return
+        t0 = time.perf_counter()
+        job.copied.wait()
+        self.stats.blocked_s += time.perf_counter() - t0
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait for the last save to reach the node; True if it was acknowledged."""
+        job = self._job
+        if job is None:
+            return True
+        job.done.wait(timeout if timeout is not None else self.timeout_s)
+        return job.done.is_set() and job.error is None
+
+    def load(self, step: int | str = "latest", *, store: Any = None, config: str | None = None, prefer: str = "auto") -> int:
+        """Bring the trainer back to a stored step (model, optimizer, scheduler, RNG); later pushes descend
+        from it, so a run that diverges after a restore is a branch in the lineage.  Returns the step."""
+        from flowcheck.restore.source import open_step
+        from flowcheck.store import open_store
+        from flowcheck.torch.state import restore_rng, torch_state_from_snapshot
+
+        store = store if store is not None else open_store(config)
+        tier, manifest = open_step(store, step, prefer)
+        snap = tier.load(manifest.step)
+        model_sd, opt_sd = torch_state_from_snapshot(snap)
+        self.model.load_state_dict(model_sd)
+        if self.optimizer is not None and opt_sd is not None:
+            self.optimizer.load_state_dict(opt_sd)
+        if self.lr_scheduler is not None and snap.scalars.lr_scheduler is not None:
+            self.lr_scheduler.load_state_dict(snap.scalars.lr_scheduler)
+        if self.rng and snap.scalars.rng:
+            restore_rng(snap.scalars.rng)
+        self.parent = {"step": manifest.step, "manifest_digest": manifest.digest()}
+        return manifest.step
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.flush()
+        if getattr(self, "_hook", None) is not None:
+            self._hook.remove()
+        if self._sock is not None:
+            self._sock.close()
+        if self._segment is not None:
+            self._segment.close()
+            self._segment.unlink()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ---- what is sent ------------------------------------------------------------------------
+    def _tensors(self) -> dict[str, torch.Tensor]:
+        state = {k: v for k, v in self.model.state_dict(keep_vars=False).items() if isinstance(v, torch.Tensor)}
+        if self.optimizer is not None:
+            names = param_names_of(self.model)
+            opt_tensors, _, _ = _flatten_optimizer(self.optimizer.state_dict(), names)
+            state.update(opt_tensors)
+        return state
+
+    def _plan(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Assign this rank's share (DP razor: every dp-th tensor) slices of the host buffer, once."""
+        signature = tuple((k, t.dtype, tuple(t.shape)) for k, t in tensors.items())
+        if signature == self._signature:
+            for e in self._entries:
+                e.tensor = tensors[e.name]
+            return
+        names = sorted(tensors)
+        mine = [n for i, n in enumerate(names) if i % self.coords.dp == self.coords.dp_rank]
+        entries, at = [], 0
+        for n in mine:
+            t = tensors[n]
+            nbytes = t.numel() * t.element_size()
+            entries.append(_Entry(n, t, at, nbytes))
+            at += nbytes
+        if self.budget is not None and at > self.budget:
+            raise FlowcheckError(f"Checkpointer: this rank's share of the state is {at / 2**20:.1f} MiB, over the "
+                                 f"host memory budget of {self.budget / 2**20:.1f} MiB")
+        self._allocate(at)
+        self._entries, self._signature = entries, signature
+        self._specs = [{"name": n, "dtype": dtypes.from_torch(tensors[n].dtype).name, "shape": list(tensors[n].shape),
+                        "role": "replicated"} for n in names]
+
+    def _allocate(self, nbytes: int) -> None:
+        if self._segment is not None:
+            self._segment.close()
+            self._segment.unlink()
+            self._segment = None
+        if self.shm:
+            self._segment = shared_memory.SharedMemory(create=True, size=max(nbytes, 1))
+            self._buffer = torch.frombuffer(self._segment.buf, dtype=torch.uint8, count=max(nbytes, 1))
+        else:
+            buf = torch.empty(max(nbytes, 1), dtype=torch.uint8)
+            self._buffer = buf.pin_memory() if torch.cuda.is_available() else buf
+        self.stats.buffer_bytes = nbytes
+
+    def _scalars(self) -> dict[str, Any]:
+        opt = None
+        step_count = None
+        if self.optimizer is not None:
+            _, opt, step_count = _flatten_optimizer(self.optimizer.state_dict(), param_names_of(self.model))
+        sched = self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None
+        extra = dict(self.extra() if callable(self.extra) else (self.extra or {}))
+        c = self.coords
+        extra["push"] = {"dp": c.dp, "tp": c.tp, "pp": c.pp,
+                         "dedup": "each tensor is sent by one data-parallel rank (round-robin by name)"}
+        return {"optimizer_step": step_count, "optimizer": opt,
+                "lr_scheduler": _json_ready(sched, "lr_scheduler.state_dict()") if sched is not None else None,
+                "rng": capture_rng() if self.rng else {}, "extra": _json_ready(extra, "extra")}
+
+    # ---- the side thread -----------------------------------------------------------------------
+    def _run(self, job: _Job) -> None:
+        try:
+            t0 = time.perf_counter()
+            self._copy()
+            self.stats.last_copy_s = time.perf_counter() - t0
+        except BaseException as e:  # noqa: BLE001
+            job.error = e
+            job.copied.set()
+            job.done.set()
+            self._failed(job, e)
+            return
+        job.copied.set()
+        try:
+            t0 = time.perf_counter()
+            self._send(job)
+            self.stats.last_send_s = time.perf_counter() - t0
+            self.stats.sent += 1
+        except BaseException as e:  # noqa: BLE001 - the trainer goes on; the failure is reported
+            job.error = e
+            self._failed(job, e)
+        finally:
+            job.done.set()
+
+    def _copy(self) -> None:
+        buf = self._buffer
+        stream = torch.cuda.Stream() if torch.cuda.is_available() else None
+        with torch.no_grad(), (torch.cuda.stream(stream) if stream is not None else _null()):
+            for e in self._entries:
+                if e.nbytes:
+                    src = e.tensor.detach().reshape(-1).view(torch.uint8)
+                    buf[e.at:e.at + e.nbytes].copy_(src, non_blocking=stream is not None)
+        if stream is not None:
+            stream.synchronize()
+
+    def _send(self, job: _Job) -> None:
+        view = memoryview(self._buffer.numpy())[: self.stats.buffer_bytes]
+        digest = "xxh3-128:" + xxhash.xxh3_128_hexdigest(view)
+        c = self.coords
+        header = {
+            "kind": "push", "run": self.run, "step": job.step, "sender": c.sender, "senders": c.senders,
+            "source_layout": {"tp": c.tp, "pp": c.pp, "dp": c.dp}, "tensors": self._specs,
+            "shards": [{"tensor": e.name, "offsets": [0] * e.tensor.dim(), "shape": list(e.tensor.shape), "at": e.at}
+                       for e in self._entries],
+            "scalars": job.scalars, "parent": self.parent,
+            "payload": {"bytes": self.stats.buffer_bytes, "digest": digest,
+                        "shm": self._segment.name if self._segment is not None else None},
+        }
+        sock = self._connect()
+        try:
+            send_frame(sock, header, None if self._segment is not None else view)
+            answer = recv_header(sock)
+        except (OSError, FlowcheckError):
+            self._drop()
+            raise
+        if answer.get("kind") != "ack":
+            raise FlowcheckError(f"node refused step {job.step}: {answer.get('message')}")
+
+    def _connect(self) -> socket.socket:
+        if self._sock is None:
+            sock = socket.create_connection(self.address, timeout=self.timeout_s)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._sock = sock
+        return self._sock
+
+    def _drop(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None  # reconnect on the next save
+
+    def _failed(self, job: _Job, e: BaseException) -> None:
+        self.stats.failures += 1
+        self.stats.last_error = f"step {job.step}: {type(e).__name__}: {e}"
+        log.warning("checkpoint push of step %d failed (%s); training continues", job.step, e)
+
+
+class _null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
