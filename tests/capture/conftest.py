@@ -1,0 +1,96 @@
+"""A checkpoint node in its own process (`flowcheck serve`), on free loopback ports, for the push suites."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class NodeProcess:
+    def __init__(self, root: str, run: str = "gpt", every_steps: int = 1000, part_timeout_s: float = 10.0) -> None:
+        self.root, self.run = root, run
+        self.push_port, self.http_port = free_port(), free_port()
+        self.config = os.path.join(root, "node.yaml")
+        with open(self.config, "w") as f:
+            f.write(
+                f"run: {run}\ntiers:\n  local:\n    root: {root}/local\n  object:\n    url: file://{root}/object\n"
+                f"policy:\n  local:\n    every_steps: {every_steps}\n  object:\n    every_seconds: null\n"
+                f"serve:\n  push: 127.0.0.1:{self.push_port}\n  http: 127.0.0.1:{self.http_port}\n"
+                f"  part_timeout_s: {part_timeout_s}\n"
+            )
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"tcp://127.0.0.1:{self.push_port}"
+
+    def start(self) -> NodeProcess:
+        self.log = open(os.path.join(self.root, "node.log"), "ab")
+        self.proc = subprocess.Popen([sys.executable, "-m", "flowcheck", "serve", "--config", self.config],
+                                     stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"node exited {self.proc.returncode}: {self.tail()}")
+            try:
+                self.get("/status")
+                return self
+            except OSError:
+                time.sleep(0.2)
+        raise RuntimeError(f"node did not answer in 60 s: {self.tail()}")
+
+    def tail(self) -> str:
+        with open(os.path.join(self.root, "node.log"), errors="replace") as f:
+            return f.read()[-3000:]
+
+    def get(self, path: str) -> dict:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.http_port}{path}", timeout=10) as r:
+            body = r.read().decode()
+        return json.loads(body) if body.startswith("{") else {"text": body}
+
+    def post(self, path: str) -> tuple[int, dict]:
+        req = urllib.request.Request(f"http://127.0.0.1:{self.http_port}{path}", method="POST", data=b"")
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    def wait_step(self, step: int, timeout: float = 30) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            s = self.get("/status")
+            if s["memory"]["step"] == step:
+                return s
+            time.sleep(0.05)
+        raise AssertionError(f"node never reached step {step}: {self.get('/status')}")
+
+    def kill(self, sig: int = signal.SIGKILL) -> int:
+        self.proc.send_signal(sig)
+        code = self.proc.wait(60)
+        self.log.close()
+        return code
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.kill(signal.SIGTERM)
+
+
+@pytest.fixture
+def node(tmp_path):
+    n = NodeProcess(str(tmp_path)).start()
+    yield n
+    n.stop()

@@ -1,0 +1,196 @@
+"""Trainer Checkpointer -> `flowcheck serve` node in another process: bit-exact, never torn, never partial."""
+from __future__ import annotations
+
+import socket
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from flowcheck.capture.wire import send_frame
+from flowcheck.store import open_store
+from flowcheck.torch.checkpointer import Checkpointer
+
+from .conftest import NodeProcess
+
+
+def _model(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def _train_step(model, opt, gen) -> float:
+    x = torch.randn(16, 32, generator=gen)
+    loss = model(x).pow(2).mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.item()
+
+
+def _expected(model, opt) -> dict[str, np.ndarray]:
+    from flowcheck.torch.state import _flatten_optimizer, param_names_of
+
+    out = {k: v.detach().clone().numpy() for k, v in model.state_dict().items()}
+    tensors, _, _ = _flatten_optimizer(opt.state_dict(), param_names_of(model))
+    out.update({k: v.detach().clone().numpy() for k, v in tensors.items()})
+    return out
+
+
+def _stored(node: NodeProcess, step: int) -> dict[str, np.ndarray]:
+    status, body = node.post("/snapshot")
+    assert status == 200 and body["step"] == step, body
+    store = open_store(node.config)
+    m = store.local.manifest(step)
+    return {n: store.local.read(step, n) for n in m.tensors}
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_pushed_state_reaches_ram_and_local_tier_bit_for_bit(node, transport):
+    model, opt = _model()
+    gen = torch.Generator().manual_seed(1)
+    with Checkpointer(model, opt, node=node.url, run="gpt", transport=transport, timeout_s=20) as ck:
+        for step in range(1, 6):
+            _train_step(model, opt, gen)
+            assert ck.save(step)
+        assert ck.flush(20), ck.stats.last_error
+    node.wait_step(5)
+    want, got = _expected(model, opt), _stored(node, 5)
+    assert set(want) == set(got)
+    for name in want:
+        assert np.array_equal(want[name], got[name]), name
+
+
+def test_no_torn_snapshot_when_parameters_change_right_after_wait(node):
+    model, opt = _model()
+    gen = torch.Generator().manual_seed(2)
+    _train_step(model, opt, gen)
+    ck = Checkpointer(model, opt, node=node.url, run="gpt", transport="shm")
+    before = _expected(model, opt)
+    ck.save(1)
+    ck.wait()  # the only blocking point: after it the trainer may change everything
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    for state in opt.state.values():
+        state["exp_avg"].mul_(-3.0)
+    assert ck.flush(20), ck.stats.last_error
+    ck.close()
+    got = _stored(node, 1)
+    for name in before:
+        assert np.array_equal(before[name], got[name]), name
+
+
+def test_the_optimizer_hook_makes_step_wait_for_the_copy(node):
+    model, opt = _model()
+    ck = Checkpointer(model, opt, node=node.url, run="gpt")
+    gen = torch.Generator().manual_seed(3)
+    _train_step(model, opt, gen)
+    ck.save(1)
+    _train_step(model, opt, gen)  # optimizer.step() runs the hook: wait() before any parameter changes
+    assert ck._job.copied.is_set()
+    assert ck.flush(20)
+    ck.close()
+
+
+def test_a_dead_node_never_blocks_training_and_a_restarted_node_recovers(tmp_path):
+    node = NodeProcess(str(tmp_path)).start()
+    model, opt = _model()
+    gen = torch.Generator().manual_seed(4)
+    ck = Checkpointer(model, opt, node=node.url, run="gpt", timeout_s=2)
+    _train_step(model, opt, gen)
+    ck.save(1)
+    assert ck.flush(20)
+    node.post("/snapshot")
+    node.kill()  # SIGKILL: no goodbye
+    t0 = time.monotonic()
+    for step in range(2, 6):
+        _train_step(model, opt, gen)
+        ck.save(step)
+    ck.flush(5)
+    assert time.monotonic() - t0 < 15, "training was held up by a dead node"
+    assert ck.stats.failures >= 1 and "step" in (ck.stats.last_error or "")
+    node.start()  # same config: recovers its view from the local tier
+    status = node.get("/status")
+    assert status["tiers"]["local"] == 1 and status["memory"]["parent"] == 1
+    ck.save(6)  # reconnects
+    assert ck.flush(20), ck.stats.last_error
+    node.wait_step(6)
+    ck.close()
+    node.stop()
+
+
+def test_a_sender_lost_mid_payload_leaves_no_partial_step(node):
+    model, opt = _model()
+    gen = torch.Generator().manual_seed(5)
+    ck = Checkpointer(model, opt, node=node.url, run="gpt", transport="tcp")
+    _train_step(model, opt, gen)
+    ck.save(1)
+    assert ck.flush(20)
+    node.wait_step(1)
+    # a trainer dies halfway through the payload of step 2
+    header = _header_like(ck, step=2)
+    with socket.create_connection(("127.0.0.1", node.push_port)) as s:
+        send_frame(s, header)
+        s.sendall(b"\0" * (header["payload"]["bytes"] // 2))
+    deadline = time.monotonic() + 20
+    while node.get("/status")["push"]["aborted_steps"] < 1 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    status = node.get("/status")
+    assert status["push"]["aborted_steps"] == 1 and status["memory"]["step"] != 2
+    code, body = node.post("/snapshot")
+    assert code == 409 or body.get("step") == 1  # stale state refuses; never a step-2 mixture
+    assert 2 not in open_store(node.config).local.steps()
+    # the next full push heals the node
+    _train_step(model, opt, gen)
+    ck.save(3)
+    assert ck.flush(20), ck.stats.last_error
+    node.wait_step(3)
+    ck.close()
+
+
+def _header_like(ck: Checkpointer, step: int) -> dict:
+    specs = ck._specs
+    shards, at = [], 0
+    for e in ck._entries:
+        shards.append({"tensor": e.name, "offsets": [0] * e.tensor.dim(), "shape": list(e.tensor.shape), "at": at})
+        at += e.nbytes
+    return {"kind": "push", "run": "gpt", "step": step, "sender": 0, "senders": 1, "source_layout": {},
+            "tensors": specs, "shards": shards, "scalars": {}, "payload": {"bytes": at, "digest": "xxh3-128:" + "0" * 32}}
+
+
+def test_a_corrupted_payload_is_refused_and_reported(node):
+    model, opt = _model()
+    ck = Checkpointer(model, opt, node=node.url, run="gpt", transport="tcp")
+    gen = torch.Generator().manual_seed(6)
+    _train_step(model, opt, gen)
+    ck.save(1)
+    assert ck.flush(20)
+    node.wait_step(1)
+    header = _header_like(ck, step=2)
+    with socket.create_connection(("127.0.0.1", node.push_port)) as s:
+        send_frame(s, header, b"\1" * header["payload"]["bytes"])
+        from flowcheck.capture.wire import recv_header
+
+        answer = recv_header(s)
+    assert answer["kind"] == "error" and "digest" in answer["message"]
+    assert node.get("/status")["memory"]["step"] != 2
+    ck.close()
+
+
+def test_sigterm_stops_the_node_cleanly(node):
+    model, opt = _model()
+    with Checkpointer(model, opt, node=node.url, run="gpt") as ck:
+        ck.save(1)
+        assert ck.flush(20)
+    node.wait_step(1)
+    node.post("/snapshot")
+    assert node.kill(15) == 0
+    local = open_store(node.config).local
+    assert local.steps() == [1]
+    import os
+
+    leftovers = [n for n in os.listdir(os.path.join(node.root, "local", "gpt")) if n.endswith(".tmp")]
+    assert not leftovers
