@@ -85,10 +85,21 @@ class CheckpointerStats:
 
 @dataclass
 class _Entry:
-    name: str
-    tensor: torch.Tensor
+    name: str  # canonical tensor name
+    tensor: torch.Tensor  # the box of the local tensor this entry copies
     at: int
     nbytes: int
+    offsets: list[int]  # of the box in the canonical global tensor
+    local: str  # local state-dict (or optimizer.<slot>.<param>) name
+    view: Any  # local tensor -> the box
+
+
+def _identity(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def _slicer(dest: tuple[slice, ...]):
+    return lambda t: t[dest]
 
 
 @dataclass
@@ -117,7 +128,7 @@ class Checkpointer:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, lr_scheduler: Any = None,
                  *, node: str, run: str, extra: Any = None, coords: Coordinates | None = None,
                  budget_mib: float | None = None, on_busy: str = "wait", timeout_s: float = 30.0,
-                 transport: str = "auto", hook: bool = True, rng: bool = True) -> None:
+                 transport: str = "auto", hook: bool = True, rng: bool = True, arch: Any = None) -> None:
         if on_busy not in ("wait", "coalesce"):
             raise ConfigError(f"on_busy: expected 'wait' or 'coalesce', found {on_busy!r}")
         if transport not in ("auto", "tcp", "shm"):
@@ -129,6 +140,7 @@ class Checkpointer:
         self.address = (url.hostname, url.port)
         self.run, self.extra, self.rng = run, extra, rng
         self.coords = coords or Coordinates.detect()
+        self.arch = arch  # flowcheck.restore.arch.ModelArch: needed for TP/PP trainers (global offsets)
         self.budget = None if budget_mib is None else int(budget_mib * (1 << 20))
         self.on_busy, self.timeout_s = on_busy, timeout_s
         self.shm = transport == "shm" or (transport == "auto" and url.hostname in ("127.0.0.1", "localhost", "::1"))
@@ -231,27 +243,82 @@ class Checkpointer:
         return state
 
     def _plan(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Assign this rank's share (DP razor: every dp-th tensor) slices of the host buffer, once."""
+        """Cut this rank's share into shards (DP razor: every dp-th shard) and give each a slice of the host
+        buffer — once; later saves only refresh the tensor references."""
         signature = tuple((k, t.dtype, tuple(t.shape)) for k, t in tensors.items())
         if signature == self._signature:
             for e in self._entries:
-                e.tensor = tensors[e.name]
+                e.tensor = e.view(tensors[e.local])
             return
-        names = sorted(tensors)
-        mine = [n for i, n in enumerate(names) if i % self.coords.dp == self.coords.dp_rank]
+        specs, shards = self._cut(tensors) if self.arch is not None else self._whole(tensors)
+        shards.sort(key=lambda sh: (sh[0], sh[1]))
+        mine = [sh for i, sh in enumerate(shards) if i % self.coords.dp == self.coords.dp_rank]
         entries, at = [], 0
-        for n in mine:
-            t = tensors[n]
+        for name, offsets, local, view in mine:
+            t = view(tensors[local])
             nbytes = t.numel() * t.element_size()
-            entries.append(_Entry(n, t, at, nbytes))
+            entries.append(_Entry(name, t, at, nbytes, offsets, local, view))
             at += nbytes
         if self.budget is not None and at > self.budget:
             raise FlowcheckError(f"Checkpointer: this rank's share of the state is {at / 2**20:.1f} MiB, over the "
                                  f"host memory budget of {self.budget / 2**20:.1f} MiB")
         self._allocate(at)
-        self._entries, self._signature = entries, signature
-        self._specs = [{"name": n, "dtype": dtypes.from_torch(tensors[n].dtype).name, "shape": list(tensors[n].shape),
-                        "role": "replicated"} for n in names]
+        self._entries, self._signature, self._specs = entries, signature, specs
+
+    def _whole(self, tensors: dict[str, torch.Tensor]):
+        """A plain (data-parallel only) trainer: every tensor whole, under its state-dict name."""
+        c = self.coords
+        if c.tp > 1 or c.pp > 1:
+            raise ConfigError("Checkpointer: a tensor/pipeline-parallel trainer must pass arch= (a "
+                              "flowcheck.restore.arch.ModelArch) so its shards are recorded in the global index space")
+        specs = [{"name": n, "dtype": dtypes.from_torch(t.dtype).name, "shape": list(t.shape), "role": "replicated"}
+                 for n, t in sorted(tensors.items())]
+        return specs, [(n, [0] * t.dim(), n, _identity) for n, t in tensors.items()]
+
+    def _cut(self, tensors: dict[str, torch.Tensor]):
+        """A Megatron-style trainer: local tensors become boxes of the canonical global tensors (the rules
+        restore uses), so restore can reassemble them at any other layout; TP-replicated boxes and the
+        tied output layer's copy are sent by one rank only."""
+        from flowcheck.restore.megatron_map import model_params, rank_tensors
+
+        c, arch = self.coords, self.arch
+        spec_name = "te" if any(".layer_norm_weight" in k for k in tensors) else "local"
+        rts = {rt.key: rt for rt in rank_tensors(arch, c.tp, c.pp, 1, c.tp_rank, c.pp_rank, spec_name)}
+        slots = sorted({k.split(".", 2)[1] for k in tensors if k.startswith("optimizer.")})
+        dtype_of = {}
+        shards = []
+        for local, t in tensors.items():
+            slot, key = (local.split(".", 2)[1], local.split(".", 2)[2]) if local.startswith("optimizer.") else (None, local)
+            rt = rts.get(key)
+            if rt is None:
+                raise ConfigError(f"Checkpointer: {key!r} is not a tensor of the described model at "
+                                  f"TP={c.tp} PP={c.pp} (rank tp={c.tp_rank} pp={c.pp_rank})")
+            name = rt.param.name if slot is None else f"optimizer.{slot}.{rt.param.name}"
+            dtype_of[name] = dtypes.from_torch(t.dtype).name
+            if t.dim() == 0:  # per-parameter scalars (Adam's step): one copy, from TP rank 0
+                if c.tp_rank == 0 and key == rt.key and not (key == "output_layer.weight" and arch.tied):
+                    shards.append((name, [], local, _identity))
+                continue
+            if tuple(t.shape) != rt.shape:
+                raise ConfigError(f"Checkpointer: {key}: local shape {list(t.shape)}, the model description "
+                                  f"says {list(rt.shape)} at TP={c.tp}")
+            if key == "output_layer.weight" and arch.tied:
+                continue  # the last stage's copy of the word embedding: the first stage sends it
+            if rt.param.role == "replicated" and c.tp_rank != 0:
+                continue
+            for part in rt.parts:
+                if not part.pad:
+                    shards.append((name, [sl.start for sl in part.src], local, _slicer(part.dest)))
+        specs = []
+        for p in model_params(arch):
+            specs.append({"name": p.name, "dtype": dtype_of.get(p.name, "float32"), "shape": list(p.shape),
+                          "role": p.role})
+            for slot in slots:
+                n = f"optimizer.{slot}.{p.name}"
+                scalar = slot == "step"
+                specs.append({"name": n, "dtype": dtype_of.get(n, "float32"), "shape": [] if scalar else list(p.shape),
+                              "role": "replicated" if scalar else p.role})
+        return specs, shards
 
     def _allocate(self, nbytes: int) -> None:
         if self._segment is not None:
@@ -275,7 +342,10 @@ class Checkpointer:
         extra = dict(self.extra() if callable(self.extra) else (self.extra or {}))
         c = self.coords
         extra["push"] = {"dp": c.dp, "tp": c.tp, "pp": c.pp,
-                         "dedup": "each tensor is sent by one data-parallel rank (round-robin by name)"}
+                         "dedup": "each shard is sent by one data-parallel rank (round-robin by name); "
+                                  "TP-replicated shards by TP rank 0 only"}
+        if self.arch is not None:
+            extra["model"] = self.arch.to_json()  # restore needs the model description
         return {"optimizer_step": step_count, "optimizer": opt,
                 "lr_scheduler": _json_ready(sched, "lr_scheduler.state_dict()") if sched is not None else None,
                 "rng": capture_rng() if self.rng else {}, "extra": _json_ready(extra, "extra")}
@@ -310,7 +380,7 @@ class Checkpointer:
         with torch.no_grad(), (torch.cuda.stream(stream) if stream is not None else _null()):
             for e in self._entries:
                 if e.nbytes:
-                    src = e.tensor.detach().reshape(-1).view(torch.uint8)
+                    src = e.tensor.detach().contiguous().reshape(-1).view(torch.uint8)
                     buf[e.at:e.at + e.nbytes].copy_(src, non_blocking=stream is not None)
         if stream is not None:
             stream.synchronize()
@@ -322,7 +392,7 @@ class Checkpointer:
         header = {
             "kind": "push", "run": self.run, "step": job.step, "sender": c.sender, "senders": c.senders,
             "source_layout": {"tp": c.tp, "pp": c.pp, "dp": c.dp}, "tensors": self._specs,
-            "shards": [{"tensor": e.name, "offsets": [0] * e.tensor.dim(), "shape": list(e.tensor.shape), "at": e.at}
+            "shards": [{"tensor": e.name, "offsets": e.offsets, "shape": list(e.tensor.shape), "at": e.at}
                        for e in self._entries],
             "scalars": job.scalars, "parent": self.parent,
             "payload": {"bytes": self.stats.buffer_bytes, "digest": digest,
