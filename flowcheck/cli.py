@@ -431,7 +431,7 @@ def gc(config_path, dry_run):
 @click.option("--object-url", default=None, help="Object store URL (default file://WORKDIR/object; s3://bucket/prefix uses the AWS env).")
 @_handled
 def demo(config_path, workdir, steps, local_every, object_seconds, object_url):
-    """Train a small GPT on CPU while snapshotting per the policy, then list, audit and export.
+    """A trainer pushes to a node; it is killed, restored, resumed (same losses); then list, audit, export.
 
     \b
     Example:
@@ -443,14 +443,14 @@ def demo(config_path, workdir, steps, local_every, object_seconds, object_url):
     cfg, res = run_demo(workdir, steps=steps, object_url=object_url, local_every=local_every,
                         object_seconds=object_seconds, echo=click.echo)
     cfg_path = os.path.join(os.path.abspath(workdir), "flowcheck.yaml")
-    stats = res["stats"]
+    status = res["status"]
     click.echo(f"\ntrained steps {res['first_step']}..{res['last_step']}: {loss_summary(res['losses'])}")
-    click.echo(f"trainer time: {res['train_seconds']:.2f} s training, {res['push_seconds']:.2f} s pushing state to RAM "
-               f"({100 * res['push_seconds'] / max(res['train_seconds'], 1e-9):.1f}% — the only cost on the training thread)")
-    click.echo(f"local snapshots at steps {stats.local_snapshots}; object promotions {stats.promotions}; "
-               f"{stats.coalesced} triggers coalesced; {res['cow_copies']} copy-on-write shard copies")
-    if stats.errors:
-        click.echo(f"policy errors: {stats.errors}", err=True)
+    click.echo(f"node: {status['push']['steps']} pushed steps applied, {status['push']['aborted_steps']} aborted "
+               f"(a push cut short by the kill is aborted, never half-applied), local snapshots {status['policy']['local_snapshots']}, "
+               f"object promotions {status['policy']['promotions']}")
+    policy_errors = status["policy"]["errors"]
+    if policy_errors:
+        click.echo(f"policy errors: {policy_errors}", err=True)
     click.echo("\n$ flowcheck ls")
     ctx = click.get_current_context()
     ctx.invoke(ls_cmd, config_path=cfg_path, as_json=False)
@@ -477,7 +477,7 @@ def demo(config_path, workdir, steps, local_every, object_seconds, object_url):
     click.echo(f"\n$ flowcheck export --step {last} --out {out}\nexported {_size(size)} from the {tier.name} tier; "
                f"safetensors.torch.load_file == live trainer state bit for bit: {exact}")
     click.echo(f"\nnext: flowcheck lineage --config {cfg_path}")
-    ok = report.ok and exact and not stats.errors
+    ok = report.ok and exact and res["identical"]
     sys.exit(0 if ok else 1)
 
 

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from flowcheck.cli import main
 
-COMMANDS = ["ls", "show", "snapshot", "promote", "export", "audit", "lineage", "gc", "demo"]
+COMMANDS = ["ls", "show", "snapshot", "promote", "export", "restore", "import", "serve", "audit", "lineage", "gc", "demo"]
 
 
 @pytest.mark.parametrize("command", COMMANDS)
@@ -31,6 +31,9 @@ def demo_dir(tmp_path_factory):
                            "--object-seconds", "0.5"], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "bit for bit: True" in proc.stdout and "audit OK" in proc.stdout
+    # a trainer process pushed to a node process, was killed, restored and resumed with identical losses
+    assert "then killed (SIGKILL)" in proc.stdout
+    assert "losses identical to the uninterrupted run bit for bit: True" in proc.stdout
     return workdir
 
 
