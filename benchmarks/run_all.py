@@ -20,6 +20,7 @@ BENCHES = {
     "p5": "bench_object_upload.py",
     "readback": "bench_readback.py",
     "p6": "bench_restore.py",
+    "p4": "bench_push.py",
 }
 
 

@@ -50,9 +50,13 @@ class MemoryTier(Tier):
         self.cow_copies = 0  # shards copied because a snapshot held them (a metric)
 
     # ---- state in ------------------------------------------------------------
-    def _write(self, snapshot: Snapshot, parent: ParentRef | None) -> Manifest:
+    def adopt(self, snapshot: Snapshot, parent: ParentRef | None = None) -> Manifest:
+        """Replace the whole state with arrays nobody else holds (a node's freshly received push): no copy."""
+        return self._write(snapshot, parent, copy=False)
+
+    def _write(self, snapshot: Snapshot, parent: ParentRef | None, copy: bool = True) -> Manifest:
         """Replace the whole state (a full push, a resync, or a restore into RAM)."""
-        arrays = {s: np.array(snapshot.array(s), copy=True) for s in snapshot.data}
+        arrays = {s: np.array(snapshot.array(s), copy=True) if copy else snapshot.array(s) for s in snapshot.data}
         digests = shard_digests(snapshot, arrays)
         with self._cond:
             self._wait_idle()
@@ -151,6 +155,10 @@ class MemoryTier(Tier):
         pin_id = getattr(snapshot, "_pin_id", None)
         with self._cond:
             self._pins.pop(pin_id, None)
+            copied = self.cow_copies != getattr(self, "_trimmed_at", 0)
+            self._trimmed_at = self.cow_copies
+        if copied:
+            _trim_heap()  # the step's copied-away shards were freed: hand the pages back to the OS
 
     def _wait_idle(self) -> None:
         while self._updating:
@@ -225,3 +233,13 @@ class _Update:
 
     def shards(self) -> list[Shard]:
         return list(self._tier._arrays)
+
+
+def _trim_heap() -> None:
+    """glibc keeps freed multi-MiB arrays in its heap; malloc_trim returns them (no-op elsewhere)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass

@@ -108,6 +108,7 @@ class PushReceiver:
         self._lock = threading.Lock()
         self._open: _OpenStep | None = None
         self._applier: threading.Thread | None = None
+        self._segments: dict[int, tuple[str, shared_memory.SharedMemory]] = {}
         receiver = self
 
         class Handler(socketserver.BaseRequestHandler):
@@ -131,6 +132,8 @@ class PushReceiver:
             current = self._open
         if current is not None:
             self._fail(current, "node shutting down")
+        for _, seg in self._segments.values():
+            _close_quietly(seg)
 
     # ---- one connection -------------------------------------------------------------
     def _serve(self, sock: socket.socket) -> None:
@@ -206,13 +209,10 @@ class PushReceiver:
         h = xxhash.xxh3_128()
         shm_name = header["payload"].get("shm")
         if shm_name:
-            seg = _attach(shm_name)
-            try:
-                if seg.size < size:
-                    raise WireError(f"shared memory {shm_name!r} holds {seg.size} bytes, the header says {size}")
-                self._copy_from_segment(seg, refs, opened, h)
-            finally:
-                seg.close()
+            seg = self._segment(int(header.get("sender", 0)), shm_name)
+            if seg.size < size:
+                raise WireError(f"shared memory {shm_name!r} holds {seg.size} bytes, the header says {size}")
+            self._copy_from_segment(seg, refs, opened, h)
         else:
             for ref in refs:
                 if ref.nbytes:
@@ -222,6 +222,19 @@ class PushReceiver:
                 else:
                     self._destination(opened, ref)
         return "xxh3-128:" + h.hexdigest()
+
+    def _segment(self, sender: int, name: str) -> shared_memory.SharedMemory:
+        """A sender's segment, attached once and kept while the sender reuses it (no re-mapping per frame);
+        a sender that moved to a new segment has its old mapping closed, so unlinked memory is not held."""
+        with self._lock:
+            held = self._segments.get(sender)
+            if held is not None and held[0] == name:
+                return held[1]
+            seg = _attach(name)
+            self._segments[sender] = (name, seg)
+        if held is not None:
+            _close_quietly(held[1])
+        return seg
 
     def _copy_from_segment(self, seg: shared_memory.SharedMemory, refs: list[ShardRef], opened: _OpenStep, h) -> None:
         # every view of the segment dies with this frame, so the segment can be closed afterwards
@@ -330,7 +343,8 @@ class PushReceiver:
             raise FlowcheckError(f"step {opened.step}: no sender sent {missing[:5]}")
         snap = Snapshot(self.store.config.run, opened.step, layout, dict(opened.fresh), opened.scalars or Scalars(),
                         source="push")
-        self.store.push(snap)
+        memory = self.store.memory
+        memory.adopt(snap, memory.head)  # the received arrays become the RAM state: no second copy
 
     def _fail(self, opened: _OpenStep, reason: str) -> None:
         with opened.cond:
@@ -350,6 +364,13 @@ def _parent(raw: Any) -> ParentRef | None:
 
 def _same_tensors(a: StateLayout, b: StateLayout) -> bool:
     return {(t.name, t.dtype, t.shape) for t in a.tensors} == {(t.name, t.dtype, t.shape) for t in b.tensors}
+
+
+def _close_quietly(seg: shared_memory.SharedMemory) -> None:
+    try:
+        seg.close()
+    except BufferError:  # a copy still running in a daemon thread holds a view; the OS unmaps at exit
+        pass
 
 
 def _attach(name: str) -> shared_memory.SharedMemory:

@@ -5,8 +5,8 @@ present; a shared-memory segment when the node is on the same host, so the node 
 ``save(step)`` returns at once and a side thread copies every tensor into its slice of the buffer
 while forward/backward run; ``wait()`` — called by a hook right before ``optimizer.step()`` — is the
 only point that blocks; then the buffer streams to the node.  A save asked while the previous one is
-still in flight is coalesced (skipped) or waits, bounded by ``timeout_s``; a slow or dead node is
-reported (``stats``, log) and training goes on.
+still in flight is coalesced (skipped) or waits (the only other point that may block, bounded by
+``timeout_s``); a slow or dead node is reported (``stats``, log) and training goes on.
 
 Data-parallel replicas are not sent N times: each DP rank sends a disjoint share of the tensors
 (FFTrainer's "Checkpoint Razor"), and the manifest's ``scalars.extra.push`` says so.
@@ -76,7 +76,7 @@ class CheckpointerStats:
     sent: int = 0
     coalesced: int = 0
     failures: int = 0
-    blocked_s: float = 0.0  # total time wait() blocked the trainer
+    blocked_s: float = 0.0  # total time the trainer was held: wait() and save()'s back-pressure wait
     last_copy_s: float = 0.0
     last_send_s: float = 0.0
     last_error: str | None = None
@@ -165,12 +165,21 @@ class Checkpointer:
         with self._lock:
             job = self._job
         if job is not None and not job.done.is_set():
-            if self.on_busy == "coalesce" or not job.done.wait(self.timeout_s):
+            if self.on_busy == "coalesce":
                 self.stats.coalesced += 1
                 return False
-        tensors = self._tensors()
+            t0 = time.perf_counter()
+            finished = job.done.wait(self.timeout_s)  # back-pressure: the previous push is still in flight
+            self.stats.blocked_s += time.perf_counter() - t0
+            if not finished:
+                self.stats.coalesced += 1
+                return False
+        opt_state = self.optimizer.state_dict() if self.optimizer is not None else None
+        names = param_names_of(self.model) if self.optimizer is not None else []
+        flat = _flatten_optimizer(opt_state, names) if opt_state is not None else None
+        tensors = self._tensors(flat)
         self._plan(tensors)
-        job = _Job(step, self._scalars())
+        job = _Job(step, self._scalars(flat))
         with self._lock:
             self._job = job
         threading.Thread(target=self._run, args=(job,), name=f"flowcheck-push-{step}", daemon=True).start()
@@ -234,12 +243,10 @@ class Checkpointer:
         self.close()
 
     # ---- what is sent ------------------------------------------------------------------------
-    def _tensors(self) -> dict[str, torch.Tensor]:
+    def _tensors(self, flat) -> dict[str, torch.Tensor]:
         state = {k: v for k, v in self.model.state_dict(keep_vars=False).items() if isinstance(v, torch.Tensor)}
-        if self.optimizer is not None:
-            names = param_names_of(self.model)
-            opt_tensors, _, _ = _flatten_optimizer(self.optimizer.state_dict(), names)
-            state.update(opt_tensors)
+        if flat is not None:
+            state.update(flat[0])
         return state
 
     def _plan(self, tensors: dict[str, torch.Tensor]) -> None:
@@ -333,11 +340,8 @@ class Checkpointer:
             self._buffer = buf.pin_memory() if torch.cuda.is_available() else buf
         self.stats.buffer_bytes = nbytes
 
-    def _scalars(self) -> dict[str, Any]:
-        opt = None
-        step_count = None
-        if self.optimizer is not None:
-            _, opt, step_count = _flatten_optimizer(self.optimizer.state_dict(), param_names_of(self.model))
+    def _scalars(self, flat) -> dict[str, Any]:
+        _, opt, step_count = flat if flat is not None else (None, None, None)
         sched = self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None
         extra = dict(self.extra() if callable(self.extra) else (self.extra or {}))
         c = self.coords
