@@ -150,6 +150,9 @@ class LocalTier(Tier):
             group.store.put_shard(f"{z.path}/{key}", arr, chunks[0])
         elif arr.size:
             z[...] = arr  # one call: the sharding codec writes the whole shard file once
+        written = getattr(snapshot, "_on_shard_written", None)
+        if written is not None:
+            written(shard)  # the bytes are in the file (page cache): the source may change from now on
         return shard, digest
 
     def _commit(self, tmp: str, final: str, manifest: Manifest) -> None:

@@ -149,7 +149,16 @@ class MemoryTier(Tier):
             data = dict(self._arrays)
             snap = Snapshot(self.run, self._step, self._layout, data, self._scalars, source=self._source)
             object.__setattr__(snap, "_pin_id", pin_id)  # rides along (frozen dataclass) for release()
+            # a writer that has copied a shard's bytes out (e.g. the local tier's pwrite) unpins it at once,
+            # so updates arriving during a long snapshot copy only the shards not yet written
+            object.__setattr__(snap, "_on_shard_written", lambda shard: self._unpin(pin_id, shard))
             return snap
+
+    def _unpin(self, pin_id: int, shard: Shard) -> None:
+        with self._cond:
+            pinned = self._pins.get(pin_id)
+            if pinned is not None:
+                pinned.discard(shard)
 
     def release(self, snapshot: Snapshot) -> None:
         pin_id = getattr(snapshot, "_pin_id", None)

@@ -116,3 +116,17 @@ def test_empty_memory_tier_has_no_steps():
     with pytest.raises(StepNotFoundError):
         with tier.update(1):
             pass
+
+
+def test_shards_already_written_by_a_snapshot_are_not_copied_on_write(tmp_path):
+    """The local tier unpins each shard once its bytes are in the file: later updates need no copy of it."""
+    tier = MemoryTier(MemoryConfig(), "r")
+    tier.write(_state(0))
+    local = LocalTier(LocalConfig(root=str(tmp_path), fsync=False, workers=2), "r")
+    snap = tier.pin()
+    local.write(snap)  # every shard written; the snapshot is not released yet
+    _apply(tier, 1)
+    assert tier.cow_copies == 0
+    tier.release(snap)
+    for name in local.manifest(0).tensors:
+        assert np.unique(local.read(0, name)).tolist() == [0.0]
