@@ -105,6 +105,10 @@ def test_a_dead_node_never_blocks_training_and_a_restarted_node_recovers(tmp_pat
     assert ck.flush(20)
     node.post("/snapshot")
     node.kill()  # SIGKILL: no goodbye
+    from flowcheck.audit import audit
+
+    report = audit(open_store(node.config))  # what the dead node committed is intact; nothing partial is visible
+    assert report.ok and open_store(node.config).local.steps() == [1], report.problems
     t0 = time.monotonic()
     for step in range(2, 6):
         _train_step(model, opt, gen)
