@@ -178,7 +178,10 @@ class PushReceiver:
         if not isinstance(step, int) or step < 0:
             self._drain(sock, header, size)
             raise WireError(f"push header: step must be a non-negative integer, found {step!r}")
-        senders, sender = int(header.get("senders", 1)), int(header.get("sender", 0))
+        senders, sender = header.get("senders", 1), header.get("sender", 0)
+        if not (isinstance(senders, int) and isinstance(sender, int) and 0 <= sender < senders):
+            self._drain(sock, header, size)
+            raise WireError(f"push header: expected 0 <= sender < senders, found sender {sender!r} of {senders!r}")
         opened = self._join(step, senders, layout)
         try:
             digest = self._read_payload(sock, header, refs, size, opened)
