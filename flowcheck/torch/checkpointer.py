@@ -45,6 +45,7 @@ class Coordinates:
     tp: int = 1
     pp_rank: int = 0
     pp: int = 1
+    vpp: int = 1  # virtual pipeline chunks per stage (not supported by the push path yet: refused)
 
     @classmethod
     def detect(cls) -> Coordinates:
@@ -56,7 +57,8 @@ class Coordinates:
             if ps.model_parallel_is_initialized():
                 return cls(ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(),
                            ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size(),
-                           ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size())
+                           ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size(),
+                           ps.get_virtual_pipeline_model_parallel_world_size() or 1)
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             return cls(torch.distributed.get_rank(), torch.distributed.get_world_size())
         return cls()
@@ -289,6 +291,9 @@ class Checkpointer:
         from flowcheck.restore.megatron_map import model_params, rank_tensors
 
         c, arch = self.coords, self.arch
+        if c.vpp > 1:
+            raise ConfigError(f"Checkpointer: virtual pipeline parallelism (VPP={c.vpp}) is not supported by push "
+                              "capture yet; its layer numbering would be recorded wrongly")
         spec_name = "te" if any(".layer_norm_weight" in k for k in tensors) else "local"
         rts = {rt.key: rt for rt in rank_tensors(arch, c.tp, c.pp, 1, c.tp_rank, c.pp_rank, spec_name)}
         slots = sorted({k.split(".", 2)[1] for k in tensors if k.startswith("optimizer.")})
