@@ -44,12 +44,14 @@ def _patch_cuda() -> None:
 def _local_save_results_queue() -> None:
     """dist_checkpointing.save hands the writer's results back through a queue served by a "spawn"
     multiprocessing Manager, which imports torch to unpickle them: ~10 s per rank on 2 cores. A synchronous
-    save puts and gets in this process, so a plain queue carries the same results (files are unchanged)."""
-    import multiprocessing
+    save puts and gets in this process, so an in-process queue carries the same results (files are unchanged).
+    Not a multiprocessing.Queue: its put() returns before a feeder thread has written the item, and the
+    writer's get_nowait() right after can find it empty ("results_queue should not be empty")."""
+    import queue
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    filesystem_async._results_queue = multiprocessing.get_context("fork").Queue()
+    filesystem_async._results_queue = queue.Queue()
 
 
 # ---------------------------------------------------------------- model
