@@ -60,3 +60,11 @@ class TierError(FlowcheckError, OSError):
 
 class StaleStateError(FlowcheckError, RuntimeError):
     """The in-memory state is stale (an update failed) and must not be snapshotted."""
+
+
+class CaptureError(FlowcheckError, ValueError):
+    """A capture (pcap/pcapng file, live interface, RoCE frame) is malformed or cannot be read."""
+
+
+class JobError(FlowcheckError, ValueError):
+    """A mirror-capture job description does not fit the traffic or is invalid."""
