@@ -1,4 +1,4 @@
-"""The `flowcheck` command line: list, show, snapshot, promote, export, restore, import, serve, audit, lineage, gc, demo.
+"""The `flowcheck` command line: list, show, diff, snapshot, promote, export, restore, import, serve, audit, lineage, gc, demo.
 
 Every command takes ``--config FILE`` (or $FLOWCHECK_CONFIG; the embedded
 defaults otherwise).  FlowcheckErrors print as one line and exit 2; audit
@@ -318,6 +318,41 @@ def serve(config_path):
     signal.signal(signal.SIGINT, _stop)
     node.wait()
     click.echo("flowcheck node: stopped", err=True)
+
+
+@main.command()
+@_config_option
+@click.option("--step", required=True, help="Step number or 'latest'.")
+@click.option("--run", default=None, help="Run name (default: the config's run).")
+@click.option("--against", "reference", required=True, type=click.Path(exists=True, dir_okay=False),
+              help="Reference safetensors file (canonical tensor names).")
+@click.option("--from", "prefer", default="auto", type=click.Choice(["auto", "local", "object"]), help="Tier to read.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@_handled
+def diff(config_path, step, run, reference, prefer, as_json):
+    """Compare a stored step with a reference file, bit for bit per tensor (exit 1 when anything differs).
+
+    Every shard read is verified against its digest first.
+
+    \b
+    Example:
+      flowcheck diff --config flowcheck.yaml --step 50 --against sim/truth/step-50.safetensors
+    """
+    from flowcheck.restore.diff import diff_step, report
+    from flowcheck.restore.source import open_step
+
+    store = _reading_store(config_path, run)
+    tier, m = open_step(store, _step_arg(step), prefer)
+    result = report(diff_step(tier, m, reference))
+    if as_json:
+        click.echo(json.dumps({"step": m.step, "tier": tier.name, **result}, indent=2))
+    else:
+        for t in result["tensors"]:
+            extra = f" ({t['differing']}/{t['elements']} differ, max |diff| {t['max_abs_diff']:.3g})" if t["status"] == "different" else ""
+            click.echo(f"{t['status']:<15} {t['name']}{extra}{' ' + t['detail'] if t['detail'] else ''}")
+        verdict = "bit-exact" if result["bit_exact"] else "NOT bit-exact"
+        click.echo(f"step {m.step} ({tier.name} tier) vs {reference}: {verdict} {result['counts']}")
+    sys.exit(0 if result["bit_exact"] else 1)
 
 
 @main.command(name="import")
