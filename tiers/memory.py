@@ -127,6 +127,11 @@ class MemoryTier(Tier):
     def step(self) -> int | None:
         return self._step
 
+    @property
+    def layout(self) -> StateLayout | None:
+        """The layout of the state held (None before the first full write)."""
+        return self._layout
+
     # ---- state out -----------------------------------------------------------
     def pin(self) -> Snapshot:
         """A step-consistent snapshot of the current step; call ``release`` when it is persisted."""

@@ -1,0 +1,212 @@
+"""Allreduce assembly: ring sends on mirrored streams -> complete, verified gradient buckets.
+
+Input is one ``RingStream`` per mirrored ring connection (sender position, channel) holding
+its sends by NCCL step.  Allreduces are found by *structure*: the job says, for allreduce k,
+how many sends of which wire sizes each connection carries (flowcheck.capture.ring); a send
+that does not fit is another collective and is skipped, never counted blindly.  The final
+(allgather) sends of every matched allreduce are copied into the allreduce's vector: the
+first valid copy of each element wins, later copies are compared (a mismatch is an anomaly
+and the allreduce is not trusted), and the exact element ranges nobody delivered stay
+recorded as missing.  A gradient with holes is never handed out.
+"""
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from flowcheck.capture.job import Job
+from flowcheck.capture.ring import RingParams, Send, ring_sends
+
+NUMPY = {"float32": np.float32, "bfloat16": np.uint16, "int32": np.int32}
+
+
+@dataclass
+class WireSend:
+    """One NCCL send seen on a connection (one step): what arrived of it."""
+
+    step: int  # NCCL step on its connection (the LL flag), or inferred
+    size: int | None  # declared wire bytes (immediate or RETH length); None when both were lost
+    extract: Callable[[np.ndarray], list[tuple[int, int]]]  # fill data bytes; return present data-byte ranges
+    info: dict = field(default_factory=dict)  # where it came from (stream, packets, psn) for reports
+
+
+@dataclass
+class RingStream:
+    """The sends of one ring connection: sender ring position -> successor, one channel."""
+
+    name: str
+    position: int
+    channel: int
+    sends: dict[int, WireSend]  # by step
+    first_step: int
+    last_step: int
+    ended: bool = True  # no more sends will come (end of capture)
+
+
+@dataclass
+class Allreduce:
+    """One allreduce being assembled."""
+
+    index: int  # 1-based, capture order
+    iteration: int
+    bucket: int
+    elements: int
+    dtype: str
+    data: np.ndarray
+    copies: np.ndarray  # valid copies seen per element (saturating uint8)
+    sources: list[dict] = field(default_factory=list)
+    conflicts: list[dict] = field(default_factory=list)
+    streams_done: set[str] = field(default_factory=set)
+
+    @property
+    def complete(self) -> bool:
+        return not self.conflicts and bool(self.copies.all())
+
+    def missing(self) -> list[tuple[int, int]]:
+        return _runs(self.copies == 0)
+
+    def summary(self) -> dict:
+        out = {"index": self.index, "iteration": self.iteration, "bucket": self.bucket, "elements": self.elements,
+               "dtype": self.dtype, "complete": self.complete, "missing": [list(r) for r in self.missing()],
+               "copies": {"min": int(self.copies.min(initial=0)) if self.elements else 0,
+                          "max": int(self.copies.max(initial=0)) if self.elements else 0},
+               "sources": self.sources, "conflicts": self.conflicts}
+        if self.complete:
+            out["sha256"] = hashlib.sha256(self.data.astype(self.data.dtype.newbyteorder("<"), copy=False).tobytes()).hexdigest()
+        return out
+
+
+def _runs(mask: np.ndarray) -> list[tuple[int, int]]:
+    """[start, end) runs of True in a boolean vector."""
+    if not mask.any():
+        return []
+    edges = np.flatnonzero(np.diff(np.concatenate(([0], mask.view(np.int8), [0]))))
+    return [(int(a), int(b)) for a, b in zip(edges[::2], edges[1::2])]
+
+
+class Schedule:
+    """Allreduce k (1-based) -> (iteration, bucket, elements), from the job's bucket plans."""
+
+    def __init__(self, job: Job) -> None:
+        self.job = job
+
+    def __iter__(self) -> Iterator[tuple[int, int, int]]:
+        iteration = 1
+        while True:
+            for b, bucket in enumerate(self.job.plan(iteration)):
+                yield iteration, b, bucket.elements
+            iteration += 1
+
+
+class Matcher:
+    """Finds allreduce k on one stream: the stream's steps that hold its sends."""
+
+    def __init__(self, job: Job, params: RingParams) -> None:
+        self.job, self.params = job, params
+        self._patterns: dict[tuple[int, int, int], list[Send]] = {}
+
+    def pattern(self, elements: int, position: int, channel: int) -> list[Send]:
+        key = (elements, position, channel)
+        if key not in self._patterns:
+            self._patterns[key] = ring_sends(elements, self.params, position, channel)
+        return self._patterns[key]
+
+    def fits(self, stream: RingStream, at: int, pattern: list[Send]) -> bool | None:
+        """True/False when the sends from step ``at`` do/don't have the pattern's sizes; None: cannot tell yet."""
+        seen = 0
+        for j, send in enumerate(pattern):
+            step = at + j
+            if step > stream.last_step:  # the capture ends inside this pattern
+                return (seen > 0) if stream.ended else None
+            ws = stream.sends.get(step)
+            if ws is None or ws.size is None:
+                continue  # lost entirely (or its size was): compatible with anything
+            if ws.size != self.params.wire_bytes(send.count):
+                return False
+            seen += 1
+        return seen > 0
+
+
+class Assembler:
+    """Matches allreduces on every stream and fills their vectors; yields each when it is settled."""
+
+    def __init__(self, job: Job, nchannels: int) -> None:
+        self.job = job
+        self.params = job.ring_params(nchannels)
+        self.matcher = Matcher(job, self.params)
+        self.dtype = NUMPY[job.dtype]
+        self.skipped: list[dict] = []  # sends that belong to no allreduce (other collectives)
+
+    def assemble(self, streams: list[RingStream]) -> Iterator[Allreduce]:
+        """Allreduces in capture order; each is yielded once every stream has moved past it or ended."""
+        cursors = {s.name: s.first_step for s in streams}
+        live = list(streams)
+        for index, (iteration, bucket, elements) in enumerate(Schedule(self.job), start=1):
+            ar = Allreduce(index, iteration, bucket, elements, self.job.dtype,
+                           np.zeros(elements, self.dtype), np.zeros(elements, np.uint8))
+            progressed = False
+            for s in live:
+                at = self._find(s, cursors[s.name], elements)
+                if at is None:
+                    continue
+                pattern = self.matcher.pattern(elements, s.position, s.channel)
+                self._take(ar, s, at, pattern)
+                cursors[s.name] = at + len(pattern)
+                progressed = True
+            if not progressed:
+                return
+            yield ar
+
+    def _find(self, s: RingStream, start: int, elements: int) -> int | None:
+        """First step >= start where allreduce of ``elements`` fits this stream (skipping other sends)."""
+        pattern = self.matcher.pattern(elements, s.position, s.channel)
+        at = start
+        while at <= s.last_step:
+            ok = self.matcher.fits(s, at, pattern)
+            if ok:
+                return at
+            if ok is None and not s.ended:
+                return None
+            ws = s.sends.get(at)
+            if ws is not None:
+                self.skipped.append({"stream": s.name, "step": at, "wire_bytes": ws.size, **ws.info})
+            at += 1
+        return None
+
+    def _take(self, ar: Allreduce, s: RingStream, at: int, pattern: list[Send]) -> None:
+        isz = self.params.itemsize
+        for j, send in enumerate(pattern):
+            ws = s.sends.get(at + j)
+            if not send.final or send.count == 0:
+                continue
+            src = {"stream": s.name, "position": s.position, "channel": s.channel, "chunk": send.chunk,
+                   "loop": send.loop, "range": [send.start, send.start + send.count], "step": at + j}
+            if ws is None:
+                ar.sources.append({**src, "elements_seen": 0, "lost": True})
+                continue
+            buf = np.zeros(send.count, self.dtype)
+            present = ws.extract(buf.view(np.uint8))
+            mask = np.zeros(send.count, bool)
+            for lo, hi in present:
+                a, b = -(-lo // isz), min(hi // isz, send.count)  # whole elements only
+                mask[a:b] = True
+            self._merge(ar, send.start, buf, mask, src)
+            ar.sources.append({**src, **ws.info, "elements_seen": int(mask.sum())})
+
+    def _merge(self, ar: Allreduce, start: int, buf: np.ndarray, mask: np.ndarray, src: dict) -> None:
+        end = start + len(buf)
+        have = ar.copies[start:end] > 0
+        both = have & mask
+        if both.any():
+            mine, theirs = ar.data[start:end][both], buf[both]
+            if mine.view(np.uint8).tobytes() != theirs.view(np.uint8).tobytes():
+                bad = np.flatnonzero(mine.view(np.uint32 if buf.itemsize == 4 else np.uint16) !=
+                                     theirs.view(np.uint32 if buf.itemsize == 4 else np.uint16))
+                ar.conflicts.append({**src, "elements_differing": int(len(bad))})
+        new = mask & ~have
+        ar.data[start:end][new] = buf[new]
+        c = ar.copies[start:end]
+        c[mask] = np.minimum(c[mask].astype(np.int16) + 1, 255).astype(np.uint8)

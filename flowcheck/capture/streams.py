@@ -1,0 +1,228 @@
+"""Reassembled RDMA WRITE messages -> NCCL sends on the job's ring connections.
+
+An NCCL send (one step on a connection) is one RDMA WRITE whose immediate is its size, or —
+split by the NIC/driver as in the rdma32 capture — several writes to consecutive addresses
+closed by a write with immediate (possibly 0 bytes).  The LL flag in every line is the
+connection's step counter, so a send's step is read from its data, and a send that was lost
+entirely shows up as a gap in the steps instead of shifting everything after it.
+
+Which streams are ring connections is decided by structure: the sender and receiver are ring
+neighbours in the job, the stream carries sends closed by immediates, and (LL) its lines carry
+consistent flags.  Flow-control posts (32-byte writes without immediate), ACK-only streams, UD
+management datagrams and Simple-protocol p2p streams are counted, never decoded as gradients.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from flowcheck.capture.assemble import RingStream, WireSend
+from flowcheck.capture.job import Job
+
+
+@dataclass
+class Msg:
+    """One reassembled RDMA WRITE message (what the reassembler reports)."""
+
+    first_psn: int  # unwrapped
+    last_psn: int
+    va: int | None  # None when the FIRST packet (with the RETH) was lost
+    length: int | None  # RETH DMA length; None when unknown
+    imm: int | None  # immediate (the send size for NCCL); None when absent or lost with the LAST
+    segments: list[tuple[int, int, int]]  # (offset into the capture buffer, bytes, byte offset in message)
+    missing: list[tuple[int, int]]  # byte ranges [start, end) inside the message not captured
+    complete: bool
+    closes: bool  # the message ended with an immediate (LAST_IMM / ONLY_IMM) — or we cannot tell
+    info: dict = field(default_factory=dict)
+
+
+@dataclass
+class StreamInfo:
+    """A (src, dst, QPN) stream with its messages in PSN order."""
+
+    name: str
+    src_mac: str
+    dst_mac: str
+    src_ip: str
+    dst_ip: str
+    qpn: int
+    messages: list[Msg]
+    ended: bool = True
+
+
+@dataclass
+class Send:
+    """An NCCL send rebuilt from one or more messages."""
+
+    size: int | None
+    base_va: int | None
+    parts: list[Msg]
+    info: dict = field(default_factory=dict)
+
+
+def group_sends(messages: Sequence[Msg], buf: np.ndarray, ll: bool) -> list[Send]:
+    """Messages in PSN order -> sends: writes accumulate until a write carrying an immediate closes them.
+
+    A change of LL flag between writes (or of step slot) also closes the open send, so a send whose
+    closing write was lost is not merged into the next one.
+    """
+    sends: list[Send] = []
+    open_parts: list[Msg] = []
+    for m in messages:
+        if open_parts and ll and _flag(open_parts[0], buf) != _flag(m, buf) and _flag(m, buf) is not None:
+            sends.append(_close(open_parts, None))
+            open_parts = []
+        open_parts.append(m)
+        if m.closes:
+            sends.append(_close(open_parts, m.imm))
+            open_parts = []
+    if open_parts:
+        sends.append(_close(open_parts, None))
+    return sends
+
+
+def _close(parts: list[Msg], imm: int | None) -> Send:
+    if len(parts) == 1:
+        m = parts[0]
+        size = imm if imm is not None else m.length
+        return Send(size, m.va, parts)
+    known = [p.va for p in parts if p.va is not None and (p.length or 0) > 0]
+    base = min(known) if known else None
+    if imm is None:  # an unterminated split send: its size is unknown unless the pieces are all there
+        return Send(None, base, parts)
+    return Send(imm, base, parts)
+
+
+def _flag(m: Msg, buf: np.ndarray) -> int | None:
+    """The LL flag of a message's first captured line (None when it has no data)."""
+    for off, length, at in m.segments:
+        if length >= 16:
+            return int(buf[off + 4:off + 8].view("<u4")[0])
+    return None
+
+
+def ll_lines(buf: np.ndarray, off: int, length: int) -> tuple[np.ndarray, np.ndarray]:
+    """(data words, flag words) of the LL lines in buf[off:off+length] (whole 16-byte lines only)."""
+    n = length // 16
+    lines = buf[off:off + n * 16].view("<u4").reshape(n, 4)
+    return lines[:, [0, 2]].reshape(-1), lines[:, [1, 3]].reshape(-1)
+
+
+def send_step(send: Send, buf: np.ndarray, ll: bool) -> int | None:
+    if not ll:
+        return None
+    for m in send.parts:
+        f = _flag(m, buf)
+        if f is not None:
+            return f
+    return None
+
+
+def make_extract(send: Send, buf: np.ndarray, ll: bool, anomalies: list[dict], where: dict):
+    """A function filling a send's data bytes into ``out`` and returning the data-byte ranges present.
+
+    LL: every line's two flags must equal the send's flag; a segment with a bad line is dropped
+    whole (reported), so a corrupted packet can only make data missing, never wrong.
+    """
+    def extract(out: np.ndarray) -> list[tuple[int, int]]:
+        present: list[tuple[int, int]] = []
+        flag = send_step(send, buf, ll)
+        for m in send.parts:
+            if m.va is None and len(send.parts) > 1:
+                continue  # a split piece whose address was lost cannot be placed
+            shift = (m.va - send.base_va) if len(send.parts) > 1 and send.base_va is not None else 0
+            for off, length, at in m.segments:
+                pos = shift + at
+                if ll:
+                    if length % 16 or pos % 16:
+                        anomalies.append({**where, "type": "ll_misaligned_segment", "bytes": length})
+                        continue
+                    data, flags = ll_lines(buf, off, length)
+                    if flag is None or (flags != flag).any():
+                        anomalies.append({**where, "type": "ll_bad_flags", "lines": int((flags != flag).sum() // 2)})
+                        continue
+                    lo = pos // 2
+                    hi = min(lo + data.nbytes, out.nbytes)
+                    out[lo:hi] = data.view(np.uint8)[:hi - lo]
+                    present.append((lo, hi))
+                else:
+                    hi = min(pos + length, out.nbytes)
+                    if hi > pos:
+                        out[pos:hi] = buf[off:off + hi - pos]
+                        present.append((pos, hi))
+        return present
+
+    return extract
+
+
+def ring_streams(job: Job, streams: Sequence[StreamInfo], buf: np.ndarray, anomalies: list[dict]) -> tuple[list[RingStream], int, list[dict]]:
+    """The job's ring connections among the streams: (ring streams, channels, what every stream was taken for)."""
+    ll = job.protocol in ("ll", "ll128")
+    links: dict[tuple[int, int], list[tuple[StreamInfo, list[Send]]]] = {}
+    roles = []
+    for s in streams:
+        src, dst = job.position_of(s.src_mac, s.src_ip), job.position_of(s.dst_mac, s.dst_ip)
+        role = _role(job, s, src, dst, buf, ll)
+        roles.append({"stream": s.name, "role": role, "messages": len(s.messages)})
+        if role == "ring":
+            links.setdefault((src, dst), []).append((s, group_sends(s.messages, buf, ll)))
+    if not links:
+        return [], job.channels or 0, roles
+    counts = {k: len(v) for k, v in links.items()}
+    channels = job.channels or min(counts.values())
+    out = []
+    for (src, _), items in sorted(links.items()):
+        items.sort(key=lambda it: it[0].qpn)  # NCCL connects channel 0 first: data QPNs increase with the channel
+        if len(items) != channels:
+            anomalies.append({"type": "channel_count", "link": f"{src}->{(src + 1) % job.nranks}",
+                              "data_connections": len(items), "channels": channels})
+        for ch, (s, sends) in enumerate(items[:channels]):
+            out.append(_ring_stream(s, src, ch, sends, buf, ll, anomalies))
+    return out, channels, roles
+
+
+def _role(job: Job, s: StreamInfo, src: int | None, dst: int | None, buf: np.ndarray, ll: bool) -> str:
+    if src is None or dst is None:
+        return "foreign"
+    writes = [m for m in s.messages if m.segments or m.length == 0]
+    if not writes or not any(m.closes for m in writes):
+        return "control"  # flow-control posts (no immediate), ACK-only
+    if dst != (src + 1) % job.nranks:
+        return "p2p"
+    if ll:
+        flags = [f for f in (_flag(m, buf) for m in writes[:8]) if f is not None]
+        sized = [m for m in writes[:8] if m.length and m.length % 16 == 0]
+        if not flags or not sized or any(_line_flags_vary(m, buf) for m in writes[:4]):
+            return "p2p"  # Simple-protocol p2p: raw data, no LL flags
+    return "ring"
+
+
+def _line_flags_vary(m: Msg, buf: np.ndarray) -> bool:
+    for off, length, _ in m.segments[:1]:
+        if length >= 16:
+            _, flags = ll_lines(buf, off, min(length, 256))
+            return bool((flags != flags[0]).any())
+    return False
+
+
+def _ring_stream(s: StreamInfo, position: int, channel: int, sends: list[Send], buf: np.ndarray, ll: bool,
+                 anomalies: list[dict]) -> RingStream:
+    by_step: dict[int, WireSend] = {}
+    counter = 0
+    for send in sends:
+        step = send_step(send, buf, ll)
+        if step is None:
+            step = counter + 1  # Simple, or an LL send with no line captured: next step
+        counter = step
+        where = {"stream": s.name, "psn": [send.parts[0].first_psn, send.parts[-1].last_psn], "flag": step}
+        if step in by_step:
+            anomalies.append({**where, "type": "step_seen_twice"})
+            continue
+        by_step[step] = WireSend(step, send.size, make_extract(send, buf, ll, anomalies, where), where)
+    first = min(by_step) if by_step else 1
+    last = max(by_step) if by_step else 0
+    for gap in sorted(set(range(first, last + 1)) - set(by_step)):
+        anomalies.append({"type": "send_lost", "stream": s.name, "step": gap})
+    return RingStream(s.name, position, channel, by_step, first, last, s.ended)

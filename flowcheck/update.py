@@ -1,0 +1,126 @@
+"""The updater: applies assembled gradients to a RAM replica with the trainer's own optimizer.
+
+The replica runs torch's CPU optimizer implementation with the job's hyper-parameters, one
+optimizer instance per parameter: SGD, Adam and AdamW update every parameter independently,
+so a parameter can be stepped as soon as its bucket is complete and the result is bit for bit
+what the trainer's single optimizer computes.  With global-norm clipping the norm needs the
+whole gradient, so the step waits for the iteration's last bucket and calls the very same
+``clip_grad_norm_`` over the parameters in ``model.parameters()`` order.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+
+from flowcheck.capture.job import Bucket, Job
+from flowcheck.errors import JobError
+from flowcheck.state import Snapshot
+from flowcheck.torch.state import OPT_PREFIX, snapshot_from_torch
+
+log = logging.getLogger(__name__)
+
+
+def make_optimizer(job: Job, param: torch.Tensor) -> torch.optim.Optimizer:
+    o = job.optimizer
+    if o is None:
+        raise JobError("optimizer: the job has none; capture needs the trainer's optimizer to update the replica")
+    common = {"lr": o.lr, "weight_decay": o.weight_decay, "maximize": o.maximize, "foreach": False}
+    if o.kind == "sgd":
+        return torch.optim.SGD([param], momentum=o.momentum, dampening=o.dampening, nesterov=o.nesterov, **common)
+    cls = torch.optim.Adam if o.kind == "adam" else torch.optim.AdamW
+    return cls([param], betas=o.betas, eps=o.eps, amsgrad=o.amsgrad, **common)
+
+
+class Replica:
+    """Parameters and optimizer state of the trainer, advanced one iteration at a time."""
+
+    def __init__(self, job: Job, state: Mapping[str, torch.Tensor], step: int) -> None:
+        if not job.trains:
+            raise JobError("the job lacks what updating needs: parameters, bucket contents (parameter names) "
+                           "and optimizer; decode works without them, capture does not")
+        self.job = job
+        self.step = step
+        self.names = [p.name for p in job.parameters]
+        self.params: dict[str, torch.Tensor] = {}
+        for p in job.parameters:
+            if p.name not in state:
+                raise JobError(f"initial state: parameter {p.name!r} is missing")
+            t = state[p.name]
+            if tuple(t.shape) != p.shape:
+                raise JobError(f"initial state: {p.name} has shape {tuple(t.shape)}, the job says {p.shape}")
+            self.params[p.name] = t.detach().clone().to(torch.float32)
+        self.optims = {n: make_optimizer(job, t) for n, t in self.params.items()}
+        self._load_optimizer_state(state)
+        self._pending: list[str] = []  # parameters with a gradient waiting for the iteration's step
+
+    def _load_optimizer_state(self, state: Mapping[str, torch.Tensor]) -> None:
+        for key, t in state.items():
+            if not key.startswith(OPT_PREFIX):
+                continue
+            slot, name = key[len(OPT_PREFIX):].split(".", 1)
+            if name not in self.params:
+                raise JobError(f"initial state: optimizer tensor {key!r} names no parameter of the job")
+            self.optims[name].state[self.params[name]][slot] = t.detach().clone()
+
+    # ---- gradients in ---------------------------------------------------------
+    def apply_bucket(self, bucket: Bucket, values: np.ndarray) -> None:
+        """Take one complete allreduced bucket; steps its parameters now unless clipping must wait."""
+        grad = torch.from_numpy(np.ascontiguousarray(values))
+        if self.job.dtype == "bfloat16":
+            grad = grad.view(torch.bfloat16).to(torch.float32)
+        if self.job.reduction == "sum-then-divide":
+            grad = grad / self.job.nranks
+        offset = 0
+        for name in bucket.params:
+            p = self.params[name]
+            p.grad = grad[offset:offset + p.numel()].view_as(p).clone()
+            offset += p.numel()
+        if self.job.clip_grad_norm is None:
+            for name in bucket.params:
+                self._step_one(name)
+        else:
+            self._pending += bucket.params
+
+    def finish_iteration(self) -> None:
+        """After the iteration's last bucket: clip (if the job clips) and step what waited; advance the step."""
+        if self.job.clip_grad_norm is not None:
+            if sorted(self._pending) != sorted(self.names):
+                raise JobError(f"iteration incomplete: {len(self._pending)} of {len(self.names)} parameters have gradients")
+            ordered = [self.params[n] for n in self.names]
+            torch.nn.utils.clip_grad_norm_(ordered, self.job.clip_grad_norm)
+            for name in self.names:
+                self._step_one(name)
+            self._pending = []
+        self.step += 1
+
+    def _step_one(self, name: str) -> None:
+        self.optims[name].step()
+        self.params[name].grad = None
+
+    # ---- state out / in -------------------------------------------------------
+    def optimizer_state_dict(self) -> dict:
+        state, group = {}, None
+        for i, name in enumerate(self.names):
+            sd = self.optims[name].state_dict()
+            if sd["state"]:
+                state[i] = sd["state"][0]
+            group = {k: v for k, v in sd["param_groups"][0].items() if k != "params"}
+        return {"state": state, "param_groups": [{**(group or {}), "params": list(range(len(self.names)))}]}
+
+    def snapshot(self, run: str) -> Snapshot:
+        """The replica as a Snapshot (zero-copy views) under the canonical names."""
+        return snapshot_from_torch(run, self.step, dict(self.params), self.optimizer_state_dict(),
+                                   param_names=self.names, rng=False, source="mirror",
+                                   extra={"mirror_job": self.job.name})
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """Canonical name -> tensor (parameters and optimizer state), as the truth files hold them."""
+        out = dict(self.params)
+        for name in self.names:
+            for slot, value in self.optims[name].state.get(self.params[name], {}).items():
+                if isinstance(value, torch.Tensor):
+                    out[f"{OPT_PREFIX}{slot}.{name}"] = value
+        return out

@@ -1,0 +1,120 @@
+"""Assembler: ring sends on mirrored streams -> exact allreduce vectors, missing ranges, conflicts."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from flowcheck.capture.assemble import Assembler, RingStream, WireSend, _runs
+from flowcheck.capture.job import job_from_dict
+from flowcheck.capture.ring import ring_sends
+
+
+def _job(n: int, buckets: list[int], channels: int = 1, first: list[int] | None = None):
+    ring = [{"rank": r, "mac": f"02:00:00:00:00:{r:02x}"} for r in range(n)]
+    return job_from_dict({"ring": ring, "dtype": "float32", "channels": channels,
+                          "buckets": {"steady": buckets, **({"first": first} if first else {})}})
+
+
+def _streams(job, vectors: list[np.ndarray], positions: list[int], *, lose=(), extra_before=0, cut=None):
+    """What mirrored outbound streams of ``positions`` carry for allreduces of ``vectors`` (finals only matter)."""
+    p = job.ring_params(job.channels)
+    out = []
+    for pos in positions:
+        for ch in range(job.channels):
+            sends, step = {}, 1
+            for _ in range(extra_before):  # another collective's send on the connection first
+                sends[step] = WireSend(step, 48, lambda o: [], {})
+                step += 1
+            for k, vec in enumerate(vectors):
+                for s in ring_sends(len(vec), p, pos, ch):
+                    data = vec[s.start:s.start + s.count] if s.final else np.full(s.count, np.nan, np.float32)
+                    if (pos, ch, k, s.step) not in lose:
+                        sends[step] = WireSend(step, p.wire_bytes(s.count), _filler(data, cut), {})
+                    step += 1
+            out.append(RingStream(f"p{pos}c{ch}", pos, ch, sends, 1, step - 1))
+    return out
+
+
+def _filler(data: np.ndarray, cut):
+    def extract(buf):
+        raw = data.view(np.uint8)
+        n = raw.nbytes if cut is None else min(raw.nbytes, cut)
+        buf[:n] = raw[:n]
+        return [(0, n)] if n else []
+    return extract
+
+
+@pytest.mark.parametrize("n,channels", [(2, 1), (2, 2), (3, 1), (4, 2), (8, 2)])
+def test_two_consecutive_outbound_streams_recover_every_element(n, channels):
+    job = _job(n, [30000, 777], channels)
+    rng = np.random.default_rng(n)
+    vecs = [rng.standard_normal(30000).astype(np.float32), rng.standard_normal(777).astype(np.float32)] * 2
+    got = list(Assembler(job, channels).assemble(_streams(job, vecs, [0, 1])))
+    assert len(got) == 4
+    for ar, vec in zip(got, vecs):
+        assert ar.complete and ar.missing() == []
+        assert ar.data.tobytes() == vec.tobytes()
+    assert [(a.iteration, a.bucket) for a in got] == [(1, 0), (1, 1), (2, 0), (2, 1)]
+
+
+def test_one_outbound_stream_misses_exactly_its_successors_chunk():
+    job = _job(4, [40000])
+    vec = np.arange(40000, dtype=np.float32)
+    (ar,) = Assembler(job, 1).assemble(_streams(job, [vec], [0]))
+    assert not ar.complete and "sha256" not in ar.summary()
+    p = job.ring_params(1)
+    want = [(s.start, s.start + s.count) for s in ring_sends(40000, p, 1, 0) if s.final and s.chunk == 1]
+    assert ar.missing() == want  # chunk 1 (position 0's successor) is finalised only by position 1
+
+
+def test_a_lost_send_is_covered_by_another_stream_and_reported_when_not():
+    job = _job(3, [20000])
+    vec = np.random.default_rng(0).standard_normal(20000).astype(np.float32)
+    p = job.ring_params(1)
+    final_step = next(s.step for s in ring_sends(20000, p, 0, 0) if s.final)
+    lose = {(0, 0, 0, final_step)}
+    (ar,) = Assembler(job, 1).assemble(_streams(job, [vec], [0, 1, 2], lose=lose))
+    assert ar.complete and ar.data.tobytes() == vec.tobytes()
+    assert ar.copies.min() == 1 and ar.copies.max() == 2  # N-1 senders finalise each chunk
+    (ar,) = Assembler(job, 1).assemble(_streams(job, [vec], [0, 1], lose=lose | {(1, 0, 0, final_step + 1)}))
+    assert not ar.complete and ar.missing()
+
+
+def test_other_collectives_before_the_allreduce_are_skipped_not_counted():
+    job = _job(2, [5000])
+    vec = np.ones(5000, np.float32)
+    asm = Assembler(job, 1)
+    (ar,) = asm.assemble(_streams(job, [vec], [0, 1], extra_before=3))
+    assert ar.complete and len(asm.skipped) == 6
+
+
+def test_partial_data_leaves_exact_missing_element_ranges():
+    job = _job(2, [5000])
+    vec = np.ones(5000, np.float32)
+    (ar,) = Assembler(job, 1).assemble(_streams(job, [vec], [0, 1], cut=1000))
+    # each final send delivered its first 1000 bytes = 250 elements
+    assert ar.missing() == [(250, 3072), (3072 + 250, 5000)]
+
+
+def test_copies_that_disagree_make_the_allreduce_untrusted():
+    job = _job(3, [9000])
+    vec = np.random.default_rng(1).standard_normal(9000).astype(np.float32)
+    streams = _streams(job, [vec], [0, 1])
+    bad = vec.copy()
+    bad[4000] += 1  # chunk 1: finalised by positions 1 and 2
+    streams += [s for s in _streams(job, [bad], [2])]
+    (ar,) = Assembler(job, 1).assemble(streams)
+    assert ar.conflicts and not ar.complete
+
+
+def test_first_iteration_plan_differs():
+    job = _job(2, [3000, 2000], first=[5000])
+    vecs = [np.full(5000, 1, np.float32), np.full(3000, 2, np.float32), np.full(2000, 3, np.float32)]
+    got = list(Assembler(job, 1).assemble(_streams(job, vecs, [0, 1])))
+    assert [(a.iteration, a.bucket, a.elements) for a in got] == [(1, 0, 5000), (2, 0, 3000), (2, 1, 2000)]
+    assert all(a.complete for a in got)
+
+
+def test_runs():
+    assert _runs(np.array([0, 1, 1, 0, 1], bool)) == [(1, 3), (4, 5)]
+    assert _runs(np.zeros(3, bool)) == []
