@@ -516,5 +516,20 @@ def demo(config_path, workdir, steps, local_every, object_seconds, object_url):
     sys.exit(0 if ok else 1)
 
 
+
+def _register_mirror_commands() -> None:
+    from flowcheck.capture.commands import capture_command, decode_command
+
+    for cmd in (decode_command, capture_command):
+        main.add_command(_handled_command(cmd))
+
+
+def _handled_command(cmd: click.Command) -> click.Command:
+    cmd.callback = _handled(cmd.callback)
+    return cmd
+
+
+_register_mirror_commands()
+
 if __name__ == "__main__":
     main()

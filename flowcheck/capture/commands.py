@@ -1,0 +1,115 @@
+"""`flowcheck decode` and `flowcheck capture`: mirror-capture files in, allreduces / committed steps out."""
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+
+def _load_job(path: str):
+    from flowcheck.capture.job import load_job
+
+    return load_job(path)
+
+
+@click.command("decode")
+@click.option("--job", "job_path", required=True, type=click.Path(dir_okay=False), help="Job description YAML.")
+@click.option("--pcap", "pcaps", required=True, multiple=True, type=click.Path(dir_okay=False),
+              help="pcap/pcapng file(s); repeat --pcap or list several after it.")
+@click.argument("more", nargs=-1, type=click.Path(dir_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="One JSON object (the documented report).")
+@click.option("--dump", "dump_dir", default=None, type=click.Path(file_okay=False),
+              help="Write allreduce-<k>.npy (and .missing.npy masks) here.")
+def decode_command(job_path, pcaps, more, as_json, dump_dir):
+    """Print, per allreduce, what was recovered, from which stream, and what is missing.
+
+    Exit status 0 when every allreduce is complete, 3 when some are not, 2 on bad input.
+
+    \b
+    Example:
+      flowcheck decode --job sim/job.yaml --pcap sim/mirror-r0-out.pcap sim/mirror-r1-out.pcap --json
+    """
+    from flowcheck.capture.decode import Decoded, decode, dump, read_all, report
+
+    job = _load_job(job_path)
+    info = Decoded()
+    allreduces = list(decode(job, read_all(list(pcaps) + list(more)), info))
+    out = report(allreduces, info)
+    if dump_dir:
+        dump(allreduces, dump_dir)
+    if as_json:
+        click.echo(json.dumps(out, indent=1))
+    else:
+        _print_decode(out)
+    sys.exit(0 if allreduces and all(a.complete for a in allreduces) else 3)
+
+
+def _print_decode(out: dict) -> None:
+    click.echo(f"{len(out['allreduces'])} allreduces, {out['channels']} channel(s), packets {out['packets']}")
+    for a in out["allreduces"]:
+        state = "complete" if a["complete"] else f"INCOMPLETE, missing {a['missing'][:4]}{' ...' if len(a['missing']) > 4 else ''}"
+        streams = sorted({s["stream"] for s in a["sources"] if s.get("elements_seen")})
+        click.echo(f"  #{a['index']} iteration {a['iteration']} bucket {a['bucket']}: {a['elements']} x {a['dtype']} "
+                   f"{state}; copies {a['copies']['min']}..{a['copies']['max']} from {', '.join(streams) or 'nothing'}"
+                   + (f"; sha256 {a['sha256'][:16]}" if a.get("sha256") else ""))
+    for an in out["anomalies"][:20]:
+        click.echo(f"  anomaly: {an}")
+    if len(out["anomalies"]) > 20:
+        click.echo(f"  ... {len(out['anomalies']) - 20} more anomalies (--json for all)")
+
+
+@click.command("capture")
+@click.option("--config", "config_path", envvar="FLOWCHECK_CONFIG", type=click.Path(dir_okay=False),
+              help="Store/policy YAML (default: $FLOWCHECK_CONFIG, else embedded defaults).")
+@click.option("--job", "job_path", required=True, type=click.Path(dir_okay=False), help="Job description YAML.")
+@click.option("--pcap", "pcaps", required=True, multiple=True, type=click.Path(dir_okay=False), help="pcap/pcapng file(s).")
+@click.argument("more", nargs=-1, type=click.Path(dir_okay=False))
+@click.option("--init", default=None, help="Initial state: a stored step number or a .safetensors file (default: the job's init).")
+@click.option("--resync", "resync_dir", default=None, type=click.Path(file_okay=False),
+              help="Directory of full states step-<N>.safetensors used after an unrecoverable iteration (default: the job's resync).")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def capture_command(config_path, job_path, pcaps, more, init, resync_dir, as_json):
+    """Replay mirrored captures into a RAM replica and commit steps per the policy.
+
+    An iteration that cannot be completed marks the state stale (never snapshotted) and
+    resyncs from --resync when it has the step.
+
+    \b
+    Example:
+      flowcheck capture --config flowcheck.yaml --job sim/job.yaml --pcap sim/*.pcap
+    """
+    from flowcheck import config as config_mod
+    from flowcheck.capture.decode import Decoded, decode, read_all
+    from flowcheck.capture.mirror import ResyncSource, Updater, initial_replica, publish_to, run_pipeline
+    from flowcheck.policy import PolicyRunner
+    from flowcheck.store import open_store
+
+    job = _load_job(job_path)
+    store = open_store(config_mod.load(config_path))
+    replica = initial_replica(job, init, store)
+    runner = PolicyRunner(store).start()
+    info = Decoded()
+    try:
+        store.push(replica.snapshot(store.config.run))
+        updater = Updater(job, replica, publish=publish_to(store, store.config.run, runner.on_step),
+                          on_stale=lambda it, why: store.memory.mark_stale(why),
+                          resync=ResyncSource(resync_dir or job.resync))
+        result = run_pipeline(decode(job, read_all(list(pcaps) + list(more)), info), updater)
+        runner.flush()
+    finally:
+        runner.stop()
+    committed = store.local.steps()
+    out = {"iterations_applied": result.iterations, "allreduces": result.allreduces, "stale": result.stale,
+           "resyncs": result.resyncs, "final_step": result.steps[-1] if result.steps else replica.step,
+           "stale_at_end": store.memory.stale, "local_steps": committed, "anomalies": len(info.anomalies),
+           "policy_errors": runner.stats.errors}
+    if as_json:
+        click.echo(json.dumps(out, indent=1))
+    else:
+        click.echo(f"applied {result.iterations} iterations from {result.allreduces} allreduces; "
+                   f"{len(result.stale)} stale, resynced at {result.resyncs}; RAM at step {out['final_step']}"
+                   f"{' (STALE: not snapshotted)' if store.memory.stale else ''}; local steps {committed}")
+        for s in result.stale:
+            click.echo(f"  stale: iteration {s['iteration']}: {s['reason']}")
+    sys.exit(0 if not runner.stats.errors else 1)
