@@ -71,8 +71,8 @@ class Allreduce:
     def summary(self) -> dict:
         out = {"index": self.index, "iteration": self.iteration, "bucket": self.bucket, "elements": self.elements,
                "dtype": self.dtype, "complete": self.complete, "missing": [list(r) for r in self.missing()],
-               "copies": {"min": int(self.copies.min(initial=0)) if self.elements else 0,
-                          "max": int(self.copies.max(initial=0)) if self.elements else 0},
+               "copies": {"min": int(self.copies.min()) if self.elements else 0,
+                          "max": int(self.copies.max()) if self.elements else 0},
                "sources": self.sources, "conflicts": self.conflicts}
         if self.complete:
             out["sha256"] = hashlib.sha256(self.data.astype(self.data.dtype.newbyteorder("<"), copy=False).tobytes()).hexdigest()

@@ -53,7 +53,7 @@ def decode(job: Job, frames: Frames, info: Decoded | None = None) -> Iterator[Al
     """Allreduces in capture order (each settled: every stream has moved past it or ended)."""
     info = info if info is not None else Decoded()
     packets = roce.parse(frames)
-    info.packets = dict(packets.counters)
+    info.packets = {**packets.status_counts, "opcodes": packets.opcode_counts}
     streams = _stream_infos(frames, packets, info.anomalies)
     buf = np.frombuffer(frames.buf, np.uint8)
     rings, channels, roles = ring_streams(job, streams, buf, info.anomalies)
@@ -69,11 +69,56 @@ def decode(job: Job, frames: Frames, info: Decoded | None = None) -> Iterator[Al
 
 
 def _stream_infos(frames: Frames, packets, anomalies: list[dict]) -> list[StreamInfo]:
-    """The reassembler's tables as StreamInfo/Msg objects (plus its gap/duplicate reports as anomalies)."""
-    table = roce.reassemble(frames, packets)
-    anomalies.extend(table.anomalies)
-    return [StreamInfo(name=s.name, src_mac=s.src_mac, dst_mac=s.dst_mac, src_ip=s.src_ip, dst_ip=s.dst_ip,
-                       qpn=s.qpn, messages=[Msg(**m) for m in s.messages]) for s in table.streams]
+    """The reassembler's tables as StreamInfo/Msg objects; its PSN gaps and duplicates become anomalies."""
+    r = roce.reassemble(frames, packets)
+    by_stream: dict[int, list[int]] = {}
+    writes = np.flatnonzero(r.messages["kind"] == roce.KIND_WRITE)
+    for mid in writes:
+        by_stream.setdefault(int(r.messages["stream"][mid]), []).append(int(mid))
+    missing: dict[int, list[tuple[int, int]]] = {}
+    for row in r.missing:
+        missing.setdefault(int(row["message"]), []).append((int(row["start"]), int(row["end"])))
+    out = []
+    for sid, s in enumerate(r.streams):
+        name = r.stream_name(sid)
+        for a, b in r.gaps_of(sid):
+            anomalies.append({"type": "psn_gap", "stream": name, "psn": [a, b], "packets": b - a})
+        if int(s["n_duplicates"]):
+            anomalies.append({"type": "duplicates", "stream": name, "packets": int(s["n_duplicates"])})
+        msgs = [_msg(r, mid, missing.get(mid, [])) for mid in sorted(by_stream.get(sid, []), key=lambda m: r.messages["first_psn"][m])]
+        out.append(StreamInfo(name=name, src_mac=_mac(s["src_mac"]), dst_mac=_mac(s["dst_mac"]), src_ip=_ip(s["src_ip"]),
+                              dst_ip=_ip(s["dst_ip"]), qpn=int(s["dqpn"]), messages=msgs))
+    return out
+
+
+def _msg(r, mid: int, missing: list[tuple[int, int]]) -> Msg:
+    m = r.messages[mid]
+    length = int(m["dma_len"]) if m["dma_len"] >= 0 else None
+    segs = r.segments_of(mid)
+    flags = roce.MessageFlag(int(m["flags"]))
+    return Msg(
+        first_psn=int(m["first_psn"]), last_psn=int(m["last_psn"]),
+        va=int(m["va"]) if m["va"] >= 0 else None, length=length,
+        imm=int(m["imm"]) if m["has_imm"] else None,
+        segments=[(int(o), int(n), int(at)) for o, n, at in zip(segs["offset"], segs["length"], segs["msg_offset"])],
+        missing=[(a, b if b >= 0 else (length if length is not None else -1)) for a, b in missing],
+        complete=bool(m["complete"]),
+        # a message whose LAST was lost may have carried the immediate: close the send rather than merge it on
+        closes=bool(m["has_imm"]) or bool(flags & roce.MessageFlag.END_UNKNOWN),
+        info={"frames": [int(m["first_frame"]), int(m["last_frame"])]},
+    )
+
+
+def _mac(a: np.ndarray) -> str:
+    return ":".join(f"{b:02x}" for b in bytes(a))
+
+
+def _ip(a: np.ndarray) -> str:
+    import ipaddress
+
+    raw = bytes(a)
+    ip = ipaddress.IPv6Address(raw)
+    return str(ip.ipv4_mapped) if ip.ipv4_mapped else str(ip)
 
 
 def report(allreduces: list[Allreduce], info: Decoded) -> dict:
