@@ -8,7 +8,7 @@ from flowcheck.capture.ring import RingParams, reduce_order, ring_sends
 from flowcheck.simulate.allreduce import chunks, ring_allreduce
 
 # small steps so that a few hundred elements already need several loops and leave empty chunks
-SMALL = dict(align_bytes=64, step_bytes=256)
+SMALL = {"align_bytes": 64, "step_bytes": 256}
 
 
 def _inputs(n: int, count: int, seed: int, dtype=np.float32) -> list[np.ndarray]:
