@@ -1,0 +1,1044 @@
+// flowcheck._mirror: the mirror-capture packet path — index a capture file,
+// parse RoCEv2 frames, reassemble RDMA messages by PSN, unpack NCCL lines.
+//
+// Buffers in, numpy arrays out, the GIL released around every loop, one error
+// type (ValueError) for bad arguments and malformed files (Python wraps it in
+// CaptureError).  The record layouts are C structs; `layouts()` describes them
+// so Python builds matching numpy dtypes instead of restating the offsets.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "the CRC and record code assume a little-endian host");
+
+namespace py = pybind11;
+
+namespace {
+
+// ---------------------------------------------------------------- byte helpers
+
+inline uint16_t be16(const uint8_t* p) { return uint16_t(p[0] << 8 | p[1]); }
+inline uint32_t be24(const uint8_t* p) { return uint32_t(p[0]) << 16 | uint32_t(p[1]) << 8 | p[2]; }
+inline uint32_t be32(const uint8_t* p) { return uint32_t(p[0]) << 24 | be24(p + 1); }
+inline uint64_t be64(const uint8_t* p) { return uint64_t(be32(p)) << 32 | be32(p + 4); }
+inline uint32_t le32(const uint8_t* p) { uint32_t v; std::memcpy(&v, p, 4); return v; }
+inline uint64_t le64(const uint8_t* p) { uint64_t v; std::memcpy(&v, p, 8); return v; }
+
+// Reads file integers in the byte order of the current pcap section.
+struct Reader {
+    const uint8_t* p;
+    bool swap;
+    uint16_t u16(size_t at) const { uint16_t v; std::memcpy(&v, p + at, 2); return swap ? __builtin_bswap16(v) : v; }
+    uint32_t u32(size_t at) const { uint32_t v; std::memcpy(&v, p + at, 4); return swap ? __builtin_bswap32(v) : v; }
+};
+
+struct Bytes {
+    const uint8_t* data;
+    size_t size;
+};
+
+Bytes readable(const py::buffer& b, size_t itemsize = 0) {
+    py::buffer_info info = b.request(false);
+    if (itemsize != 0 && (info.ndim != 1 || size_t(info.itemsize) != itemsize || info.strides[0] != info.itemsize))
+        throw py::value_error("expected a contiguous 1-d array of " + std::to_string(itemsize) + "-byte items");
+    return {static_cast<const uint8_t*>(info.ptr), size_t(info.size * info.itemsize)};
+}
+
+struct MutBytes {
+    uint8_t* data;
+    size_t size;
+};
+
+MutBytes writable(py::buffer& b, size_t itemsize = 0) {
+    py::buffer_info info = b.request(true);
+    if (itemsize != 0 && (info.ndim != 1 || size_t(info.itemsize) != itemsize || info.strides[0] != info.itemsize))
+        throw py::value_error("expected a writable contiguous 1-d array of " + std::to_string(itemsize) + "-byte items");
+    return {static_cast<uint8_t*>(info.ptr), size_t(info.size * info.itemsize)};
+}
+
+template <class T>
+py::array_t<T> to_array(const std::vector<T>& v) {
+    py::array_t<T> a(v.size());
+    if (!v.empty()) std::memcpy(a.mutable_data(), v.data(), v.size() * sizeof(T));
+    return a;
+}
+
+template <class Row>
+py::array_t<uint8_t> rows_to_bytes(const std::vector<Row>& v) {
+    py::array_t<uint8_t> a(v.size() * sizeof(Row));
+    if (!v.empty()) std::memcpy(a.mutable_data(), v.data(), v.size() * sizeof(Row));
+    return a;
+}
+
+// ---------------------------------------------------------------- CRC32 (IEEE, zlib's)
+
+uint32_t crc_table[8][256];
+bool have_clmul = false;
+
+void crc_init() {
+    for (uint32_t i = 0; i < 256; ++i) {
+        uint32_t c = i;
+        for (int k = 0; k < 8; ++k) c = (c & 1) ? 0xEDB88320u ^ (c >> 1) : c >> 1;
+        crc_table[0][i] = c;
+    }
+    for (uint32_t i = 0; i < 256; ++i)
+        for (int k = 1; k < 8; ++k) crc_table[k][i] = (crc_table[k - 1][i] >> 8) ^ crc_table[0][crc_table[k - 1][i] & 0xFF];
+#if defined(__x86_64__)
+    __builtin_cpu_init();
+    have_clmul = __builtin_cpu_supports("pclmul") && __builtin_cpu_supports("sse4.1");
+#endif
+}
+
+// Slicing-by-8 on the raw (un-inverted) CRC state: the fallback and the tail of the folded path.
+uint32_t crc_update_table(uint32_t c, const uint8_t* p, size_t n) {
+    while (n >= 8) {
+        uint32_t a = le32(p) ^ c, b = le32(p + 4);
+        c = crc_table[7][a & 0xFF] ^ crc_table[6][(a >> 8) & 0xFF] ^ crc_table[5][(a >> 16) & 0xFF] ^
+            crc_table[4][a >> 24] ^ crc_table[3][b & 0xFF] ^ crc_table[2][(b >> 8) & 0xFF] ^
+            crc_table[1][(b >> 16) & 0xFF] ^ crc_table[0][b >> 24];
+        p += 8;
+        n -= 8;
+    }
+    while (n--) c = crc_table[0][(c ^ *p++) & 0xFF] ^ (c >> 8);
+    return c;
+}
+
+#if defined(__x86_64__)
+// Carry-less-multiply folding (Intel "Fast CRC Computation for Generic Polynomials
+// Using PCLMULQDQ", the bit-reflected constants zlib/Chromium use).  A 1 KiB RoCE
+// payload is the hot path: the table loop would cap parsing near 1 GB/s.
+// Needs len >= 64 and a multiple of 16; takes and returns the raw state.
+__attribute__((target("pclmul,sse4.1"))) uint32_t crc_update_clmul(uint32_t crc, const uint8_t* buf, size_t len) {
+    alignas(16) static const uint64_t k1k2[] = {0x0154442bd4, 0x01c6e41596};
+    alignas(16) static const uint64_t k3k4[] = {0x01751997d0, 0x00ccaa009e};
+    alignas(16) static const uint64_t k5k0[] = {0x0163cd6124, 0x0000000000};
+    alignas(16) static const uint64_t poly[] = {0x01db710641, 0x01f7011641};
+    __m128i x0, x1, x2, x3, x4, x5, x6, x7, x8;
+    x1 = _mm_loadu_si128((const __m128i*)(buf + 0x00));
+    x2 = _mm_loadu_si128((const __m128i*)(buf + 0x10));
+    x3 = _mm_loadu_si128((const __m128i*)(buf + 0x20));
+    x4 = _mm_loadu_si128((const __m128i*)(buf + 0x30));
+    x1 = _mm_xor_si128(x1, _mm_cvtsi32_si128(int(crc)));
+    x0 = _mm_load_si128((const __m128i*)k1k2);
+    buf += 64;
+    len -= 64;
+    while (len >= 64) {  // four lanes in parallel
+        x5 = _mm_clmulepi64_si128(x1, x0, 0x00);
+        x6 = _mm_clmulepi64_si128(x2, x0, 0x00);
+        x7 = _mm_clmulepi64_si128(x3, x0, 0x00);
+        x8 = _mm_clmulepi64_si128(x4, x0, 0x00);
+        x1 = _mm_clmulepi64_si128(x1, x0, 0x11);
+        x2 = _mm_clmulepi64_si128(x2, x0, 0x11);
+        x3 = _mm_clmulepi64_si128(x3, x0, 0x11);
+        x4 = _mm_clmulepi64_si128(x4, x0, 0x11);
+        x1 = _mm_xor_si128(_mm_xor_si128(x1, x5), _mm_loadu_si128((const __m128i*)(buf + 0x00)));
+        x2 = _mm_xor_si128(_mm_xor_si128(x2, x6), _mm_loadu_si128((const __m128i*)(buf + 0x10)));
+        x3 = _mm_xor_si128(_mm_xor_si128(x3, x7), _mm_loadu_si128((const __m128i*)(buf + 0x20)));
+        x4 = _mm_xor_si128(_mm_xor_si128(x4, x8), _mm_loadu_si128((const __m128i*)(buf + 0x30)));
+        buf += 64;
+        len -= 64;
+    }
+    x0 = _mm_load_si128((const __m128i*)k3k4);  // fold the four lanes into one
+    for (__m128i next : {x2, x3, x4}) {
+        x5 = _mm_clmulepi64_si128(x1, x0, 0x00);
+        x1 = _mm_clmulepi64_si128(x1, x0, 0x11);
+        x1 = _mm_xor_si128(_mm_xor_si128(x1, next), x5);
+    }
+    while (len >= 16) {
+        x2 = _mm_loadu_si128((const __m128i*)buf);
+        x5 = _mm_clmulepi64_si128(x1, x0, 0x00);
+        x1 = _mm_clmulepi64_si128(x1, x0, 0x11);
+        x1 = _mm_xor_si128(_mm_xor_si128(x1, x2), x5);
+        buf += 16;
+        len -= 16;
+    }
+    x2 = _mm_clmulepi64_si128(x1, x0, 0x10);  // 128 -> 64 bits
+    x3 = _mm_setr_epi32(~0, 0, ~0, 0);
+    x1 = _mm_xor_si128(_mm_srli_si128(x1, 8), x2);
+    x0 = _mm_loadl_epi64((const __m128i*)k5k0);
+    x2 = _mm_srli_si128(x1, 4);
+    x1 = _mm_and_si128(x1, x3);
+    x1 = _mm_xor_si128(_mm_clmulepi64_si128(x1, x0, 0x00), x2);
+    x0 = _mm_load_si128((const __m128i*)poly);  // Barrett reduction to 32 bits
+    x2 = _mm_and_si128(x1, x3);
+    x2 = _mm_clmulepi64_si128(x2, x0, 0x10);
+    x2 = _mm_and_si128(x2, x3);
+    x2 = _mm_clmulepi64_si128(x2, x0, 0x00);
+    x1 = _mm_xor_si128(x1, x2);
+    return uint32_t(_mm_extract_epi32(x1, 1));
+}
+#endif
+
+uint32_t crc_update(uint32_t c, const uint8_t* p, size_t n) {
+#if defined(__x86_64__)
+    if (have_clmul && n >= 64) {
+        size_t m = n & ~size_t(15);
+        c = crc_update_clmul(c, p, m);
+        p += m;
+        n -= m;
+    }
+#endif
+    return crc_update_table(c, p, n);
+}
+
+uint32_t crc32(const py::buffer& data, uint32_t value) {
+    Bytes b = readable(data);
+    py::gil_scoped_release nogil;
+    return ~crc_update(~value, b.data, b.size);
+}
+
+// ---------------------------------------------------------------- capture index
+
+struct Index {
+    std::vector<int64_t> offsets, ts_ns;
+    std::vector<int32_t> lengths, linktypes;
+    std::string error;  // set instead of throwing while the GIL is released
+    void add(size_t off, uint32_t len, int64_t ts, uint32_t link) {
+        offsets.push_back(int64_t(off));
+        lengths.push_back(int32_t(len));
+        ts_ns.push_back(ts);
+        linktypes.push_back(int32_t(link));
+    }
+};
+
+struct Interface {
+    uint32_t linktype, snaplen;
+    bool base2;
+    int exponent;
+    int64_t offset_s;
+};
+
+// Converts a pcapng timestamp in units of 10^-e or 2^-e seconds to ns (128-bit: no overflow).
+int64_t to_ns(uint64_t ts, const Interface& itf) {
+    unsigned __int128 v = ts;
+    if (itf.base2) {
+        v = (v * 1000000000u) >> std::min(itf.exponent, 127);
+    } else if (itf.exponent <= 9) {
+        for (int i = itf.exponent; i < 9; ++i) v *= 10;
+    } else {
+        for (int i = 9; i < itf.exponent && v != 0; ++i) v /= 10;
+    }
+    return int64_t(v) + itf.offset_s * 1000000000;
+}
+
+std::string at(size_t pos) { return " at byte " + std::to_string(pos); }
+
+// Reads the IDB options this reader needs: if_tsresol (9) and if_tsoffset (14).
+void idb_options(const Reader& r, size_t pos, size_t end, Interface& itf, std::string& err) {
+    while (pos + 4 <= end) {
+        uint16_t code = r.u16(pos), len = r.u16(pos + 2);
+        size_t next = pos + 4 + ((size_t(len) + 3) & ~size_t(3));
+        if (code == 0) return;
+        if (next > end) { err = "pcapng interface option " + std::to_string(code) + " runs past its block" + at(pos); return; }
+        if (code == 9 && len >= 1) {
+            uint8_t v = r.p[pos + 4];
+            itf.base2 = v & 0x80;
+            itf.exponent = v & 0x7F;
+        } else if (code == 14 && len >= 8) {
+            uint64_t lo = r.u32(pos + 4), hi = r.u32(pos + 8);  // u64 in section byte order
+            itf.offset_s = int64_t(r.swap ? (lo << 32 | hi) : (hi << 32 | lo));
+        }
+        pos = next;
+    }
+}
+
+// One pcapng packet block (EPB 6, OPB 2, SPB 3).  Body = block minus type, length and trailer.
+void pcapng_packet(const Reader& r, uint32_t type, size_t body, size_t body_len, const std::vector<Interface>& ifs, Index& ix) {
+    size_t hdr = type == 3 ? 4 : 20;
+    if (body_len < hdr) { ix.error = "pcapng packet block too short" + at(body - 8); return; }
+    uint32_t iface = type == 6 ? r.u32(body) : type == 2 ? r.u16(body) : 0;
+    if (iface >= ifs.size()) {
+        ix.error = "pcapng packet block names interface " + std::to_string(iface) + " but " + std::to_string(ifs.size()) +
+                   " are described" + at(body - 8);
+        return;
+    }
+    const Interface& itf = ifs[iface];
+    if (type == 3) {  // SPB: no timestamp, caplen implied by the block
+        uint32_t orig = r.u32(body);
+        size_t cap = std::min<size_t>(orig, body_len - 4);
+        if (itf.snaplen) cap = std::min<size_t>(cap, itf.snaplen);
+        ix.add(body + 4, uint32_t(cap), -1, itf.linktype);
+        return;
+    }
+    uint32_t cap = r.u32(body + 12);
+    if (cap > body_len - 20) {
+        ix.error = "pcapng packet of " + std::to_string(cap) + " bytes does not fit its block body of " + std::to_string(body_len) +
+                   at(body - 8);
+        return;
+    }
+    uint64_t ts = uint64_t(r.u32(body + 4)) << 32 | r.u32(body + 8);
+    ix.add(body + 20, cap, to_ns(ts, itf), itf.linktype);
+}
+
+// Walks the blocks of a pcapng file; every length is checked against the file before use.
+void index_pcapng(const uint8_t* p, size_t n, Index& ix) {
+    Reader r{p, false};
+    std::vector<Interface> ifs;
+    size_t pos = 0;
+    while (pos < n && ix.error.empty()) {
+        if (n - pos < 12) { ix.error = "truncated pcapng block header" + at(pos); return; }
+        uint32_t type = r.u32(pos);
+        if (type == 0x0A0D0D0A) {  // SHB: its byte-order magic sets the order of the section
+            if (n - pos < 28) { ix.error = "truncated pcapng section header" + at(pos); return; }
+            uint32_t magic = le32(p + pos + 8);
+            if (magic != 0x1A2B3C4D && magic != 0x4D3C2B1A) { ix.error = "bad pcapng byte-order magic" + at(pos); return; }
+            r.swap = magic == 0x4D3C2B1A;
+            ifs.clear();
+        } else if (pos == 0) {
+            ix.error = "pcapng file does not start with a section header block";
+            return;
+        }
+        size_t blen = r.u32(pos + 4);
+        if (blen < 12 || blen % 4 || blen > n - pos) {
+            ix.error = "pcapng block length " + std::to_string(blen) + " is invalid (" + std::to_string(n - pos) +
+                       " bytes left)" + at(pos);
+            return;
+        }
+        if (r.u32(pos + blen - 4) != blen) { ix.error = "pcapng block trailer length differs from its header" + at(pos); return; }
+        size_t body = pos + 8, body_len = blen - 12;
+        if (type == 1) {
+            if (body_len < 8) { ix.error = "pcapng interface block too short" + at(pos); return; }
+            Interface itf{r.u16(body), r.u32(body + 4), false, 6, 0};
+            idb_options(r, body + 8, body + body_len, itf, ix.error);
+            ifs.push_back(itf);
+        } else if (type == 6 || type == 2 || type == 3) {
+            pcapng_packet(r, type, body, body_len, ifs, ix);
+        }
+        pos += blen;
+    }
+}
+
+// Classic pcap: 24-byte header, then 16-byte record headers each followed by caplen bytes.
+void index_pcap(const uint8_t* p, size_t n, Index& ix) {
+    uint32_t magic = le32(p);
+    bool swap = magic == 0xD4C3B2A1 || magic == 0x4D3CB2A1;
+    bool nano = magic == 0xA1B23C4D || magic == 0x4D3CB2A1;
+    Reader r{p, swap};
+    if (n < 24) { ix.error = "truncated pcap file header"; return; }
+    uint32_t link = r.u32(20) & 0x0FFFFFFF;  // the top bits carry FCS information
+    for (size_t pos = 24; pos < n;) {
+        if (n - pos < 16) { ix.error = "truncated pcap record header" + at(pos); return; }
+        uint32_t cap = r.u32(pos + 8);
+        if (cap > n - pos - 16) {
+            ix.error = "pcap record of " + std::to_string(cap) + " bytes runs past the end of the file" + at(pos);
+            return;
+        }
+        int64_t ts = int64_t(r.u32(pos)) * 1000000000 + int64_t(r.u32(pos + 4)) * (nano ? 1 : 1000);
+        ix.add(pos + 16, cap, ts, link);
+        pos += 16 + cap;
+    }
+}
+
+py::tuple index_capture(const py::buffer& file) {
+    Bytes b = readable(file);
+    Index ix;
+    std::string format;
+    if (b.size < 4) throw py::value_error("file of " + std::to_string(b.size) + " bytes is not a capture");
+    uint32_t magic = le32(b.data);
+    {
+        py::gil_scoped_release nogil;
+        if (magic == 0x0A0D0D0A) {
+            format = "pcapng";
+            index_pcapng(b.data, b.size, ix);
+        } else if (magic == 0xA1B2C3D4 || magic == 0xD4C3B2A1 || magic == 0xA1B23C4D || magic == 0x4D3CB2A1) {
+            format = "pcap";
+            index_pcap(b.data, b.size, ix);
+        } else {
+            char hex[16];
+            std::snprintf(hex, sizeof hex, "0x%08x", magic);
+            ix.error = std::string("unknown capture format: first word ") + hex +
+                       " is neither a pcap magic nor a pcapng section header";
+        }
+    }
+    if (!ix.error.empty()) throw py::value_error(ix.error);
+    return py::make_tuple(to_array(ix.offsets), to_array(ix.lengths), to_array(ix.ts_ns), to_array(ix.linktypes), format);
+}
+
+// ---------------------------------------------------------------- RoCEv2 parsing
+
+enum Status : uint8_t { OK = 0, NOT_ROCE = 1, BAD_ICRC = 2, MALFORMED = 3 };
+enum Role : uint8_t { NO_ROLE, FIRST, MIDDLE, LAST, ONLY };
+enum Kind : uint8_t { SEND = 0, WRITE = 1, READ = 2, ACK = 3, UD = 4, OTHER = 5, UNKNOWN = 255 };
+
+struct OpInfo {
+    Kind kind = UNKNOWN;
+    Role role = NO_ROLE;
+    bool reth = false, deth = false, aeth = false, imm = false, payload = true;
+};
+
+struct OpTable {
+    OpInfo op[256];
+    OpTable() {
+        const Role roles[6] = {FIRST, MIDDLE, LAST, LAST, ONLY, ONLY};
+        for (int i = 0; i < 6; ++i) {  // RC SEND 0-5 and WRITE 6-11 share the FIRST..ONLY_IMM pattern
+            op[i] = {SEND, roles[i], false, false, false, i == 3 || i == 5, true};
+            op[6 + i] = {WRITE, roles[i], i == 0 || i >= 4, false, false, i == 3 || i == 5, true};
+        }
+        op[12] = {READ, NO_ROLE, true, false, false, false, false};  // READ_REQUEST
+        op[13] = {READ, FIRST, false, false, true, false, true};
+        op[14] = {READ, MIDDLE, false, false, false, false, true};
+        op[15] = {READ, LAST, false, false, true, false, true};
+        op[16] = {READ, ONLY, false, false, true, false, true};
+        op[17] = {ACK, NO_ROLE, false, false, true, false, false};
+        op[0x64] = {UD, ONLY, false, true, false, false, true};
+        op[0x65] = {UD, ONLY, false, true, false, true, true};
+        op[0x81] = {OTHER, NO_ROLE, false, false, false, false, true};  // CNP: 16 reserved bytes
+    }
+};
+const OpTable ops;
+
+// One row per frame; Python's PACKET dtype is built from `layouts()`.
+struct PacketRow {
+    int64_t payload_off;  // absolute offset of the payload in the capture buffer
+    uint64_t va;
+    uint8_t src_ip[16], dst_ip[16];  // IPv4 as ::ffff:a.b.c.d
+    uint8_t src_mac[6], dst_mac[6];
+    uint32_t dqpn, psn, rkey, dma_len, imm, aeth, qkey, src_qpn;
+    int32_t payload_len;
+    int16_t vlan;
+    uint16_t sport, pkey, bth_offset;
+    uint8_t status, ip_version, opcode, pad, hop_limit, traffic_class;
+    uint8_t ackreq, se, migreq, has_reth, has_imm, has_aeth, has_deth;
+};
+
+struct L3 {
+    size_t ip, ip_len, udp;  // offsets in the frame; ip_len = IP header length
+    bool v6;
+};
+
+// Ethernet II with up to two 802.1Q / 802.1ad tags (the innermost VLAN id is kept).
+bool parse_l2(const uint8_t* f, size_t n, PacketRow& r, size_t& l3, uint16_t& type) {
+    if (n < 14) return false;
+    std::memcpy(r.dst_mac, f, 6);
+    std::memcpy(r.src_mac, f + 6, 6);
+    size_t off = 12;
+    type = be16(f + off);
+    for (int tags = 0; (type == 0x8100 || type == 0x88A8) && tags < 2; ++tags) {
+        if (n < off + 6) return false;
+        r.vlan = int16_t(be16(f + off + 2) & 0x0FFF);
+        off += 4;
+        type = be16(f + off);
+    }
+    l3 = off + 2;
+    return true;
+}
+
+// IPv4/IPv6 + UDP up to the port check.  Returns NOT_ROCE, MALFORMED or OK (= UDP to 4791 with
+// consistent lengths, fully captured).
+Status parse_ip_udp(const uint8_t* f, size_t n, size_t ip, uint16_t type, PacketRow& r, L3& l3) {
+    size_t avail = n - ip, ip_total;
+    const uint8_t* h = f + ip;
+    if (type == 0x0800) {
+        if (avail < 20 || (h[0] >> 4) != 4) return MALFORMED;
+        size_t ihl = size_t(h[0] & 0x0F) * 4;
+        ip_total = be16(h + 2);
+        if (ihl < 20 || ihl > avail || ip_total < ihl) return MALFORMED;
+        if (h[9] != 17 || (be16(h + 6) & 0x1FFF) != 0) return NOT_ROCE;  // not UDP, or a later fragment
+        r.ip_version = 4;
+        r.traffic_class = h[1];
+        r.hop_limit = h[8];
+        std::memset(r.src_ip, 0, 10), std::memset(r.src_ip + 10, 0xFF, 2), std::memcpy(r.src_ip + 12, h + 12, 4);
+        std::memset(r.dst_ip, 0, 10), std::memset(r.dst_ip + 10, 0xFF, 2), std::memcpy(r.dst_ip + 12, h + 16, 4);
+        l3 = {ip, ihl, ip + ihl, false};
+    } else if (type == 0x86DD) {
+        if (avail < 40 || (h[0] >> 4) != 6) return MALFORMED;
+        if (h[6] != 17) return NOT_ROCE;  // extension headers never carry RoCEv2
+        ip_total = 40 + size_t(be16(h + 4));
+        r.ip_version = 6;
+        r.traffic_class = uint8_t(be16(h) >> 4);
+        r.hop_limit = h[7];
+        std::memcpy(r.src_ip, h + 8, 16);
+        std::memcpy(r.dst_ip, h + 24, 16);
+        l3 = {ip, 40, ip + 40, true};
+    } else {
+        return NOT_ROCE;
+    }
+    if (n < l3.udp + 4) return MALFORMED;
+    if (be16(f + l3.udp + 2) != 4791) return NOT_ROCE;
+    if (n < l3.udp + 8 || ip_total > avail) return MALFORMED;  // truncated by the snaplen
+    r.sport = be16(f + l3.udp);
+    if (size_t(be16(f + l3.udp + 4)) != ip_total - l3.ip_len) return MALFORMED;
+    return OK;
+}
+
+// The RoCEv2 ICRC: CRC32 over 8 bytes of 0xFF (the masked LRH), the IP header with its variant
+// fields (IPv4 TOS/TTL/checksum, IPv6 class/flow label/hop limit) set to ones, the UDP header
+// with checksum ones, the BTH with its reserved byte 4 (FECN/BECN) ones, and the rest up to the
+// ICRC.  Stored little-endian (the Linux rxe driver's order; checked against real captures).
+uint32_t roce_icrc(const uint8_t* f, const L3& l3, size_t icrc_at) {
+    static const uint32_t seed = crc_update_table(0xFFFFFFFFu, reinterpret_cast<const uint8_t*>("\xff\xff\xff\xff\xff\xff\xff\xff"), 8);
+    uint8_t hdr[60 + 8 + 12];
+    size_t len = l3.ip_len + 20;
+    std::memcpy(hdr, f + l3.ip, len);
+    if (l3.v6) {
+        hdr[0] |= 0x0F, hdr[1] = hdr[2] = hdr[3] = 0xFF, hdr[7] = 0xFF;
+    } else {
+        hdr[1] = 0xFF, hdr[8] = 0xFF, hdr[10] = hdr[11] = 0xFF;
+    }
+    uint8_t* udp = hdr + l3.ip_len;
+    udp[6] = udp[7] = 0xFF;
+    udp[8 + 4] = 0xFF;
+    uint32_t c = crc_update_table(seed, hdr, len);
+    size_t rest = l3.udp + 20;
+    return ~crc_update(c, f + rest, icrc_at - rest);
+}
+
+// BTH, ICRC and the extension headers of a UDP-4791 datagram.
+Status parse_bth(const uint8_t* f, const L3& l3, PacketRow& r, bool check_icrc) {
+    size_t udp_len = be16(f + l3.udp + 4), bth = l3.udp + 8;
+    if (udp_len < 8 + 12 + 4) return MALFORMED;
+    const uint8_t* b = f + bth;
+    r.bth_offset = uint16_t(bth);
+    r.opcode = b[0];
+    r.se = b[1] >> 7, r.migreq = (b[1] >> 6) & 1, r.pad = (b[1] >> 4) & 3;
+    r.pkey = be16(b + 2);
+    r.dqpn = be24(b + 5);
+    r.ackreq = b[8] >> 7;
+    r.psn = be24(b + 9);
+    size_t icrc_at = l3.udp + udp_len - 4;
+    if (check_icrc && roce_icrc(f, l3, icrc_at) != le32(f + icrc_at)) return BAD_ICRC;
+    const OpInfo& op = ops.op[r.opcode];
+    if (op.kind == UNKNOWN || (b[1] & 0x0F) != 0) return MALFORMED;  // unknown opcode or transport version
+    size_t off = bth + 12, ext = 4u * (op.deth * 2 + op.reth * 4 + op.aeth + op.imm);
+    if (off + ext > icrc_at) return MALFORMED;
+    if (op.deth) r.has_deth = 1, r.qkey = be32(f + off), r.src_qpn = be24(f + off + 5), off += 8;
+    if (op.reth) r.has_reth = 1, r.va = be64(f + off), r.rkey = be32(f + off + 8), r.dma_len = be32(f + off + 12), off += 16;
+    if (op.aeth) r.has_aeth = 1, r.aeth = be32(f + off), off += 4;
+    if (op.imm) r.has_imm = 1, r.imm = le32(f + off), off += 4;  // NCCL's immediate is a little-endian size
+    size_t seg = icrc_at - off;  // payload + pad
+    if (seg % 4 || r.pad > seg) return MALFORMED;
+    if ((!op.payload && seg) || (r.pad && (op.role == FIRST || op.role == MIDDLE))) return MALFORMED;
+    r.payload_len = int32_t(seg - r.pad);
+    if (op.reth && op.role == ONLY && r.dma_len != uint32_t(r.payload_len)) return MALFORMED;  // pad or length lies
+    r.payload_off = int64_t(off);
+    return OK;
+}
+
+Status parse_frame(const uint8_t* f, size_t n, PacketRow& r, bool check_icrc) {
+    size_t ip;
+    uint16_t type;
+    L3 l3{};
+    if (!parse_l2(f, n, r, ip, type)) return MALFORMED;
+    Status s = parse_ip_udp(f, n, ip, type, r, l3);
+    return s == OK ? parse_bth(f, l3, r, check_icrc) : s;
+}
+
+void parse(const py::buffer& buf, const py::buffer& offsets, const py::buffer& lengths, py::buffer& out, bool check_icrc) {
+    Bytes b = readable(buf), off = readable(offsets, 8), len = readable(lengths, 4);
+    MutBytes rows = writable(out, sizeof(PacketRow));
+    size_t n = off.size / 8;
+    if (len.size / 4 != n || rows.size / sizeof(PacketRow) != n)
+        throw py::value_error("offsets, lengths and the output table must have one entry per frame");
+    const int64_t* o = reinterpret_cast<const int64_t*>(off.data);
+    const int32_t* l = reinterpret_cast<const int32_t*>(len.data);
+    for (size_t i = 0; i < n; ++i)
+        if (o[i] < 0 || l[i] < 0 || uint64_t(o[i]) + uint64_t(l[i]) > b.size)
+            throw py::value_error("frame " + std::to_string(i) + " lies outside the buffer");
+    py::gil_scoped_release nogil;
+    PacketRow* r = reinterpret_cast<PacketRow*>(rows.data);
+    for (size_t i = 0; i < n; ++i) {
+        if (i + 4 < n) __builtin_prefetch(b.data + o[i + 4]), __builtin_prefetch(b.data + o[i + 4] + 64);  // headers
+        std::memset(&r[i], 0, sizeof(PacketRow));
+        r[i].vlan = -1;
+        r[i].status = parse_frame(b.data + o[i], size_t(l[i]), r[i], check_icrc);
+        if (r[i].status == OK) r[i].payload_off += o[i];
+        else r[i].payload_off = -1, r[i].payload_len = 0;
+    }
+}
+
+// The ICRC a frame should carry (for tests and the Python builder's cross-check); -1 when the
+// frame is not a complete RoCEv2 datagram.
+int64_t frame_icrc(const py::buffer& frame) {
+    Bytes b = readable(frame);
+    PacketRow r{};
+    size_t ip;
+    uint16_t type;
+    L3 l3{};
+    if (!parse_l2(b.data, b.size, r, ip, type) || parse_ip_udp(b.data, b.size, ip, type, r, l3) != OK) return -1;
+    size_t udp_len = be16(b.data + l3.udp + 4);
+    if (udp_len < 24) return -1;
+    return roce_icrc(b.data, l3, l3.udp + udp_len - 4);
+}
+
+// ---------------------------------------------------------------- reassembly
+
+struct StreamRow {
+    int64_t first_frame, last_frame, psn_first, psn_last;  // PSNs: unwrapped, of placed requests
+    uint8_t src_ip[16], dst_ip[16], src_mac[6], dst_mac[6];
+    uint32_t dqpn;
+    int32_t n_packets, n_requests, n_writes, n_sends, n_acks, n_reads, n_ud, n_other, n_duplicates, n_messages, pmtu;
+    int16_t vlan;
+    uint16_t sport;
+    uint8_t ip_version;
+};
+
+enum MessageFlag : uint16_t {
+    START_INFERRED = 1,  // FIRST lost: the start is the previous message's end + 1
+    START_UNKNOWN = 2,   // FIRST lost before any boundary: offsets count from the first packet seen
+    END_INFERRED = 4,    // LAST lost: the end comes from the RETH length or the next message's start
+    END_UNKNOWN = 8,     // LAST lost and nothing says where the message ends (end of capture)
+    BAD_LENGTH = 16,     // payload sizes disagree with the PMTU or the RETH length
+};
+
+struct MessageRow {
+    int64_t first_psn, last_psn, va, dma_len, bytes_seen, first_frame, last_frame, seg_start;
+    int32_t stream, n_packets, n_expected, n_segs, pmtu;
+    uint32_t rkey, imm;
+    uint16_t flags;
+    uint8_t kind, first_opcode, last_opcode, has_imm, complete;
+};
+
+struct SegmentRow {
+    int64_t offset, msg_offset, frame, psn;
+    int32_t message, length;
+};
+
+struct MissingRow {
+    int64_t start, end;  // byte range in the message; end -1 = up to the unknown end
+    int32_t message, pad_;
+};
+
+enum GapKind : uint8_t { HOLE = 0, TAIL = 1 };
+
+struct GapRow {
+    int64_t start, end;  // unwrapped PSNs, half-open
+    int32_t stream;
+    uint8_t kind;
+};
+
+struct Out {
+    std::vector<StreamRow> streams;
+    std::vector<MessageRow> messages;
+    std::vector<SegmentRow> segments;
+    std::vector<MissingRow> missing;
+    std::vector<GapRow> gaps;
+    std::vector<int32_t> stream_of, message_of;
+};
+
+struct Req {
+    int64_t psn, frame;
+    bool operator<(const Req& o) const { return psn != o.psn ? psn < o.psn : frame < o.frame; }
+};
+
+struct Key {
+    uint8_t b[36];
+    bool operator==(const Key& o) const { return std::memcmp(b, o.b, 36) == 0; }
+};
+struct KeyHash {
+    size_t operator()(const Key& k) const {
+        uint64_t h = 1469598103934665603ULL;
+        for (uint8_t c : k.b) h = (h ^ c) * 1099511628211ULL;
+        return size_t(h);
+    }
+};
+
+int64_t unwrap(int64_t prev, uint32_t psn) {
+    int64_t d = int64_t((psn - uint32_t(prev)) & 0xFFFFFF);
+    return prev + (d >= 0x800000 ? d - 0x1000000 : d);
+}
+
+void count_kind(StreamRow& s, Kind k) {
+    int32_t* counter[] = {&s.n_sends, &s.n_writes, &s.n_reads, &s.n_acks, &s.n_ud, &s.n_other};
+    ++*counter[k];
+}
+
+// Demultiplexes OK packets into (src ip, dst ip, dest QP) streams; collects each stream's RC
+// SEND/WRITE packets (one PSN space) with their PSNs unwrapped in capture order.
+std::vector<std::vector<Req>> demux(const PacketRow* rows, size_t n, Out& out) {
+    std::unordered_map<Key, int32_t, KeyHash> ids;
+    std::vector<std::vector<Req>> reqs;
+    for (size_t i = 0; i < n; ++i) {
+        const PacketRow& r = rows[i];
+        Kind kind = ops.op[r.opcode].kind;
+        if (r.status != OK || kind == UNKNOWN) continue;
+        Key k;
+        std::memcpy(k.b, r.src_ip, 16), std::memcpy(k.b + 16, r.dst_ip, 16), std::memcpy(k.b + 32, &r.dqpn, 4);
+        auto [it, fresh] = ids.try_emplace(k, int32_t(out.streams.size()));
+        if (fresh) {
+            StreamRow s{};
+            s.first_frame = int64_t(i);
+            std::memcpy(s.src_ip, r.src_ip, 16), std::memcpy(s.dst_ip, r.dst_ip, 16);
+            std::memcpy(s.src_mac, r.src_mac, 6), std::memcpy(s.dst_mac, r.dst_mac, 6);
+            s.dqpn = r.dqpn, s.vlan = r.vlan, s.sport = r.sport, s.ip_version = r.ip_version;
+            out.streams.push_back(s);
+            reqs.emplace_back();
+        }
+        StreamRow& s = out.streams[it->second];
+        s.last_frame = int64_t(i), ++s.n_packets;
+        count_kind(s, kind);
+        out.stream_of[i] = it->second;
+        if (kind == SEND || kind == WRITE) {
+            std::vector<Req>& q = reqs[it->second];
+            q.push_back({q.empty() ? int64_t(r.psn) : unwrap(q.back().psn, r.psn), int64_t(i)});
+        }
+    }
+    return reqs;
+}
+
+// PMTU of a stream = the payload of its FIRST/MIDDLE packets (all full by definition).
+int32_t stream_pmtu(const std::vector<Req>& q, const PacketRow* rows) {
+    int32_t pmtu = 0;
+    for (const Req& x : q) {
+        const PacketRow& r = rows[x.frame];
+        Role role = ops.op[r.opcode].role;
+        if (role == FIRST || role == MIDDLE) pmtu = std::max(pmtu, r.payload_len);
+    }
+    return pmtu;
+}
+
+// Places one stream's requests (sorted by PSN, duplicates removed) into messages.
+// Boundary rule when a FIRST is lost: the message starts right after the previous message's
+// end (its LAST, or the end its RETH length implies); at the very start of a stream nothing is
+// known, so offsets count from the first packet seen (START_UNKNOWN).  Packets with no boundary
+// between them belong to one message, even across a PSN hole.
+class Assembler {
+  public:
+    Assembler(int32_t sid, int32_t pmtu, const PacketRow* rows, Out& out) : sid_(sid), pmtu_(pmtu), rows_(rows), out_(out) {}
+
+    void place(const Req& q) {
+        const PacketRow& r = rows_[q.frame];
+        const OpInfo& op = ops.op[r.opcode];
+        bool starts = op.role == FIRST || op.role == ONLY;
+        if (open_ && (starts || op.kind != m_.kind || (end_known_ && q.psn > end_psn_))) close(false, true, q.psn);
+        if (!open_) begin(r, op, q);
+        append(r, op, q);
+        if (op.role == LAST || op.role == ONLY) close(true, false, 0);
+    }
+
+    // Closes a message the capture ended in; returns the PSN after its end when that is known.
+    bool finish(int64_t& end) {
+        if (!open_) return false;
+        close(false, false, 0);
+        const MessageRow& m = out_.messages.back();
+        end = m.last_psn + 1;
+        return !(m.flags & END_UNKNOWN);
+    }
+
+  private:
+    int64_t packets_for(int64_t len, bool first) const {
+        int64_t k = pmtu_ > 0 ? (len + pmtu_ - 1) / pmtu_ : 1;
+        return std::max<int64_t>(k, first ? 2 : 1);  // a FIRST always has a LAST after it
+    }
+
+    void begin(const PacketRow& r, const OpInfo& op, const Req& q) {
+        m_ = MessageRow{};
+        m_.stream = sid_, m_.kind = op.kind, m_.first_opcode = r.opcode, m_.pmtu = pmtu_;
+        m_.va = -1, m_.dma_len = -1, m_.first_frame = q.frame, m_.seg_start = int64_t(out_.segments.size());
+        seen_.clear();
+        open_ = true, end_known_ = false;
+        if (op.role == FIRST || op.role == ONLY) {
+            m_.first_psn = q.psn;
+            if (op.reth) {
+                m_.va = int64_t(r.va), m_.rkey = r.rkey, m_.dma_len = r.dma_len;
+                end_known_ = true, end_psn_ = q.psn + (op.role == ONLY ? 1 : packets_for(r.dma_len, true)) - 1;
+            }
+        } else if (prev_known_) {
+            m_.first_psn = prev_end_ + 1, m_.flags |= START_INFERRED;
+        } else {
+            m_.first_psn = q.psn, m_.flags |= START_UNKNOWN;
+        }
+    }
+
+    void append(const PacketRow& r, const OpInfo& op, const Req& q) {
+        int64_t pos = q.psn - m_.first_psn, id = int64_t(out_.messages.size());
+        if ((op.role == FIRST || op.role == MIDDLE) && r.payload_len != pmtu_) m_.flags |= BAD_LENGTH;
+        int64_t msg_off = pmtu_ > 0 || pos == 0 ? pos * pmtu_ : -1;
+        if (msg_off < 0) m_.flags |= BAD_LENGTH;
+        if (r.payload_len > 0) {
+            out_.segments.push_back({r.payload_off, msg_off, q.frame, q.psn, int32_t(id), r.payload_len});
+            ++m_.n_segs;
+        }
+        if (op.imm) m_.has_imm = 1, m_.imm = r.imm;
+        seen_.push_back(pos);
+        ++m_.n_packets, m_.bytes_seen += r.payload_len, m_.last_opcode = r.opcode;
+        m_.first_frame = std::min(m_.first_frame, q.frame), m_.last_frame = std::max(m_.last_frame, q.frame);
+        last_seen_psn_ = q.psn, last_seen_end_ = msg_off + r.payload_len;
+        out_.message_of[q.frame] = int32_t(id);
+    }
+
+    // next_known: a later packet starts after this message, so it ends at next_psn - 1 at most.
+    void close(bool last_seen, bool next_known, int64_t next_psn) {
+        if (last_seen) {
+            m_.last_psn = last_seen_psn_;
+            if (end_known_ && end_psn_ != last_seen_psn_) m_.flags |= BAD_LENGTH;
+        } else if (end_known_ || next_known) {
+            m_.last_psn = end_known_ ? end_psn_ : next_psn - 1;
+            m_.flags |= END_INFERRED;
+        } else {
+            m_.last_psn = last_seen_psn_, m_.flags |= END_UNKNOWN;
+        }
+        bool start_seen = !(m_.flags & (START_INFERRED | START_UNKNOWN));
+        m_.n_expected = (m_.flags & (START_UNKNOWN | END_UNKNOWN)) ? -1 : int32_t(m_.last_psn - m_.first_psn + 1);
+        bool whole = start_seen && last_seen && m_.n_packets == m_.n_expected && !(m_.flags & BAD_LENGTH);
+        if (m_.kind == WRITE && whole && m_.bytes_seen != m_.dma_len) m_.flags |= BAD_LENGTH, whole = false;
+        if (m_.kind == SEND && whole) m_.dma_len = m_.bytes_seen;
+        if (m_.dma_len >= 0 && m_.bytes_seen > m_.dma_len) m_.flags |= BAD_LENGTH;
+        m_.complete = whole;
+        if (!whole) emit_missing(last_seen);
+        prev_known_ = !(m_.flags & END_UNKNOWN), prev_end_ = m_.last_psn;
+        out_.messages.push_back(m_);
+        open_ = false;
+    }
+
+    // Byte ranges of the positions no packet filled; a lost packet k covers [k*pmtu, (k+1)*pmtu).
+    void emit_missing(bool last_seen) {
+        if (pmtu_ <= 0) return;
+        int64_t extent = m_.dma_len >= 0 ? m_.dma_len : last_seen ? last_seen_end_ : -1;
+        int64_t n_pos = m_.n_expected >= 0 ? m_.n_expected : seen_.back() + 1;
+        int32_t id = int32_t(out_.messages.size());
+        size_t s = 0;
+        for (int64_t k = 0; k < n_pos; ++k) {
+            while (s < seen_.size() && seen_[s] < k) ++s;
+            if (s < seen_.size() && seen_[s] == k) continue;
+            int64_t a = k * pmtu_, b = extent >= 0 ? std::min<int64_t>(extent, a + pmtu_) : a + pmtu_;
+            if (a >= b) continue;
+            if (!out_.missing.empty() && out_.missing.back().message == id && out_.missing.back().end == a)
+                out_.missing.back().end = b;
+            else
+                out_.missing.push_back({a, b, id, 0});
+        }
+        if (m_.flags & END_UNKNOWN) out_.missing.push_back({last_seen_end_, -1, id, 0});
+    }
+
+    int32_t sid_, pmtu_;
+    const PacketRow* rows_;
+    Out& out_;
+    MessageRow m_{};
+    std::vector<int64_t> seen_;  // packet positions in the open message, increasing
+    bool open_ = false, end_known_ = false, prev_known_ = false;
+    int64_t end_psn_ = 0, prev_end_ = 0, last_seen_psn_ = 0, last_seen_end_ = 0;
+};
+
+void assemble_stream(int32_t sid, std::vector<Req>& q, const PacketRow* rows, int32_t pmtu, Out& out) {
+    StreamRow& s = out.streams[size_t(sid)];
+    std::sort(q.begin(), q.end());  // by PSN; equal PSNs keep capture order, so the first copy wins
+    s.pmtu = pmtu;
+    size_t first_message = out.messages.size();
+    Assembler a(sid, pmtu, rows, out);
+    int64_t expected = 0;
+    bool any = false;
+    for (const Req& x : q) {
+        if (any && x.psn < expected) { ++s.n_duplicates; continue; }
+        if (any && x.psn > expected) out.gaps.push_back({expected, x.psn, sid, HOLE});
+        a.place(x);
+        expected = x.psn + 1, any = true;
+    }
+    int64_t end = 0;
+    if (a.finish(end) && end > expected) out.gaps.push_back({expected, end, sid, TAIL});
+    s.n_requests = int32_t(q.size()) - s.n_duplicates;
+    s.n_messages = int32_t(out.messages.size() - first_message);
+    s.psn_first = any ? q.front().psn : -1, s.psn_last = any ? expected - 1 : -1;
+}
+
+py::dict reassemble(const py::buffer& packets, int32_t pmtu) {
+    Bytes b = readable(packets, sizeof(PacketRow));
+    const PacketRow* rows = reinterpret_cast<const PacketRow*>(b.data);
+    size_t n = b.size / sizeof(PacketRow);
+    if (pmtu < 0) throw py::value_error("pmtu must be >= 0 (0 = infer from the packets)");
+    Out out;
+    {
+        py::gil_scoped_release nogil;
+        out.stream_of.assign(n, -1), out.message_of.assign(n, -1);
+        std::vector<std::vector<Req>> reqs = demux(rows, n, out);
+        int32_t fallback = pmtu;  // a stream without FIRST/MIDDLE packets borrows the capture's PMTU
+        if (!pmtu)
+            for (const auto& q : reqs) fallback = std::max(fallback, stream_pmtu(q, rows));
+        for (size_t s = 0; s < reqs.size(); ++s) {
+            int32_t own = pmtu ? pmtu : stream_pmtu(reqs[s], rows);
+            assemble_stream(int32_t(s), reqs[s], rows, own ? own : fallback, out);
+        }
+    }
+    py::dict d;
+    d["streams"] = rows_to_bytes(out.streams), d["messages"] = rows_to_bytes(out.messages);
+    d["segments"] = rows_to_bytes(out.segments), d["missing"] = rows_to_bytes(out.missing);
+    d["gaps"] = rows_to_bytes(out.gaps);
+    d["stream_of"] = to_array(out.stream_of), d["message_of"] = to_array(out.message_of);
+    return d;
+}
+
+// ---------------------------------------------------------------- payload unpacking
+
+struct Segments {
+    const SegmentRow* rows;
+    size_t n;
+};
+
+// Validates every segment against the capture buffer and the output size before the copy loop.
+// out_of(seg) gives the output byte range [a, b) the segment fills.
+template <class F>
+Segments checked(const Bytes& buf, const py::buffer& segments, size_t out_size, int64_t align, F out_of) {
+    Bytes s = readable(segments, sizeof(SegmentRow));
+    Segments seg{reinterpret_cast<const SegmentRow*>(s.data), s.size / sizeof(SegmentRow)};
+    for (size_t i = 0; i < seg.n; ++i) {
+        const SegmentRow& r = seg.rows[i];
+        if (r.offset < 0 || r.length < 0 || uint64_t(r.offset) + uint64_t(r.length) > buf.size)
+            throw py::value_error("segment " + std::to_string(i) + " lies outside the capture buffer");
+        if (r.msg_offset < 0 || r.msg_offset % align)
+            throw py::value_error("segment " + std::to_string(i) + " has message offset " + std::to_string(r.msg_offset) +
+                                  ", expected a multiple of " + std::to_string(align));
+        auto [a, b] = out_of(r);
+        if (b > int64_t(out_size))
+            throw py::value_error("segment " + std::to_string(i) + " fills output bytes [" + std::to_string(a) + ", " +
+                                  std::to_string(b) + ") but the output holds " + std::to_string(out_size));
+    }
+    return seg;
+}
+
+// NCCL LL: 16-byte lines {u32 data0, u32 flag, u32 data1, u32 flag}; 8 data bytes per line land
+// at message offset / 2.  Every flag must equal the reference (expected, else the first line's).
+py::tuple ll_unpack(const py::buffer& buf, const py::buffer& segments, py::buffer& out, int64_t expected_flag) {
+    Bytes b = readable(buf);
+    MutBytes o = writable(out);
+    Segments seg = checked(b, segments, o.size, 16, [](const SegmentRow& r) {
+        return std::pair<int64_t, int64_t>{r.msg_offset / 2, r.msg_offset / 2 + r.length / 16 * 8};
+    });
+    int64_t flag = expected_flag, lines = 0, bad = 0;
+    {
+        py::gil_scoped_release nogil;
+        for (size_t i = 0; i < seg.n; ++i) {
+            const uint8_t* p = b.data + seg.rows[i].offset;
+            uint8_t* d = o.data + seg.rows[i].msg_offset / 2;
+            size_t n = size_t(seg.rows[i].length) / 16;
+            if (flag < 0 && n > 0) flag = le32(p + 4);
+            for (size_t k = 0; k < n; ++k, p += 16, d += 8) {
+                std::memcpy(d, p, 4), std::memcpy(d + 4, p + 8, 4);
+                bad += le32(p + 4) != uint32_t(flag) || le32(p + 12) != uint32_t(flag);
+            }
+            lines += int64_t(n), bad += seg.rows[i].length % 16 != 0;  // a torn line is a bad line
+        }
+    }
+    return py::make_tuple(flag, lines, bad);
+}
+
+// NCCL LL128: 128-byte lines of 120 data bytes and a u64 flag at the end; data lands at
+// (message offset / 128) * 120.
+py::tuple ll128_unpack(const py::buffer& buf, const py::buffer& segments, py::buffer& out, int64_t expected_flag) {
+    Bytes b = readable(buf);
+    MutBytes o = writable(out);
+    Segments seg = checked(b, segments, o.size, 128, [](const SegmentRow& r) {
+        int64_t a = r.msg_offset / 128 * 120;
+        return std::pair<int64_t, int64_t>{a, a + r.length / 128 * 120};
+    });
+    int64_t flag = expected_flag, lines = 0, bad = 0;
+    {
+        py::gil_scoped_release nogil;
+        for (size_t i = 0; i < seg.n; ++i) {
+            const uint8_t* p = b.data + seg.rows[i].offset;
+            uint8_t* d = o.data + seg.rows[i].msg_offset / 128 * 120;
+            size_t n = size_t(seg.rows[i].length) / 128;
+            if (flag < 0 && n > 0) flag = int64_t(le64(p + 120) & INT64_MAX);
+            for (size_t k = 0; k < n; ++k, p += 128, d += 120) {
+                std::memcpy(d, p, 120);
+                bad += le64(p + 120) != uint64_t(flag);
+            }
+            lines += int64_t(n), bad += seg.rows[i].length % 128 != 0;
+        }
+    }
+    return py::make_tuple(flag, lines, bad);
+}
+
+// Simple protocol: the payload is the data; copies each segment to out[msg_offset:].
+int64_t simple_copy(const py::buffer& buf, const py::buffer& segments, py::buffer& out) {
+    Bytes b = readable(buf);
+    MutBytes o = writable(out);
+    Segments seg = checked(b, segments, o.size, 1, [](const SegmentRow& r) {
+        return std::pair<int64_t, int64_t>{r.msg_offset, r.msg_offset + r.length};
+    });
+    int64_t copied = 0;
+    py::gil_scoped_release nogil;
+    for (size_t i = 0; i < seg.n; ++i) {
+        std::memcpy(o.data + seg.rows[i].msg_offset, b.data + seg.rows[i].offset, size_t(seg.rows[i].length));
+        copied += seg.rows[i].length;
+    }
+    return copied;
+}
+
+// ---------------------------------------------------------------- record layouts
+
+#define FIELD(T, name, fmt) py::make_tuple(#name, fmt, offsetof(T, name))
+
+py::tuple layout(py::list fields, size_t itemsize) { return py::make_tuple(fields, itemsize); }
+
+py::dict layouts() {
+    py::dict d;
+    d["packet"] = layout(
+        py::list(py::make_tuple(
+            FIELD(PacketRow, payload_off, "<i8"), FIELD(PacketRow, va, "<u8"), FIELD(PacketRow, src_ip, "(16,)u1"),
+            FIELD(PacketRow, dst_ip, "(16,)u1"), FIELD(PacketRow, src_mac, "(6,)u1"), FIELD(PacketRow, dst_mac, "(6,)u1"),
+            FIELD(PacketRow, dqpn, "<u4"), FIELD(PacketRow, psn, "<u4"), FIELD(PacketRow, rkey, "<u4"),
+            FIELD(PacketRow, dma_len, "<u4"), FIELD(PacketRow, imm, "<u4"), FIELD(PacketRow, aeth, "<u4"),
+            FIELD(PacketRow, qkey, "<u4"), FIELD(PacketRow, src_qpn, "<u4"), FIELD(PacketRow, payload_len, "<i4"),
+            FIELD(PacketRow, vlan, "<i2"), FIELD(PacketRow, sport, "<u2"), FIELD(PacketRow, pkey, "<u2"),
+            FIELD(PacketRow, bth_offset, "<u2"), FIELD(PacketRow, status, "u1"), FIELD(PacketRow, ip_version, "u1"),
+            FIELD(PacketRow, opcode, "u1"), FIELD(PacketRow, pad, "u1"), FIELD(PacketRow, hop_limit, "u1"),
+            FIELD(PacketRow, traffic_class, "u1"), FIELD(PacketRow, ackreq, "?"), FIELD(PacketRow, se, "?"),
+            FIELD(PacketRow, migreq, "?"), FIELD(PacketRow, has_reth, "?"), FIELD(PacketRow, has_imm, "?"),
+            FIELD(PacketRow, has_aeth, "?"), FIELD(PacketRow, has_deth, "?"))),
+        sizeof(PacketRow));
+    d["stream"] = layout(
+        py::list(py::make_tuple(
+            FIELD(StreamRow, first_frame, "<i8"), FIELD(StreamRow, last_frame, "<i8"), FIELD(StreamRow, psn_first, "<i8"),
+            FIELD(StreamRow, psn_last, "<i8"), FIELD(StreamRow, src_ip, "(16,)u1"), FIELD(StreamRow, dst_ip, "(16,)u1"),
+            FIELD(StreamRow, src_mac, "(6,)u1"), FIELD(StreamRow, dst_mac, "(6,)u1"), FIELD(StreamRow, dqpn, "<u4"),
+            FIELD(StreamRow, n_packets, "<i4"), FIELD(StreamRow, n_requests, "<i4"), FIELD(StreamRow, n_writes, "<i4"),
+            FIELD(StreamRow, n_sends, "<i4"), FIELD(StreamRow, n_acks, "<i4"), FIELD(StreamRow, n_reads, "<i4"),
+            FIELD(StreamRow, n_ud, "<i4"), FIELD(StreamRow, n_other, "<i4"), FIELD(StreamRow, n_duplicates, "<i4"),
+            FIELD(StreamRow, n_messages, "<i4"), FIELD(StreamRow, pmtu, "<i4"), FIELD(StreamRow, vlan, "<i2"),
+            FIELD(StreamRow, sport, "<u2"), FIELD(StreamRow, ip_version, "u1"))),
+        sizeof(StreamRow));
+    d["message"] = layout(
+        py::list(py::make_tuple(
+            FIELD(MessageRow, first_psn, "<i8"), FIELD(MessageRow, last_psn, "<i8"), FIELD(MessageRow, va, "<i8"),
+            FIELD(MessageRow, dma_len, "<i8"), FIELD(MessageRow, bytes_seen, "<i8"), FIELD(MessageRow, first_frame, "<i8"),
+            FIELD(MessageRow, last_frame, "<i8"), FIELD(MessageRow, seg_start, "<i8"), FIELD(MessageRow, stream, "<i4"),
+            FIELD(MessageRow, n_packets, "<i4"), FIELD(MessageRow, n_expected, "<i4"), FIELD(MessageRow, n_segs, "<i4"),
+            FIELD(MessageRow, pmtu, "<i4"), FIELD(MessageRow, rkey, "<u4"), FIELD(MessageRow, imm, "<u4"),
+            FIELD(MessageRow, flags, "<u2"), FIELD(MessageRow, kind, "u1"), FIELD(MessageRow, first_opcode, "u1"),
+            FIELD(MessageRow, last_opcode, "u1"), FIELD(MessageRow, has_imm, "?"), FIELD(MessageRow, complete, "?"))),
+        sizeof(MessageRow));
+    d["segment"] = layout(py::list(py::make_tuple(FIELD(SegmentRow, offset, "<i8"), FIELD(SegmentRow, msg_offset, "<i8"),
+                                                  FIELD(SegmentRow, frame, "<i8"), FIELD(SegmentRow, psn, "<i8"),
+                                                  FIELD(SegmentRow, message, "<i4"), FIELD(SegmentRow, length, "<i4"))),
+                          sizeof(SegmentRow));
+    d["missing"] = layout(py::list(py::make_tuple(FIELD(MissingRow, start, "<i8"), FIELD(MissingRow, end, "<i8"),
+                                                  FIELD(MissingRow, message, "<i4"))),
+                          sizeof(MissingRow));
+    d["gap"] = layout(py::list(py::make_tuple(FIELD(GapRow, start, "<i8"), FIELD(GapRow, end, "<i8"),
+                                              FIELD(GapRow, stream, "<i4"), FIELD(GapRow, kind, "u1"))),
+                      sizeof(GapRow));
+    return d;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_mirror, m) {
+    crc_init();
+    m.doc() = "flowcheck's mirror-capture packet path: capture index, RoCEv2 parse, reassembly, NCCL unpacking.";
+    m.def("layouts", &layouts, "Record layouts: {name: ([(field, numpy format, offset)], itemsize)}.");
+    m.def("crc32", &crc32, py::arg("data"), py::arg("value") = 0, "zlib-compatible CRC32 of data, continuing from value.");
+    m.def("index_capture", &index_capture, py::arg("file"),
+          "Index a pcap/pcapng image: (offsets, lengths, ts_ns, linktypes, format). ValueError when malformed.");
+    m.def("parse", &parse, py::arg("buf"), py::arg("offsets"), py::arg("lengths"), py::arg("out"),
+          py::arg("check_icrc") = true, "Parse every frame into the packet table `out` (one row per frame).");
+    m.def("frame_icrc", &frame_icrc, py::arg("frame"), "The ICRC a RoCEv2 frame should carry, or -1 if it is not one.");
+    m.def("reassemble", &reassemble, py::arg("packets"), py::arg("pmtu") = 0,
+          "Streams, messages, segments, missing byte ranges, PSN gaps from a packet table.");
+    m.def("ll_unpack", &ll_unpack, py::arg("buf"), py::arg("segments"), py::arg("out"), py::arg("expected_flag") = -1,
+          "Copy LL data words of the segments into out; returns (flag, lines, bad_lines).");
+    m.def("ll128_unpack", &ll128_unpack, py::arg("buf"), py::arg("segments"), py::arg("out"),
+          py::arg("expected_flag") = -1, "Copy LL128 data of the segments into out; returns (flag, lines, bad_lines).");
+    m.def("simple_copy", &simple_copy, py::arg("buf"), py::arg("segments"), py::arg("out"),
+          "Copy the raw payload of the segments into out at their message offsets; returns bytes copied.");
+}
