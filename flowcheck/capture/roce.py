@@ -1,0 +1,216 @@
+"""RoCEv2 packets -> streams -> RDMA messages, and NCCL payload unpacking (native hot path).
+
+``parse`` turns every frame into one row of ``Packets.table`` (status, addresses, BTH and
+extension-header fields, payload location).  ``reassemble`` demultiplexes OK packets into
+streams (src IP, dst IP, destination QP), places SEND/WRITE packets by PSN, and forms
+messages with their payload segments, the byte ranges lost inside them and the PSN gaps of
+each stream.  ``ll_unpack`` / ``ll128_unpack`` / ``simple_copy`` copy a message's payload out.
+
+Table fields (numpy structured arrays).  PSNs in the reassembly tables are unwrapped to int64:
+a stream's first SEND/WRITE packet (capture order) keeps its 24-bit PSN, each later one moves
+by its signed 24-bit distance from the previous one, so wraps and reordering (< 2^23) are
+absorbed; ``psn & 0xFFFFFF`` is the wire value.
+
+- ``PACKET``: status (``Status``), ip_version, vlan (-1 none), src_mac/dst_mac (6 u1),
+  src_ip/dst_ip (16 u1, IPv4 as ::ffff:a.b.c.d), sport, hop_limit, traffic_class, bth_offset
+  (0: no BTH), opcode, se, migreq, pad, pkey, dqpn, ackreq, psn, has_reth/va/rkey/dma_len,
+  has_aeth/aeth, has_deth/qkey/src_qpn, has_imm/imm (the ImmDt bytes as a little-endian u32),
+  payload_off (absolute offset in ``frames.buf``, -1 unless OK), payload_len (pad and ICRC stripped).
+- ``STREAM``: src/dst ip and mac, dqpn, sport, vlan, ip_version (of its first packet),
+  first_frame, last_frame, n_packets, n_writes, n_sends, n_acks, n_reads, n_ud, n_other (CNP),
+  n_requests (placed SEND/WRITE packets), n_duplicates, n_messages, pmtu, psn_first, psn_last.
+- ``MESSAGE``: stream, kind (``KIND_SEND``/``KIND_WRITE``), first_psn, last_psn, n_packets (seen),
+  n_expected (-1 unknown), va (-1: FIRST lost), rkey, dma_len (-1 unknown; a complete SEND's
+  length), has_imm/imm, first_opcode/last_opcode (of the packets seen), bytes_seen, complete,
+  flags (``MessageFlag``), pmtu, first_frame, last_frame, seg_start/n_segs (rows in ``segments``).
+- ``SEGMENT``: message, offset (absolute in ``frames.buf``), length, msg_offset, frame, psn.
+- ``MISSING``: message, start, end — bytes [start, end) of an incomplete message no packet
+  carried; end -1 means "to the message's unknown end".
+- ``GAP``: stream, start, end (PSNs [start, end) never seen), kind: ``GAP_HOLE`` between two
+  packets seen, ``GAP_TAIL`` after the last packet seen up to the end its message must have.
+
+Message boundaries when packets are lost: a message starts at a FIRST/ONLY; when the FIRST is
+lost it starts right after the previous message's end (its LAST, or the end its RETH length
+implies) — ``START_INFERRED``; before any boundary is known (the capture began mid-message)
+offsets count from the first packet seen — ``START_UNKNOWN``.  Packets with no boundary between
+them belong to one message, even across a PSN hole.  RDMA READ requests are counted, not placed
+(they consume one PSN per response packet, which the requester stream does not show).
+"""
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass
+from enum import IntEnum, IntFlag
+from typing import NamedTuple
+
+import numpy as np
+
+from flowcheck import _mirror
+from flowcheck.capture.frames import opcode_name
+from flowcheck.capture.pcap import Frames
+from flowcheck.errors import CaptureError
+
+
+def _dtype(name: str) -> np.dtype:
+    fields, itemsize = _mirror.layouts()[name]
+    names, formats, offsets = zip(*fields)
+    return np.dtype({"names": list(names), "formats": list(formats), "offsets": list(offsets), "itemsize": itemsize})
+
+
+PACKET, STREAM, MESSAGE, SEGMENT, MISSING, GAP = (
+    _dtype(n) for n in ("packet", "stream", "message", "segment", "missing", "gap")
+)
+KIND_SEND, KIND_WRITE = 0, 1
+GAP_HOLE, GAP_TAIL = 0, 1
+
+
+class Status(IntEnum):
+    OK = 0
+    NOT_ROCE = 1  # not UDP to 4791 (ARP, TCP, PTP, LLDP, ...): ignored
+    BAD_ICRC = 2
+    MALFORMED = 3  # truncated or inconsistent headers, unknown opcode, wrong pad
+
+
+class MessageFlag(IntFlag):
+    START_INFERRED = 1
+    START_UNKNOWN = 2
+    END_INFERRED = 4
+    END_UNKNOWN = 8
+    BAD_LENGTH = 16
+
+
+@dataclass(frozen=True)
+class Packets:
+    """One ``PACKET`` row per frame, plus counts per status and per opcode (frames with a BTH)."""
+
+    table: np.ndarray
+    status_counts: dict[str, int]
+    opcode_counts: dict[str, int]
+
+    def __len__(self) -> int:
+        return len(self.table)
+
+    def __getitem__(self, field: str) -> np.ndarray:
+        return self.table[field]
+
+
+def parse(frames: Frames, *, check_icrc: bool = True) -> Packets:
+    """Parse every frame; never raises on frame contents (bad frames get a status)."""
+    table = np.empty(len(frames), dtype=PACKET)
+    try:
+        _mirror.parse(frames.buf, np.ascontiguousarray(frames.offsets, dtype=np.int64),
+                      np.ascontiguousarray(frames.lengths, dtype=np.int32), table, check_icrc)
+    except ValueError as e:
+        raise CaptureError(f"{frames.source}: {e}") from e
+    status = np.bincount(table["status"], minlength=len(Status))
+    ops = np.bincount(table["opcode"][table["bth_offset"] > 0], minlength=256)
+    return Packets(
+        table,
+        {s.name: int(status[s]) for s in Status},
+        {opcode_name(op): int(ops[op]) for op in np.flatnonzero(ops)},
+    )
+
+
+@dataclass(frozen=True)
+class Reassembly:
+    """Streams, messages and their payload segments; ``stream_of``/``message_of`` map each frame
+    to its row (-1: none — not OK, or a duplicate, ACK, READ or UD packet for ``message_of``)."""
+
+    streams: np.ndarray
+    messages: np.ndarray
+    segments: np.ndarray
+    missing: np.ndarray
+    gaps: np.ndarray
+    stream_of: np.ndarray
+    message_of: np.ndarray
+    opcode_counts: np.ndarray  # (n_streams, 256) packets per stream and opcode
+
+    def segments_of(self, message: int) -> np.ndarray:
+        m = self.messages[message]
+        return self.segments[m["seg_start"] : m["seg_start"] + m["n_segs"]]
+
+    def missing_of(self, message: int) -> list[tuple[int, int]]:
+        rows = self.missing[self.missing["message"] == message]
+        return [(int(a), int(b)) for a, b in zip(rows["start"], rows["end"])]
+
+    def gaps_of(self, stream: int, kind: int | None = None) -> list[tuple[int, int]]:
+        """PSN ranges [start, end) of a stream never seen; ``kind`` GAP_HOLE or GAP_TAIL, None for both."""
+        rows = self.gaps[self.gaps["stream"] == stream]
+        if kind is not None:
+            rows = rows[rows["kind"] == kind]
+        return [(int(a), int(b)) for a, b in zip(rows["start"], rows["end"])]
+
+    def messages_of(self, stream: int) -> np.ndarray:
+        """Message ids of a stream in PSN order."""
+        return np.flatnonzero(self.messages["stream"] == stream)
+
+    def stream_name(self, stream: int) -> str:
+        """``src_mac->dst_mac qpn=0x..`` (how the ground-truth files name flows)."""
+        s = self.streams[stream]
+        mac = lambda a: ":".join(f"{b:02x}" for b in a)  # noqa: E731
+        return f"{mac(s['src_mac'])}->{mac(s['dst_mac'])} qpn={int(s['dqpn']):#x}"
+
+    def find_stream(self, src_ip: str, dst_ip: str, dqpn: int) -> int | None:
+        key = (ip16(src_ip), ip16(dst_ip))
+        for i, s in enumerate(self.streams):
+            if (s["src_ip"].tobytes(), s["dst_ip"].tobytes()) == key and int(s["dqpn"]) == dqpn:
+                return i
+        return None
+
+
+def ip16(ip: str) -> bytes:
+    """An address as the 16 bytes the tables hold (IPv4 mapped into ::ffff:0:0/96)."""
+    a = ipaddress.ip_address(ip)
+    return a.packed if a.version == 6 else b"\0" * 10 + b"\xff\xff" + a.packed
+
+
+def reassemble(frames: Frames, packets: Packets, *, pmtu: int | None = None) -> Reassembly:
+    """Streams and RDMA messages of the OK packets; ``pmtu`` overrides the per-stream inference."""
+    if len(packets) != len(frames):
+        raise ValueError(f"{len(packets)} packet rows for {len(frames)} frames")
+    out = _mirror.reassemble(np.ascontiguousarray(packets.table), pmtu or 0)
+    streams = out["streams"].view(STREAM)
+    member = out["stream_of"] >= 0
+    cell = out["stream_of"][member].astype(np.int64) * 256 + packets.table["opcode"][member]
+    counts = np.bincount(cell, minlength=len(streams) * 256).reshape(len(streams), 256)
+    return Reassembly(
+        streams, out["messages"].view(MESSAGE), out["segments"].view(SEGMENT), out["missing"].view(MISSING),
+        out["gaps"].view(GAP), out["stream_of"], out["message_of"], counts,
+    )
+
+
+class Unpacked(NamedTuple):
+    flag: int | None  # the flag every line should carry (None: no line seen)
+    lines: int
+    bad_lines: int  # lines whose flags differ (torn or stale data) or are cut short
+
+
+def ll_unpack(frames: Frames, segments: np.ndarray, out, expected_flag: int | None = None) -> Unpacked:
+    """NCCL LL: copy the 8 data bytes of every 16-byte line {data0, flag, data1, flag} of the
+    segments into ``out`` at message offset / 2; check every flag equals ``expected_flag`` (or
+    the first line's).  ``out`` is any writable buffer sized for the whole message's data."""
+    flag, lines, bad = _mirror.ll_unpack(frames.buf, _segments(segments), out, _flag(expected_flag))
+    return Unpacked(flag if flag >= 0 else None, lines, bad)
+
+
+def ll128_unpack(frames: Frames, segments: np.ndarray, out, expected_flag: int | None = None) -> Unpacked:
+    """NCCL LL128: 128-byte lines of 120 data bytes then a u64 flag; data lands at offset / 128 * 120."""
+    flag, lines, bad = _mirror.ll128_unpack(frames.buf, _segments(segments), out, _flag(expected_flag))
+    return Unpacked(flag if flag >= 0 else None, lines, bad)
+
+
+def simple_copy(frames: Frames, segments: np.ndarray, out) -> int:
+    """NCCL Simple: copy the raw payload of the segments into ``out`` at their message offsets."""
+    return _mirror.simple_copy(frames.buf, _segments(segments), out)
+
+
+def _segments(segments: np.ndarray) -> np.ndarray:
+    if segments.dtype != SEGMENT:
+        raise ValueError(f"expected rows of Reassembly.segments, got dtype {segments.dtype}")
+    return np.ascontiguousarray(segments)
+
+
+def _flag(expected: int | None) -> int:
+    if expected is not None and not 0 <= expected < 1 << 63:
+        raise ValueError(f"expected_flag must be a non-negative integer, got {expected}")
+    return -1 if expected is None else expected
