@@ -1,0 +1,172 @@
+"""Live capture on a veth pair between two network namespaces this test creates (root only):
+RoCE frames sent on one end arrive byte-identical, VLAN tag included, and parse as RoCE."""
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import socket
+import subprocess
+import threading
+import time
+import uuid
+
+import pytest
+
+from flowcheck.capture import roce
+from flowcheck.capture.frames import Endpoint, ack_frame, ud_frame, write_frames
+from flowcheck.capture.live import live_frames
+from flowcheck.capture.pcap import Frames
+from flowcheck.errors import CaptureError
+
+CLONE_NEWNET = 0x40000000
+
+
+class InNetns(threading.Thread):
+    """Runs fn in a thread that entered namespace ns (setns is per thread: the test's other
+    threads stay in the host namespace); result() joins and re-raises."""
+
+    def __init__(self, ns: str, fn, *args, **kwargs) -> None:
+        super().__init__(daemon=True)
+        self.ns, self.call, self.value, self.error = ns, lambda: fn(*args, **kwargs), None, None
+        self.start()
+
+    def run(self) -> None:
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            fd = os.open(f"/var/run/netns/{self.ns}", os.O_RDONLY)
+            try:
+                if libc.setns(fd, CLONE_NEWNET) != 0:
+                    raise OSError(ctypes.get_errno(), f"setns({self.ns})")
+            finally:
+                os.close(fd)
+            self.value = self.call()
+        except BaseException as e:  # handed to result()
+            self.error = e
+
+    def result(self, timeout: float = 30):
+        self.join(timeout)
+        if self.is_alive():
+            raise TimeoutError(f"thread in {self.ns} still running after {timeout} s")
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
+def ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
+
+
+@pytest.fixture
+def veth():
+    """Two namespaces joined by a veth pair; both (and with them the pair) removed afterwards."""
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("needs root and iproute2 to create network namespaces")
+    tag = uuid.uuid4().hex[:8]
+    rx, tx = f"fc-rx-{tag}", f"fc-tx-{tag}"
+    made = []
+    try:
+        for ns in (rx, tx):
+            ip("netns", "add", ns)
+            made.append(ns)
+        ip("link", "add", "fcrx0", "netns", rx, "type", "veth", "peer", "name", "fctx0", "netns", tx)
+        ip("-n", rx, "link", "set", "fcrx0", "up")
+        ip("-n", tx, "link", "set", "fctx0", "up")
+        ip("-n", rx, "link", "set", "lo", "up")
+    except (subprocess.CalledProcessError, OSError) as e:
+        for ns in made:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        pytest.skip(f"cannot create namespaces / veth here: {getattr(e, 'stderr', e)}")
+    try:
+        yield rx, tx
+    finally:
+        for ns in made:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+
+
+def sample() -> list[bytes]:
+    a = Endpoint("0c:42:a1:9f:58:f8", "fe80::e42:a1ff:fe9f:58f8")
+    b = Endpoint("08:c0:eb:8c:28:2c", "fe80::ac0:ebff:fe8c:282c")
+    a4, b4 = Endpoint("02:00:00:00:00:01", "10.0.0.1", vlan=7), Endpoint("02:00:00:00:00:02", "10.0.0.2", vlan=7)
+    out = write_frames(a, b, sport=4000, dqpn=0x71D, psn=0, va=0x604000000, data=bytes(range(256)) * 12, imm=3072,
+                       mtu=1024)
+    out += write_frames(a4, b4, sport=4000, dqpn=0x71D, psn=3, va=0x1000, data=b"\x07" * 100, imm=None, mtu=1024)
+    return out + [ack_frame(b, a, sport=4000, dqpn=0x836, psn=2), ud_frame(a, b, sport=5000)]
+
+
+def send(interface: str, frames: list[bytes], go: threading.Event) -> None:
+    with socket.socket(socket.AF_PACKET, socket.SOCK_RAW) as s:
+        s.bind((interface, 0))
+        probe = bytes(12) + b"\x88\xb5" + b"flowcheck probe"  # local experimental EtherType
+        deadline = time.monotonic() + 20
+        while not go.wait(0.05):  # until the reader has seen a probe: it is listening
+            if time.monotonic() > deadline:
+                raise TimeoutError("the reader never saw a probe frame")
+            s.send(probe)
+        for f in frames:
+            s.send(f)
+
+
+def receive(interface: str, want: list[bytes], go: threading.Event) -> list[bytes]:
+    """The frames of `want` as they arrive; the kernel's own IPv6 neighbour discovery is ignored."""
+    got = []
+    for batch in live_frames(interface, duration_s=20, batch=4):
+        for i in range(len(batch)):
+            f = batch.frame(i)
+            if f[12:14] == b"\x88\xb5":
+                go.set()
+            elif f in want:
+                got.append(f)
+        if len(got) >= len(want):
+            break
+    return got
+
+
+SAMPLE = sample()
+
+
+def test_live_reader_gets_roce_frames_byte_identical(veth):
+    rx, tx = veth
+    go = threading.Event()
+    reader = InNetns(rx, receive, "fcrx0", SAMPLE, go)
+    sender = InNetns(tx, send, "fctx0", SAMPLE, go)
+    sender.result()
+    got = reader.result()
+    assert got == SAMPLE
+    packets = roce.parse(Frames.from_list(got))
+    assert packets.status_counts["OK"] == len(SAMPLE)
+    assert sorted(set(packets["vlan"])) == [-1, 7]
+
+
+def test_quiet_interface_ends_on_duration_and_on_stop(veth):
+    rx, _ = veth
+
+    def listen(**kw):
+        start = time.monotonic()
+        batches = list(live_frames("lo", **kw))
+        return time.monotonic() - start, batches
+
+    elapsed, batches = InNetns(rx, listen, duration_s=0.3).result()
+    assert batches == [] and 0.25 < elapsed < 3
+    stop = threading.Event()
+    stop.set()
+    elapsed, batches = InNetns(rx, listen, stop=stop).result()
+    assert batches == [] and elapsed < 1
+
+
+def test_interface_down_is_a_capture_error(veth):
+    rx, _ = veth
+    ip("-n", rx, "link", "set", "lo", "down")
+    with pytest.raises(CaptureError, match="Network is down"):
+        InNetns(rx, lambda: list(live_frames("lo", duration_s=1))).result()
+
+
+def test_unknown_interface_is_a_capture_error():
+    with pytest.raises(CaptureError, match="no network interface named 'fc-no-such-nic'"):
+        next(live_frames("fc-no-such-nic"))
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="runs as root: the permission error cannot happen")
+def test_capture_without_privileges_is_a_capture_error():
+    with pytest.raises(CaptureError, match="root or CAP_NET_RAW"):
+        next(live_frames("lo"))
