@@ -519,8 +519,9 @@ def demo(config_path, workdir, steps, local_every, object_seconds, object_url):
 
 def _register_mirror_commands() -> None:
     from flowcheck.capture.commands import capture_command, decode_command
+    from flowcheck.simulate.cli import simulate_command
 
-    for cmd in (decode_command, capture_command):
+    for cmd in (simulate_command, decode_command, capture_command):
         main.add_command(_handled_command(cmd))
 
 

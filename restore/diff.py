@@ -49,7 +49,7 @@ def _compare(name: str, stored: np.ndarray, dtype: str, ref) -> TensorDiff:
 
     from flowcheck.torch.state import from_numpy
 
-    mine = from_numpy(np.ascontiguousarray(stored), dtype)
+    mine = from_numpy(stored if stored.flags.c_contiguous else stored.copy(), dtype)  # ascontiguousarray makes 0-d 1-d
     if tuple(mine.shape) != tuple(ref.shape):
         return TensorDiff(name, "shape", mine.numel(), detail=f"stored {tuple(mine.shape)}, reference {tuple(ref.shape)}")
     if mine.dtype != ref.dtype:

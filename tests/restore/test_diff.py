@@ -13,7 +13,7 @@ from flowcheck.cli import main
 def _setup(tmp_path):
     cfg = tmp_path / "c.yaml"
     cfg.write_text("run: r\ntiers: {local: {root: ./loc}, object: {url: file://./obj}}\n")
-    ref = {"w": torch.randn(4, 5), "b": torch.randn(3).to(torch.bfloat16), "n": torch.arange(6)}
+    ref = {"w": torch.randn(4, 5), "b": torch.randn(3).to(torch.bfloat16), "n": torch.arange(6), "s": torch.tensor(3.0)}
     save_file(ref, str(tmp_path / "ref.safetensors"))
     r = CliRunner().invoke(main, ["snapshot", "--config", str(cfg), "--state", str(tmp_path / "ref.safetensors"), "--step", "1"])
     assert r.exit_code == 0, r.output
@@ -29,7 +29,7 @@ def test_diff_reports_bit_exact_step(tmp_path):
     r = _diff(cfg, tmp_path / "ref.safetensors", "--json")
     assert r.exit_code == 0, r.output
     out = json.loads(r.output)
-    assert out["bit_exact"] and out["counts"] == {"equal": 3}
+    assert out["bit_exact"] and out["counts"] == {"equal": 4}  # incl. a 0-d tensor
 
 
 def test_diff_names_each_differing_tensor_and_by_how_much(tmp_path):
