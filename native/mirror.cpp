@@ -753,7 +753,8 @@ class Assembler {
 
     void append(const PacketRow& r, const OpInfo& op, const Req& q) {
         int64_t pos = q.psn - m_.first_psn, id = int64_t(out_.messages.size());
-        if ((op.role == FIRST || op.role == MIDDLE) && r.payload_len != pmtu_) m_.flags |= BAD_LENGTH;
+        bool full = op.role == FIRST || op.role == MIDDLE;  // must be exactly one PMTU; a LAST at most one
+        if ((full && r.payload_len != pmtu_) || (op.role == LAST && r.payload_len > pmtu_)) m_.flags |= BAD_LENGTH;
         int64_t msg_off = pmtu_ > 0 || pos == 0 ? pos * pmtu_ : -1;
         if (msg_off < 0) m_.flags |= BAD_LENGTH;
         if (r.payload_len > 0) {

@@ -373,3 +373,11 @@ def test_fuzzed_frames_never_crash_parse_or_reassembly(picks, edits, cut, noise)
         seg = r.segments_of(m)
         if len(seg) and (seg["msg_offset"] >= 0).all():
             roce.simple_copy(frames, seg, np.zeros(int((seg["msg_offset"] + seg["length"]).max()), dtype=np.uint8))
+
+
+def test_a_short_middle_packet_makes_the_message_bad_length_not_complete():
+    wire = write(0, 3072)
+    wire[1] = roce_frame(A, B, sport=4000, opcode=Opcode.WRITE_MIDDLE, dqpn=0x71D, psn=1, payload=bytes(512))
+    _, r = decode(Frames.from_list(wire))
+    m = r.messages[0]
+    assert m["flags"] & MessageFlag.BAD_LENGTH and not m["complete"] and m["bytes_seen"] == 2560
