@@ -103,8 +103,9 @@ def _msg(r, mid: int, missing: list[tuple[int, int]]) -> Msg:
         segments=[(int(o), int(n), int(at)) for o, n, at in zip(segs["offset"], segs["length"], segs["msg_offset"])],
         missing=[(a, b if b >= 0 else (length if length is not None else -1)) for a, b in missing],
         complete=bool(m["complete"]),
-        # a message whose LAST was lost may have carried the immediate: close the send rather than merge it on
-        closes=bool(m["has_imm"]) or bool(flags & roce.MessageFlag.END_UNKNOWN),
+        # a message whose last packet was lost may have carried the immediate: close the send rather than merge on
+        closes=bool(m["has_imm"]) or bool(flags & roce.MessageFlag.END_UNKNOWN)
+        or any(b < 0 or (length is not None and b >= length) for _, b in missing),
         info={"frames": [int(m["first_frame"]), int(m["last_frame"])]},
     )
 

@@ -76,6 +76,11 @@ def group_sends(messages: Sequence[Msg], buf: np.ndarray, ll: bool) -> list[Send
             open_parts = []
         open_parts.append(m)
         if m.closes:
+            if len(open_parts) > 1 and m.imm is not None and m.imm != sum(p.length or 0 for p in open_parts):
+                # the pieces do not add up to the size the immediate announces: something between them was
+                # lost; keep them apart (sizes unknown) rather than place data at a guessed offset
+                sends.append(_close(open_parts[:-1], None))
+                open_parts = open_parts[-1:]
             sends.append(_close(open_parts, m.imm))
             open_parts = []
     if open_parts:
