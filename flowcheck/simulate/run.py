@@ -103,8 +103,8 @@ def simulate(options: SimOptions, *, keep_finals: bool = False) -> SimResult:
 
     eps = [rank_endpoint(r, ipv4=options.ipv4, vlan=options.vlan) for r in range(options.dp)]
     mirrors = options.mirrors
-    wire = Wire(eps, rp, mtu=options.mtu, seed=options.seed,
-                wanted=lambda s, d: any(m.sees(s, d) for m in mirrors))
+    seen = {(s, d) for s in range(options.dp) for d in range(options.dp) if any(m.sees(s, d) for m in mirrors)}
+    wire = Wire(eps, rp, mtu=options.mtu, seed=options.seed, wanted=lambda s, d: (s, d) in seen)
     ports = [MirrorPort(m, os.path.join(options.out, m.filename), options.injection, options.seed, i)
              for i, m in enumerate(mirrors)]
 

@@ -23,6 +23,7 @@ import ipaddress
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -44,9 +45,11 @@ STEP_GAP_NS = 2500
 Wanted = Callable[[int, int], bool]  # (src rank, dst rank) -> build this frame's bytes?
 
 
-@dataclass(frozen=True)
-class Frame:
+class Frame(NamedTuple):
+    """One frame on the fabric (a tuple: hundreds of thousands are made per run; sorts by time, then creation)."""
+
     t_ns: int
+    seq: int  # creation order: breaks ties in time
     src: int  # sending rank
     dst: int  # receiving rank
     data: bytes
@@ -129,7 +132,7 @@ class Wire:
             for i in range(n):
                 self.links[i, channel] = self._link("ring", i, (i + 1) % n, channel, ring.protocol, ring.step_bytes)
         self.p2p_links: dict[tuple[int, int], Link] = {}
-        self.frames: list[tuple[int, int, Frame]] = []
+        self.frames: list[Frame] = []
         self._seq = 0
         self.now = 0
         self.counts = {"ring_sends": 0, "p2p_sends": 0, "flow_control": 0, "acks": 0, "ud": 0}
@@ -173,7 +176,7 @@ class Wire:
     # ---- frames ------------------------------------------------------------
     def _add(self, t: int, src: int, dst: int, data: bytes) -> None:
         self._seq += 1
-        self.frames.append((t, self._seq, Frame(t, src, dst, data)))
+        self.frames.append(Frame(t, self._seq, src, dst, data))
 
     def _write(self, t: int, qp: Qp, *, va: int, rkey: int, size: int, payload: Callable[[], bytes],
                imm: int | None, spacing: int = PKT_NS) -> int:
@@ -222,8 +225,7 @@ class Wire:
 
     def drain(self) -> list[Frame]:
         """The frames produced since the last drain, in time order."""
-        self.frames.sort(key=lambda e: (e[0], e[1]))
-        out = [f for _, _, f in self.frames]
+        out = sorted(self.frames)  # (t_ns, seq) are unique: the bytes are never compared
         self.frames = []
         return out
 

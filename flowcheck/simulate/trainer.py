@@ -10,7 +10,8 @@ wire: that is how the simulator's truth is checked.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,6 +34,18 @@ DEFAULT_BUCKET_KB = {"tiny": 32, "small": 512}
 
 Plan = tuple[tuple[str, ...], ...]  # buckets in allreduce order, each its parameter names in flat order
 AllReduce = Callable[[int, Sequence[np.ndarray]], np.ndarray]  # (bucket index, per-rank inputs) -> final
+
+
+@contextmanager
+def one_thread() -> Iterator[None]:
+    """Run torch on one intra-op thread: the bytes do not depend on the machine's core count, and
+    models this small lose far more to OpenMP threads spinning against other processes than they gain."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def build_optimizer(spec: OptimizerSpec, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
@@ -101,17 +114,21 @@ class Trainer:
         plan = self.plan(iteration)
         losses: list[float] = []
         inputs: list[list[np.ndarray]] = [[] for _ in plan]
-        for rank in range(self.cfg.dp):
-            self.model.zero_grad(set_to_none=True)
-            x, y = synthetic_batch(self.gpt, self.cfg.seed, iteration, rank)
-            loss = self.model(x, y)
-            loss.backward()
-            losses.append(float(loss.item()))
-            for b, names in enumerate(plan):
-                flat = torch.cat([self.params[n].grad.reshape(-1) for n in names])
-                flat.div_(self.cfg.dp)  # DDP's default hook averages before the allreduce
-                inputs[b].append(flat.numpy())
+        with one_thread():
+            for rank in range(self.cfg.dp):
+                losses.append(self._backward(iteration, rank))
+                for b, names in enumerate(plan):
+                    flat = torch.cat([self.params[n].grad.reshape(-1) for n in names])
+                    flat.div_(self.cfg.dp)  # DDP's default hook averages before the allreduce
+                    inputs[b].append(flat.numpy())
         return losses, inputs
+
+    def _backward(self, iteration: int, rank: int) -> float:
+        self.model.zero_grad(set_to_none=True)
+        x, y = synthetic_batch(self.gpt, self.cfg.seed, iteration, rank)
+        loss = self.model(x, y)
+        loss.backward()
+        return float(loss.item())
 
     def apply(self, iteration: int, finals: Sequence[np.ndarray]) -> None:
         """Reduced buckets -> ``.grad``, clip by global norm, optimizer step."""
@@ -121,9 +138,10 @@ class Trainer:
                 p = self.params[n]
                 p.grad = torch.from_numpy(np.array(final[off:off + p.numel()])).view(p.shape)
                 off += p.numel()
-        if self.cfg.clip is not None:
-            torch.nn.utils.clip_grad_norm_(list(self.params.values()), self.cfg.clip)
-        self.optimizer.step()
+        with one_thread():
+            if self.cfg.clip is not None:
+                torch.nn.utils.clip_grad_norm_(list(self.params.values()), self.cfg.clip)
+            self.optimizer.step()
 
     def iterate(self, iteration: int, allreduce: AllReduce) -> list[float]:
         """One training iteration; ``allreduce`` is called once per bucket, in allreduce order."""
