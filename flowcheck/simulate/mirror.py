@@ -76,7 +76,7 @@ class Injection:
     def __post_init__(self) -> None:
         for name in ("loss", "reorder", "dup"):
             v = getattr(self, name)
-            if not 0.0 <= v <= 1.0:
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 <= v <= 1.0:
                 raise ConfigError(f"--{name}: expected a probability in [0, 1], found {v!r}")
 
 

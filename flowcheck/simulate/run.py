@@ -31,7 +31,7 @@ from flowcheck.simulate.trainer import Plan, Trainer
 
 log = logging.getLogger(__name__)
 
-P2P_EVERY = 5  # iterations between pipeline-style p2p sends
+P2P_EVERY = 5  # iterations between pipeline-style p2p sends (the first after iteration 2)
 UD_EVERY = 3  # iterations between management datagrams
 COMPUTE_NS = 2_000_000  # forward/backward time between iterations on the wire's clock
 
@@ -172,7 +172,7 @@ def _between_iterations(wire: Wire, it: int, options: SimOptions, rng: np.random
     if it == 1:  # DDP rebuilds its buckets after iteration 1
         wire.broadcast(np.array([it, 0], dtype=np.int64))
         wire.broadcast(np.array([len(wire.links), it], dtype=np.int64))
-    if it % P2P_EVERY == 0:
+    if it % P2P_EVERY == 2:
         src = (it // P2P_EVERY) % n
         wire.p2p(src, (src + 1) % n, rng.standard_normal(3000).astype(np.float32))
     if it % UD_EVERY == 1:

@@ -134,3 +134,16 @@ def test_within_each_qp_packets_are_in_psn_order(sim_dir):
         for (_, qpn, ack), psns in streams.items():
             steps = [(b - a) % (1 << 24) for a, b in itertools.pairwise(psns)]
             assert all(0 < s < 1 << 23 for s in steps) if ack else set(steps) <= {1}, (port, hex(qpn))
+
+
+def test_p2p_sends_are_simple_writes_on_their_own_qp_and_port(sim_dir):
+    with open(os.path.join(sim_dir.out, "truth", "traffic.json")) as f:
+        traffic = json.load(f)
+    p2p = [c for c in traffic["connections"] if c["kind"] == "p2p"]
+    assert [(c["src"], c["dst"], c["steps"]) for c in p2p] == [(0, 1, 1)]  # after iteration 2
+    ring_ports = {c["data_sport"] for c in traffic["connections"] if c["kind"] == "ring"}
+    assert p2p[0]["data_sport"] not in ring_ports
+    (msg,) = messages(pcap(sim_dir, "0:out"))[MAC.format(1), MAC.format(2), p2p[0]["data_qpn"]]
+    assert msg.imm == msg.dma_len == len(msg.data) == 3000 * 4  # raw fp32, no LL flags
+    table = roce.parse(pcap(sim_dir, "0:out")).table
+    assert len({int(s) for s in table["sport"][table["dqpn"] == p2p[0]["data_qpn"]]}) == 1
