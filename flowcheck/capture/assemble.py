@@ -126,7 +126,7 @@ class Matcher:
                 continue  # lost entirely (or its size was): compatible with anything
             if ws.size != self.params.wire_bytes(send.count):
                 return False
-            seen += 1
+            seen += ws.size > 0  # an empty send fits anything; it is no evidence
         return seen > 0
 
 
@@ -147,18 +147,51 @@ class Assembler:
         for index, (iteration, bucket, elements) in enumerate(Schedule(self.job), start=1):
             ar = Allreduce(index, iteration, bucket, elements, self.job.dtype,
                            np.zeros(elements, self.dtype), np.zeros(elements, np.uint8))
-            progressed = False
-            for s in live:
-                at = self._find(s, cursors[s.name], elements)
-                if at is None:
-                    continue
-                pattern = self.matcher.pattern(elements, s.position, s.channel)
-                self._take(ar, s, at, pattern)
-                cursors[s.name] = at + len(pattern)
-                progressed = True
-            if not progressed:
+            ats = {s.name: at for s in live if (at := self._find(s, cursors[s.name], elements)) is not None}
+            if not ats:
                 return
+            self._causal(live, ats, elements)
+            if not ats:
+                return
+            for s in live:
+                if s.name in ats:
+                    pattern = self.matcher.pattern(elements, s.position, s.channel)
+                    self._take(ar, s, ats[s.name], pattern)
+                    cursors[s.name] = ats[s.name] + len(pattern)
             yield ar
+
+    def _causal(self, live: list[RingStream], ats: dict[str, int], elements: int) -> None:
+        """Drop candidates that happen too early to be this allreduce.
+
+        Sizes alone can be ambiguous (a parameter broadcast chunked like the allreduce looks the same on
+        one connection).  The ring orders time, though: a rank sends its step j only after its predecessor's
+        step j-1 reached it, so a candidate whose step j starts before the predecessor's step j-1 is some
+        other collective; that stream's search moves on.
+        """
+        by_key = {(s.position, s.channel): s for s in live}
+        for _ in range(64 * len(live)):
+            bad = next((s for s in live if s.name in ats and self._too_early(s, by_key, ats, elements)), None)
+            if bad is None:
+                return
+            nxt = self._find(bad, ats[bad.name] + 1, elements)
+            if nxt is None:
+                del ats[bad.name]
+            else:
+                ats[bad.name] = nxt
+
+    def _too_early(self, s: RingStream, by_key: dict, ats: dict[str, int], elements: int) -> bool:
+        pred = by_key.get(((s.position - 1) % self.params.nranks, s.channel))
+        if pred is None or pred.name not in ats:
+            return False
+        n = len(self.matcher.pattern(elements, s.position, s.channel))
+        for j in range(1, n):
+            mine, theirs = s.sends.get(ats[s.name] + j), pred.sends.get(ats[pred.name] + j - 1)
+            if not (mine and theirs and mine.size and theirs.size):
+                continue  # an empty chunk's 0-byte send waits for nothing (seen in rdma32)
+            t_mine, t_theirs = mine.info.get("t0"), theirs.info.get("t0")
+            if t_mine is not None and t_theirs is not None:
+                return t_mine <= t_theirs  # strictly after: the data must have arrived first
+        return False
 
     def _find(self, s: RingStream, start: int, elements: int) -> int | None:
         """First step >= start where allreduce of ``elements`` fits this stream (skipping other sends)."""

@@ -85,13 +85,13 @@ def _stream_infos(frames: Frames, packets, anomalies: list[dict]) -> list[Stream
             anomalies.append({"type": "psn_gap", "stream": name, "psn": [a, b], "packets": b - a})
         if int(s["n_duplicates"]):
             anomalies.append({"type": "duplicates", "stream": name, "packets": int(s["n_duplicates"])})
-        msgs = [_msg(r, mid, missing.get(mid, [])) for mid in sorted(by_stream.get(sid, []), key=lambda m: r.messages["first_psn"][m])]
+        msgs = [_msg(r, mid, missing.get(mid, []), frames.ts_ns) for mid in sorted(by_stream.get(sid, []), key=lambda m: r.messages["first_psn"][m])]
         out.append(StreamInfo(name=name, src_mac=_mac(s["src_mac"]), dst_mac=_mac(s["dst_mac"]), src_ip=_ip(s["src_ip"]),
                               dst_ip=_ip(s["dst_ip"]), qpn=int(s["dqpn"]), messages=msgs))
     return out
 
 
-def _msg(r, mid: int, missing: list[tuple[int, int]]) -> Msg:
+def _msg(r, mid: int, missing: list[tuple[int, int]], ts_ns: np.ndarray) -> Msg:
     m = r.messages[mid]
     length = int(m["dma_len"]) if m["dma_len"] >= 0 else None
     segs = r.segments_of(mid)
@@ -106,7 +106,7 @@ def _msg(r, mid: int, missing: list[tuple[int, int]]) -> Msg:
         # a message whose last packet was lost may have carried the immediate: close the send rather than merge on
         closes=bool(m["has_imm"]) or bool(flags & roce.MessageFlag.END_UNKNOWN)
         or any(b < 0 or (length is not None and b >= length) for _, b in missing),
-        info={"frames": [int(m["first_frame"]), int(m["last_frame"])]},
+        info={"frames": [int(m["first_frame"]), int(m["last_frame"])], "t0": int(ts_ns[int(m["first_frame"])])},
     )
 
 

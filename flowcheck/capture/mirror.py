@@ -35,6 +35,7 @@ class CaptureReport:
     steps: list[int] = field(default_factory=list)  # steps the replica reached (published to RAM)
     stale: list[dict] = field(default_factory=list)  # iterations that could not be completed, and why
     resyncs: list[int] = field(default_factory=list)  # steps a full state was taken from
+    skipped: int = 0  # iterations passed over while stale, waiting for a resync
     allreduces: int = 0
 
 
@@ -106,6 +107,7 @@ class Updater:
             problem = f"iteration {it}: {seen} of {expected} buckets seen"
         if self._stale:
             self._try_resync(it)
+            self.report.skipped += self._stale
         elif problem:
             self._go_stale(it, problem)
         else:

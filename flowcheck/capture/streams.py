@@ -221,7 +221,8 @@ def _ring_stream(s: StreamInfo, position: int, channel: int, sends: list[Send], 
         if step is None:
             step = counter + 1  # Simple, or an LL send with no line captured: next step
         counter = step
-        where = {"stream": s.name, "psn": [send.parts[0].first_psn, send.parts[-1].last_psn], "flag": step}
+        where = {"stream": s.name, "psn": [send.parts[0].first_psn, send.parts[-1].last_psn], "flag": step,
+                 "t0": min((m.info["t0"] for m in send.parts if "t0" in m.info), default=None)}
         if step in by_step:
             anomalies.append({**where, "type": "step_seen_twice"})
             continue
