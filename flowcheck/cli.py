@@ -466,7 +466,8 @@ def gc(config_path, dry_run):
 @click.option("--object-url", default=None, help="Object store URL (default file://WORKDIR/object; s3://bucket/prefix uses the AWS env).")
 @_handled
 def demo(config_path, workdir, steps, local_every, object_seconds, object_url):
-    """A trainer pushes to a node; it is killed, restored, resumed (same losses); then list, audit, export.
+    """A trainer pushes to a node; it is killed, restored, resumed (same losses); then list, audit, export;
+    then mirror capture: simulate a DP ring, rebuild its state from mirrored frames, diff with the trainer.
 
     \b
     Example:
@@ -511,8 +512,11 @@ def demo(config_path, workdir, steps, local_every, object_seconds, object_url):
                 for s, a in res["final_state"].items())
     click.echo(f"\n$ flowcheck export --step {last} --out {out}\nexported {_size(size)} from the {tier.name} tier; "
                f"safetensors.torch.load_file == live trainer state bit for bit: {exact}")
+    from flowcheck.demo_mirror import run_mirror_demo
+
+    mirror = run_mirror_demo(workdir, echo=click.echo)
     click.echo(f"\nnext: flowcheck lineage --config {cfg_path}")
-    ok = report.ok and exact and res["identical"]
+    ok = report.ok and exact and res["identical"] and mirror["exact"]
     sys.exit(0 if ok else 1)
 
 

@@ -17,7 +17,7 @@ from flowcheck.capture.assemble import Allreduce, Assembler
 from flowcheck.capture.job import Job
 from flowcheck.capture.pcap import Frames, read_capture
 from flowcheck.capture.streams import Msg, StreamInfo, ring_streams
-from flowcheck.errors import CaptureError
+from flowcheck.errors import CaptureError, JobError
 
 
 @dataclass
@@ -52,6 +52,9 @@ def read_all(paths: Sequence[str]) -> Frames:
 def decode(job: Job, frames: Frames, info: Decoded | None = None) -> Iterator[Allreduce]:
     """Allreduces in capture order (each settled: every stream has moved past it or ended)."""
     info = info if info is not None else Decoded()
+    if job.protocol == "ll128":
+        raise JobError("protocol ll128: the decoder does not place LL128 lines yet (the schedule and the native "
+                       "unpack exist, the line-to-element mapping is unverified); capture with NCCL_PROTO=LL or Simple")
     packets = roce.parse(frames)
     info.packets = {**packets.status_counts, "opcodes": packets.opcode_counts}
     streams = _stream_infos(frames, packets, info.anomalies)

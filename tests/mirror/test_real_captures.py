@@ -73,3 +73,13 @@ def test_decode_cli_json_contract_and_exit_codes(tmp_path):
     assert r.exit_code == 0 and json.loads(r.output)["allreduces"][0]["complete"]
     r = CliRunner().invoke(main, ["decode", "--job", str(tmp_path / "nope.yaml"), "--pcap", str(PCAPS / "rdma32.pcapng")])
     assert r.exit_code == 2 and "does not exist" in r.output
+
+
+def test_ll128_is_refused_clearly():
+    from flowcheck.capture.job import job_from_dict
+    from flowcheck.errors import JobError
+
+    job = job_from_dict({"ring": [{"mac": "02:00:00:00:00:01"}, {"mac": "02:00:00:00:00:02"}], "protocol": "ll128",
+                         "buckets": {"steady": [10]}})
+    with pytest.raises(JobError, match="ll128"):
+        list(decode(job, read_all([str(PCAPS / "rdma32.pcapng")])))
