@@ -128,6 +128,9 @@ class ServeConfig:
     push: str = "127.0.0.1:7377"  # HOST:PORT of the push listener (trainers: Checkpointer(node="tcp://HOST:PORT"))
     http: str = "127.0.0.1:7378"  # HOST:PORT of the HTTP control API; loopback unless you mean otherwise
     part_timeout_s: float = 60.0  # a step whose senders do not all arrive in time is aborted (never half-applied)
+    mirror_job: str | None = None  # mirror capture: the job description YAML (configs/mirror-job.yaml)
+    mirror_pcaps: str | None = None  # mirror capture from files: a glob of pcap/pcapng files, replayed at start
+    mirror_init: str | None = None  # the replica's initial state: a .safetensors file or a committed step (default: the job's)
 
     def __post_init__(self) -> None:
         for name in ("push", "http"):
@@ -136,6 +139,8 @@ class ServeConfig:
             if not host or not port.isdigit() or not 0 <= int(port) < 65536:
                 raise ConfigError(f"serve.{name}: expected HOST:PORT, found {value!r}")
         _positive("serve", "part_timeout_s", self.part_timeout_s)
+        if (self.mirror_job is None) != (self.mirror_pcaps is None):
+            raise ConfigError("serve.mirror_job and serve.mirror_pcaps: expected both (a job and its captures) or neither")
 
     @staticmethod
     def split(value: str) -> tuple[str, int]:
@@ -235,4 +240,9 @@ def _anchor(cfg: Config, base: str) -> Config:
         local = dataclasses.replace(local, root=os.path.normpath(os.path.join(base, local.root)))
     if obj.url.startswith("file://") and not obj.url.startswith("file:///"):
         obj = dataclasses.replace(obj, url="file://" + os.path.normpath(os.path.join(base, obj.url[len("file://"):])))
-    return dataclasses.replace(cfg, tiers=dataclasses.replace(cfg.tiers, local=local, object=obj))
+    serve = cfg.serve
+    for name in ("mirror_job", "mirror_pcaps", "mirror_init"):
+        value = getattr(serve, name)
+        if value and not value.isdigit() and not os.path.isabs(value):
+            serve = dataclasses.replace(serve, **{name: os.path.normpath(os.path.join(base, value))})
+    return dataclasses.replace(cfg, tiers=dataclasses.replace(cfg.tiers, local=local, object=obj), serve=serve)

@@ -32,6 +32,7 @@ class Node:
         self.receiver = PushReceiver(self.store, host, port, part_timeout_s=config.serve.part_timeout_s,
                                      on_step=self._on_step)
         self.api = None
+        self.mirror: dict[str, Any] | None = None  # progress of the mirror-capture source, when configured
         self._stopped = threading.Event()
 
     def _recover(self) -> None:
@@ -56,8 +57,35 @@ class Node:
         self.policy.start()
         host, port = ServeConfig.split(self.config.serve.http)
         self.api = ControlAPI(self, host, port).start()
+        if self.config.serve.mirror_job:
+            threading.Thread(target=self._replay_mirror, name="fc-mirror", daemon=True).start()
         log.info("node: push on %s:%d, control API on http://%s:%d", *self.receiver.address, *self.api.address)
         return self
+
+    def _replay_mirror(self) -> None:
+        """Mirror capture from the configured files: decode -> replica -> RAM, snapshots by the policy."""
+        import glob
+
+        from flowcheck.capture.decode import Decoded, decode, read_all
+        from flowcheck.capture.job import load_job
+        from flowcheck.capture.mirror import ResyncSource, Updater, initial_replica, publish_to, run_pipeline
+
+        serve = self.config.serve
+        self.mirror = {"state": "running", "job": serve.mirror_job}
+        try:
+            job = load_job(serve.mirror_job)
+            pcaps = sorted(glob.glob(serve.mirror_pcaps))
+            replica = initial_replica(job, serve.mirror_init, self.store)
+            self.store.push(replica.snapshot(self.config.run))
+            updater = Updater(job, replica, publish=publish_to(self.store, self.config.run, self._on_step),
+                              on_stale=lambda it, why: self.request_resync(f"mirror capture, iteration {it}: {why}"),
+                              resync=ResyncSource(job.resync))
+            report = run_pipeline(decode(job, read_all(pcaps), Decoded()), updater)
+            self.mirror.update(state="done", pcaps=len(pcaps), iterations=report.iterations, stale=len(report.stale),
+                               resyncs=report.resyncs, step=report.steps[-1] if report.steps else None)
+        except Exception as e:  # noqa: BLE001 - reported on /status; the node keeps serving pushes
+            log.exception("node: mirror capture failed")
+            self.mirror.update(state="failed", error=f"{type(e).__name__}: {e}")
 
     def stop(self) -> None:
         if self._stopped.is_set():
@@ -95,6 +123,7 @@ class Node:
             "policy": {"local_snapshots": ps.local_snapshots[-5:], "promotions": ps.promotions[-5:],
                        "coalesced": ps.coalesced, "errors": ps.errors[-5:]},
             "resync": self.resync,
+            "mirror": self.mirror,
         }
 
     def metrics(self) -> str:
