@@ -1,7 +1,7 @@
 """The updater: applies assembled gradients to a RAM replica with the trainer's own optimizer.
 
-The replica runs torch's CPU optimizer implementation with the job's hyper-parameters, one
-optimizer instance per parameter: SGD, Adam and AdamW update every parameter independently,
+The replica runs the trainer's torch CPU optimizer implementation (``optimizer.impl``: single-tensor,
+foreach or fused) with the job's hyper-parameters, one optimizer instance per parameter: SGD, Adam and AdamW update every parameter independently,
 so a parameter can be stepped as soon as its bucket is complete and the result is bit for bit
 what the trainer's single optimizer computes.  With global-norm clipping the norm needs the
 whole gradient, so the step waits for the iteration's last bucket and calls the very same
@@ -27,7 +27,8 @@ def make_optimizer(job: Job, param: torch.Tensor) -> torch.optim.Optimizer:
     o = job.optimizer
     if o is None:
         raise JobError("optimizer: the job has none; capture needs the trainer's optimizer to update the replica")
-    common = {"lr": o.lr, "weight_decay": o.weight_decay, "maximize": o.maximize, "foreach": False}
+    impl = {"single": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}[o.impl]
+    common = {"lr": o.lr, "weight_decay": o.weight_decay, "maximize": o.maximize, **impl}
     if o.kind == "sgd":
         return torch.optim.SGD([param], momentum=o.momentum, dampening=o.dampening, nesterov=o.nesterov, **common)
     cls = torch.optim.Adam if o.kind == "adam" else torch.optim.AdamW

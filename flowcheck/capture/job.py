@@ -23,6 +23,7 @@ from flowcheck.errors import JobError
 DTYPES = {"float32": 4, "bfloat16": 2, "int32": 4}
 REDUCTIONS = ("avg", "sum", "sum-then-divide")
 OPTIMIZERS = ("sgd", "adam", "adamw")
+IMPLS = ("single", "foreach", "fused")
 _MAC = re.compile(r"^[0-9a-f]{2}(:[0-9a-f]{2}){5}$")
 
 
@@ -70,8 +71,11 @@ class OptimizerSpec:
     weight_decay: float = 0.0
     amsgrad: bool = False
     maximize: bool = False
+    impl: str = "single"  # the trainer's torch implementation: single (foreach=False) | foreach | fused
 
     def __post_init__(self) -> None:
+        if self.impl not in IMPLS:
+            raise JobError(f"optimizer.impl: expected one of {IMPLS} (the trainer's torch implementation), found {self.impl!r}")
         if self.kind not in OPTIMIZERS:
             raise JobError(f"optimizer.kind: expected one of {OPTIMIZERS}, found {self.kind!r}")
         if not self.lr > 0:
@@ -243,7 +247,7 @@ def job_to_dict(job: Job) -> dict[str, Any]:
         o = job.optimizer
         out["optimizer"] = {"kind": o.kind, "lr": o.lr, "momentum": o.momentum, "dampening": o.dampening,
                             "nesterov": o.nesterov, "betas": list(o.betas), "eps": o.eps,
-                            "weight_decay": o.weight_decay, "amsgrad": o.amsgrad, "maximize": o.maximize}
+                            "weight_decay": o.weight_decay, "amsgrad": o.amsgrad, "maximize": o.maximize, "impl": o.impl}
     if job.extra:
         out["extra"] = dict(job.extra)
     return out
@@ -335,9 +339,10 @@ def _plan(raw: Any, where: str, params: tuple[Param, ...]) -> tuple[Bucket, ...]
 def _optimizer(raw: Any) -> OptimizerSpec | None:
     if raw is None:
         return None
-    allowed = {"kind", "lr", "momentum", "dampening", "nesterov", "betas", "eps", "weight_decay", "amsgrad", "maximize"}
+    allowed = {"kind", "lr", "momentum", "dampening", "nesterov", "betas", "eps", "weight_decay", "amsgrad", "maximize", "impl"}
     m = _mapping(raw, "optimizer", allowed)
-    kw: dict[str, Any] = {"kind": _str(m.get("kind"), "optimizer.kind").lower(), "lr": _float(m.get("lr"), "optimizer.lr")}
+    kw: dict[str, Any] = {"kind": _str(m.get("kind"), "optimizer.kind").lower(), "lr": _float(m.get("lr"), "optimizer.lr"),
+                          "impl": _str(m.get("impl", "single"), "optimizer.impl")}
     for k in ("momentum", "dampening", "eps", "weight_decay"):
         if k in m:
             kw[k] = _float(m[k], f"optimizer.{k}")

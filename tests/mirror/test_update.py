@@ -31,21 +31,26 @@ def _job(model, opt: dict, clip):
     })
 
 
+IMPL_KW = {"single": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}
+
+
 def _torch_optimizer(model, spec: dict):
-    kw = {k: v for k, v in spec.items() if k != "kind"}
+    kw = {k: v for k, v in spec.items() if k not in ("kind", "impl")}
     if "betas" in kw:
         kw["betas"] = tuple(kw["betas"])
     cls = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[spec["kind"]]
-    return cls(model.parameters(), foreach=False, **kw)
+    return cls(model.parameters(), **IMPL_KW[spec.get("impl", "single")], **kw)
 
 
+@pytest.mark.parametrize("impl", ["single", "foreach", "fused"])
 @pytest.mark.parametrize("clip", [None, 0.5])
 @pytest.mark.parametrize("kind", sorted(OPTIMIZERS))
-def test_replica_matches_trainer_bit_for_bit(kind, clip):
+def test_replica_matches_trainer_bit_for_bit(kind, clip, impl):
     model = _model()
-    job = _job(model, OPTIMIZERS[kind], clip)
+    spec = {**OPTIMIZERS[kind], "impl": impl}
+    job = _job(model, spec, clip)
     replica = Replica(job, {n: p.detach().clone() for n, p in model.named_parameters()}, step=0)
-    opt = _torch_optimizer(model, OPTIMIZERS[kind])
+    opt = _torch_optimizer(model, spec)
     params = dict(model.named_parameters())
     rng = np.random.default_rng(3)
     for it in range(1, 6):
