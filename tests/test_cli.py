@@ -34,6 +34,8 @@ def demo_dir(tmp_path_factory):
     # a trainer process pushed to a node process, was killed, restored and resumed with identical losses
     assert "then killed (SIGKILL)" in proc.stdout
     assert "losses identical to the uninterrupted run bit for bit: True" in proc.stdout
+    # mirror capture: a simulated DP ring's state rebuilt from mirrored frames equals the trainer's
+    assert "== trainer's state bit for bit: True" in proc.stdout
     return workdir
 
 
