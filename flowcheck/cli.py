@@ -521,11 +521,12 @@ def demo(config_path, workdir, steps, local_every, object_seconds, object_url):
 
 
 
-def _register_mirror_commands() -> None:
+def _register_commands() -> None:
     from flowcheck.capture.commands import capture_command, decode_command
+    from flowcheck.plan_cli import plan_command
     from flowcheck.simulate.cli import simulate_command
 
-    for cmd in (simulate_command, decode_command, capture_command):
+    for cmd in (simulate_command, decode_command, capture_command, plan_command):
         main.add_command(_handled_command(cmd))
 
 
@@ -534,7 +535,7 @@ def _handled_command(cmd: click.Command) -> click.Command:
     return cmd
 
 
-_register_mirror_commands()
+_register_commands()
 
 if __name__ == "__main__":
     main()

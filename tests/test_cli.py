@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from flowcheck.cli import main
 
-COMMANDS = ["ls", "show", "diff", "capture", "snapshot", "promote", "export", "restore", "import", "serve", "audit", "lineage", "gc", "demo"]
+COMMANDS = ["ls", "show", "diff", "capture", "plan", "snapshot", "promote", "export", "restore", "import", "serve", "audit", "lineage", "gc", "demo"]
 
 
 @pytest.mark.parametrize("command", COMMANDS)
