@@ -8,10 +8,13 @@ records GC leaves.  Findings are Problems; any error makes the audit fail.
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import subprocess
 from dataclasses import dataclass, field
 from typing import Any
 
-from flowcheck.errors import ManifestError, StepNotFoundError
+from flowcheck.errors import FlowcheckError, ManifestError, StepNotFoundError
 from flowcheck.manifest import Manifest
 from flowcheck.store import Store
 from flowcheck.tiers.base import Problem
@@ -36,6 +39,7 @@ class AuditReport:
     nodes: dict[str, Node] = field(default_factory=dict)  # manifest digest -> node
     forks: list[tuple[int, list[int]]] = field(default_factory=list)  # parent step -> child steps
     checked_steps: int = 0
+    verified: bool = False  # files were checked (audit), not only manifests and links (lineage)
 
     @property
     def ok(self) -> bool:
@@ -103,7 +107,7 @@ def check_chain(store: Store, manifests: dict[tuple[str, int], Manifest], report
 
 def audit(store: Store, *, verify: bool = True, data: bool = True) -> AuditReport:
     """Verify every step in every persistent tier and the lineage across them."""
-    report = AuditReport()
+    report = AuditReport(verified=verify)
     manifests = collect(store, report, verify=verify, data=data)
     check_chain(store, manifests, report)
     return report
@@ -114,11 +118,48 @@ def lineage(store: Store, *, verify: bool = False) -> AuditReport:
     return audit(store, verify=verify, data=False)
 
 
+class RendererNotFoundError(FlowcheckError, FileNotFoundError):
+    """An external renderer (Graphviz's ``dot``) is not installed."""
+
+
+STATUS_COLOURS = {"verified": "palegreen", "warning": "khaki1", "damaged": "salmon", "unverified": "grey85"}
+
+
+def node_problems(report: AuditReport, node: Node) -> list[Problem]:
+    """Findings about this state: in a tier holding it, or about its step number across tiers."""
+    return [p for p in report.problems if p.step == node.step and (p.tier in node.tiers or p.tier == "lineage")]
+
+
+def node_status(report: AuditReport, node: Node) -> str:
+    """verified | warning | damaged | unverified — the colour a view gives this state.
+
+    A state whose own bytes fail is damaged; one whose bytes pass but whose link (parent gap,
+    broken chain, two states under one step number) or tier raised a finding is a warning;
+    a lineage-only report (manifests and links, no file digests) leaves healthy states unverified.
+    """
+    if not node.ok:
+        return "damaged"
+    if node_problems(report, node):
+        return "warning"
+    return "verified" if report.verified else "unverified"
+
+
+def _children(report: AuditReport) -> dict[str, list[Node]]:
+    out: dict[str, list[Node]] = {}
+    for n in report.nodes.values():
+        if n.parent:
+            out.setdefault(n.parent[1], []).append(n)
+    return out
+
+
 def to_json(report: AuditReport) -> dict[str, Any]:
+    children = _children(report)
     return {
+        "verified": report.verified,
         "nodes": [
             {"step": n.step, "manifest_digest": n.digest, "parent": {"step": n.parent[0], "manifest_digest": n.parent[1]} if n.parent else None,
-             "source": n.source, "created_at": n.created_at, "tiers": sorted(n.tiers), "ok": n.ok}
+             "source": n.source, "created_at": n.created_at, "tiers": sorted(n.tiers), "ok": n.ok,
+             "status": node_status(report, n), "children": sorted(c.step for c in children.get(n.digest, []))}
             for n in sorted(report.nodes.values(), key=lambda n: n.step)
         ],
         "forks": [{"parent_step": p, "children": c} for p, c in report.forks],
@@ -144,17 +185,176 @@ def to_text(report: AuditReport) -> str:
     return "\n".join(lines) if lines else "(no committed steps)"
 
 
+def _dot_str(text: str) -> str:
+    """A quoted DOT string; newlines become DOT's line breaks."""
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+
+
+def _missing_parent_label(report: AuditReport, node: Node) -> str:
+    """Why a parent is not drawn: the chain check names gaps and broken links; otherwise GC pruned it."""
+    whats = " ".join(p.what for p in node_problems(report, node))
+    if "broken hash chain" in whats:
+        return "exists with another digest\n(broken hash chain)"
+    if "lineage gap" in whats:
+        return "missing\n(lineage gap)"
+    return "pruned by GC"
+
+
 def to_dot(report: AuditReport) -> str:
-    out = ["digraph lineage {", "  rankdir=LR;", '  node [shape=box, style=filled, fontname="monospace"];']
+    """Graphviz source: one box per state (step, source, tiers, digest prefix), filled by audit status,
+    edges parent -> child; the edges out of a fork point are bold, so each branch reads as one."""
+    out = ["digraph lineage {", "  rankdir=LR;", '  node [shape=box, style=filled, fontname="monospace"];',
+           '  labelloc=b; fontsize=10; fontname="monospace";',
+           "  label=" + _dot_str("fill: green verified, yellow warning, red damaged, grey unverified (lineage --verify checks files)") + ";"]
+    children = _children(report)
     for n in sorted(report.nodes.values(), key=lambda n: n.step):
-        colour = "palegreen" if n.ok else "salmon"
-        label = f"step {n.step}\\n{','.join(sorted(n.tiers))}\\n{n.digest[7:19]}"
-        out.append(f'  "{n.digest}" [label="{label}", fillcolor={colour}];')
-    for n in report.nodes.values():
-        if n.parent and n.parent[1] in report.nodes:
-            out.append(f'  "{n.parent[1]}" -> "{n.digest}";')
+        status = node_status(report, n)
+        label = f"step {n.step}\n{n.source}\n{','.join(sorted(n.tiers))}\n{n.digest[7:19]}"
+        tooltip = "; ".join(str(p) for p in node_problems(report, n)) or status
+        out.append(f"  {_dot_str(n.digest)} [label={_dot_str(label)}, fillcolor={STATUS_COLOURS[status]}, tooltip={_dot_str(tooltip)}];")
+    missing: dict[str, str] = {}
+    for n in sorted(report.nodes.values(), key=lambda n: n.step):
+        if not n.parent:
+            continue
+        parent_step, parent_digest = n.parent
+        if parent_digest not in report.nodes and parent_digest not in missing:
+            missing[parent_digest] = f"step {parent_step}\n{_missing_parent_label(report, n)}"
+            out.append(f"  {_dot_str(parent_digest)} [label={_dot_str(missing[parent_digest])}, style=dashed, fillcolor=white];")
+        fork = len(children.get(parent_digest, [])) > 1
+        attrs = ' [penwidth=2.5, color="#1f4e9c"]' if fork else (" [style=dashed]" if parent_digest in missing else "")
+        out.append(f"  {_dot_str(parent_digest)} -> {_dot_str(n.digest)}{attrs};")
     out.append("}")
     return "\n".join(out)
+
+
+def render_png(dot_source: str, out: str) -> None:
+    """Render DOT to a PNG file with Graphviz's ``dot`` (written next to ``out``, then renamed)."""
+    exe = shutil.which("dot")
+    if exe is None:
+        raise RendererNotFoundError(
+            "--format png: expected Graphviz's `dot` on PATH, found none; install the Debian package "
+            "`graphviz` (apt-get install graphviz), or write --format dot and render it elsewhere")
+    tmp = f"{out}.tmp-{os.getpid()}"
+    try:
+        proc = subprocess.run([exe, "-Tpng", "-o", tmp], check=False, input=dot_source.encode(), capture_output=True, timeout=300)
+        if proc.returncode != 0:
+            raise FlowcheckError(f"--format png: `dot -Tpng` exited {proc.returncode}: {proc.stderr.decode(errors='replace').strip()}")
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+# ---- one step's provenance (flowcheck show) ----------------------------------------
+@dataclass(frozen=True)
+class Link:
+    """One step of a parent chain: the tiers holding that exact state, or why the chain stops there."""
+
+    step: int
+    digest: str
+    tiers: tuple[str, ...]
+    end: str = ""  # "" (continues) | "root" | "pruned by GC" | a break: "MISSING ..." / "BROKEN ..." / "UNREADABLE ..."
+
+
+def _holders(store: Store, step: int, digest: str) -> tuple[tuple[str, ...], Manifest | None, list[str]]:
+    """Tiers holding ``step`` with exactly ``digest``, one of their manifests, and what the others hold instead."""
+    holders, found, other = [], None, []
+    for tier in store.tiers(include_memory=False):
+        if step not in tier.steps():
+            continue
+        try:
+            m = tier.manifest(step)
+        except FlowcheckError as e:
+            other.append(f"{tier.name}: unreadable manifest ({e})")
+            continue
+        if m.digest() == digest:
+            holders.append(tier.name)
+            found = found or m
+        else:
+            other.append(f"{tier.name}: digest {m.digest()[7:19]}")
+    return tuple(holders), found, other
+
+
+def parent_chain(store: Store, manifest: Manifest) -> list[Link]:
+    """Follow ``parent`` links from ``manifest`` back to the first step, or to where the chain breaks."""
+    pruned: dict[int, set[str | None]] = {}
+    for tier in store.tiers(include_memory=False):
+        for step, digest in tier.pruned().items():
+            pruned.setdefault(step, set()).add(digest)
+    links: list[Link] = []
+    m: Manifest | None = manifest
+    step, digest = manifest.step, manifest.digest()
+    tiers = _holders(store, step, digest)[0]
+    while m is not None:
+        if m.parent is None:
+            links.append(Link(step, digest, tiers, "root"))
+            break
+        links.append(Link(step, digest, tiers))
+        step, digest = m.parent.step, m.parent.manifest_digest
+        if any(link.digest == digest for link in links):
+            links.append(Link(step, digest, (), "BROKEN: the chain loops"))
+            break
+        tiers, m, other = _holders(store, step, digest)
+        if m is None:
+            if digest in pruned.get(step, set()) or None in pruned.get(step, set()):
+                end = "pruned by GC"
+            elif other:
+                end = f"BROKEN hash chain: parent digest {digest[7:19]}, tiers hold {'; '.join(other)}"
+            else:
+                end = "MISSING: not in any tier and not pruned by GC (lineage gap)"
+            links.append(Link(step, digest, (), end))
+    return links
+
+
+def format_chain(links: list[Link], *, keep: int = 12) -> str:
+    """``step 40 [local,object] <- 30 [local] <- 10 [object] (root)``; long chains keep both ends."""
+    def one(link: Link) -> str:
+        where = f" [{','.join(link.tiers)}]" if link.tiers else ""
+        return f"{link.step}{where}{f' ({link.end})' if link.end else ''}"
+
+    parts = [one(link) for link in links]
+    if len(parts) > 2 * keep:
+        parts = parts[:keep] + [f"... {len(parts) - 2 * keep} more ..."] + parts[-keep:]
+    return "step " + " <- ".join(parts)
+
+
+def step_checks(store: Store, manifest: Manifest, *, data: bool) -> tuple[str, list[str]]:
+    """Verify one step in every tier holding it: (overall status, one line per tier).
+
+    Always: the manifest re-read (integrity), its signature, and that every tier holds the same
+    state (manifest digest).  With ``data``: every file's size and digest and every shard's data digest.
+    """
+    digest, lines, bad = manifest.digest(), [], False
+    for tier in store.tiers(include_memory=False):
+        if manifest.step not in tier.steps():
+            continue
+        problems: list[Problem] = []
+        try:
+            m = tier.manifest(manifest.step, fresh=True)
+        except FlowcheckError as e:
+            lines.append(f"{tier.name}: FAILED {e}")
+            bad = True
+            continue
+        checks = ["manifest integrity ok"]
+        checks.append("same digest" if m.digest() == digest else f"OTHER digest {m.digest()[7:19]}")
+        if m.signature is None:
+            checks.append("unsigned")
+        elif tier.signing_key is None:
+            checks.append("signed, no key set to check it ($FLOWCHECK_HMAC_KEY)")
+        else:
+            checks.append("signature valid")
+        if data:
+            problems = tier.verify(manifest.step, data=True)
+            checks.append("files and shard data ok" if not problems else "; ".join(p.what for p in problems))
+        bad = bad or m.digest() != digest or bool(problems)
+        lines.append(f"{tier.name}: {'FAILED ' if problems else ''}{', '.join(checks)}")
+    if bad:
+        status = "FAILED (see the tiers below; `flowcheck audit` for the whole store)"
+    elif data:
+        status = "verified: manifests, files and shard data"
+    else:
+        status = "manifests verified; files and data not re-read (add --verify)"
+    return status, lines
 
 
 def dumps(report: AuditReport, fmt: str) -> str:

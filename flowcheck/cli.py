@@ -144,14 +144,20 @@ def ls_cmd(config_path, as_json):
 @click.option("--step", required=True, help="Step number or 'latest'.")
 @click.option("--tier", "prefer", default="auto", type=click.Choice(["auto", "local", "object"]), help="Which tier's manifest.")
 @click.option("--json", "as_json", is_flag=True, help="Print the whole manifest.")
+@click.option("--verify", is_flag=True, help="Also re-read every file and shard and check their digests.")
 @_handled
-def show(config_path, step, prefer, as_json):
-    """Summarise one step's manifest: producer, parent chain, tensors, files, tiers holding it.
+def show(config_path, step, prefer, as_json, verify):
+    """Summarise one step's manifest: producer, parent chain back to the first step, tensors, files,
+    tiers holding it, and its verification status (manifest integrity, signature, same digest in
+    every tier; --verify adds file and shard data digests).
 
     \b
     Example:
       flowcheck show --step latest --config /tmp/fc-demo/flowcheck.yaml
+      flowcheck show --step 40 --verify --config /tmp/fc-demo/flowcheck.yaml
     """
+    from flowcheck.audit import format_chain, parent_chain, step_checks
+
     store = _store(config_path)
     m = store.manifest(step if step == "latest" else int(step), prefer)
     if as_json:
@@ -168,6 +174,11 @@ def show(config_path, step, prefer, as_json):
     click.echo(f"scalars    optimizer_step={m.scalars.get('optimizer_step')} rng={sorted(m.scalars.get('rng', {}))}")
     click.echo(f"signature  {'hmac-sha256' if m.signature else 'unsigned'}")
     click.echo(f"tiers      {', '.join(holders)}")
+    click.echo(f"chain      {format_chain(parent_chain(store, m))}")
+    status, per_tier = step_checks(store, m, data=verify)
+    click.echo(f"status     {status}")
+    for line in per_tier:
+        click.echo(f"           {line}")
 
 
 @main.command()
@@ -419,19 +430,35 @@ def audit(config_path, no_data, as_json):
 
 @main.command()
 @_config_option
-@click.option("--format", "fmt", default="text", type=click.Choice(["text", "json", "dot"]), help="Output format.")
+@click.option("--format", "fmt", default="text", type=click.Choice(["text", "json", "dot", "png"]), help="Output format.")
+@click.option("--out", default=None, type=click.Path(dir_okay=False), help="Output file (required for png; default: stdout).")
+@click.option("--verify", is_flag=True, help="Also check every file's size and digest (green = verified); default: manifests and links only.")
 @_handled
-def lineage(config_path, fmt):
-    """Draw the run's lineage tree (steps, tiers holding each, forks).
+def lineage(config_path, fmt, out, verify):
+    """Draw the run's lineage tree: one node per state (step, source, tiers holding it), coloured by
+    audit status (green verified, yellow warning, red damaged, grey unverified), forks after restores
+    as branches.  png needs Graphviz's `dot` (Debian package graphviz).
 
     \b
     Example:
-      flowcheck lineage --format dot --config flowcheck.yaml | dot -Tpng > lineage.png
+      flowcheck lineage --format png --out lineage.png --verify --config flowcheck.yaml
+      flowcheck lineage --format dot --config flowcheck.yaml | dot -Tsvg > lineage.svg
     """
-    from flowcheck.audit import dumps
+    from flowcheck.audit import dumps, render_png, to_dot
     from flowcheck.audit import lineage as run_lineage
 
-    click.echo(dumps(run_lineage(_store(config_path)), fmt))
+    if fmt == "png" and out is None:
+        raise click.UsageError("--format png writes an image file: expected --out FILE.png, found none")
+    report = run_lineage(_store(config_path), verify=verify)
+    if fmt == "png":
+        render_png(to_dot(report), out)
+        forks = len(report.forks)
+        click.echo(f"wrote {out} ({len(report.nodes)} states, {forks} fork{'' if forks == 1 else 's'})")
+    elif out is not None:
+        with open(out, "w") as f:
+            f.write(dumps(report, fmt) + "\n")
+    else:
+        click.echo(dumps(report, fmt))
 
 
 @main.command()
