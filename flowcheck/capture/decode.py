@@ -99,17 +99,27 @@ def _msg(r, mid: int, missing: list[tuple[int, int]], ts_ns: np.ndarray) -> Msg:
     length = int(m["dma_len"]) if m["dma_len"] >= 0 else None
     segs = r.segments_of(mid)
     flags = roce.MessageFlag(int(m["flags"]))
+    imm = int(m["imm"]) if m["has_imm"] else None
+    size = imm if imm is not None else length
+    span = int(m["last_psn"]) - int(m["first_psn"]) + 1
+    pmtu = int(m["pmtu"])
+    # more packets than its size allows: the reassembler merged sends whose boundary packets were all lost
+    merged = size is not None and pmtu > 0 and span > max(1, -(-size // pmtu))
+    if merged:
+        length, imm = None, None
     return Msg(
         first_psn=int(m["first_psn"]), last_psn=int(m["last_psn"]),
         va=int(m["va"]) if m["va"] >= 0 else None, length=length,
-        imm=int(m["imm"]) if m["has_imm"] else None,
+        imm=imm,
         segments=[(int(o), int(n), int(at)) for o, n, at in zip(segs["offset"], segs["length"], segs["msg_offset"])],
         missing=[(a, b if b >= 0 else (length if length is not None else -1)) for a, b in missing],
         complete=bool(m["complete"]),
         # a message whose last packet was lost may have carried the immediate: close the send rather than merge on
-        closes=bool(m["has_imm"]) or bool(flags & roce.MessageFlag.END_UNKNOWN)
-        or any(b < 0 or (length is not None and b >= length) for _, b in missing),
+        # an end that was inferred (or cut) may have carried the immediate: close the send rather than merge on
+        closes=bool(m["has_imm"]) or bool(flags & (roce.MessageFlag.END_UNKNOWN | roce.MessageFlag.END_INFERRED))
+        or merged or any(b < 0 or (length is not None and b >= length) for _, b in missing),
         info={"frames": [int(m["first_frame"]), int(m["last_frame"])], "t0": int(ts_ns[int(m["first_frame"])])},
+        placeable=not merged,
     )
 
 

@@ -36,6 +36,7 @@ class Msg:
     complete: bool
     closes: bool  # the message ended with an immediate (LAST_IMM / ONLY_IMM) — or we cannot tell
     info: dict = field(default_factory=dict)
+    placeable: bool = True  # False: where its bytes go inside the send is unknown (see split_by_flag)
 
 
 @dataclass
@@ -70,6 +71,8 @@ def group_sends(messages: Sequence[Msg], buf: np.ndarray, ll: bool) -> list[Send
     """
     sends: list[Send] = []
     open_parts: list[Msg] = []
+    if ll:
+        messages = [piece for m in messages for piece in split_by_flag(m, buf)]
     for m in messages:
         if open_parts and ll and _flag(open_parts[0], buf) != _flag(m, buf) and _flag(m, buf) is not None:
             sends.append(_close(open_parts, None))
@@ -86,6 +89,36 @@ def group_sends(messages: Sequence[Msg], buf: np.ndarray, ll: bool) -> list[Send
     if open_parts:
         sends.append(_close(open_parts, None))
     return sends
+
+
+def split_by_flag(m: Msg, buf: np.ndarray) -> list[Msg]:
+    """An LL message whose packets carry different flags is two sends the reassembler merged.
+
+    That happens when the packets that delimit them (LAST_IMM of one, FIRST of the next) were both
+    lost.  The pieces are split at each flag change: the first keeps the start (its bytes are placed),
+    the last keeps the immediate (the size of *its* send); where a later piece's bytes go inside its
+    send is unknown, so they are never placed (missing, never misplaced).
+    """
+    flags = [_segment_flag(seg, buf) for seg in m.segments]
+    cuts = [i for i in range(1, len(flags)) if flags[i] is not None and flags[i - 1] is not None and flags[i] != flags[i - 1]]
+    if not cuts:
+        return [m]
+    bounds = [0, *cuts, len(m.segments)]
+    pieces = []
+    for k in range(len(bounds) - 1):
+        segs = m.segments[bounds[k]:bounds[k + 1]]
+        first, last = k == 0, k == len(bounds) - 2
+        pieces.append(Msg(
+            first_psn=m.first_psn, last_psn=m.last_psn, va=m.va if first else None, length=None,
+            imm=m.imm if last else None, segments=segs, missing=[], complete=False, closes=True if not last else m.closes,
+            info={**m.info, "split": k}, placeable=first and m.placeable,
+        ))
+    return pieces
+
+
+def _segment_flag(seg: tuple[int, int, int], buf: np.ndarray) -> int | None:
+    off, length, _ = seg
+    return int(buf[off + 4:off + 8].view("<u4")[0]) if length >= 16 else None
 
 
 def _close(parts: list[Msg], imm: int | None) -> Send:
@@ -135,8 +168,8 @@ def make_extract(send: Send, buf: np.ndarray, ll: bool, anomalies: list[dict], w
         present: list[tuple[int, int]] = []
         flag = send_step(send, buf, ll)
         for m in send.parts:
-            if m.va is None and len(send.parts) > 1:
-                continue  # a split piece whose address was lost cannot be placed
+            if not m.placeable or (m.va is None and len(send.parts) > 1):
+                continue  # a piece whose place in the send is unknown: its bytes stay missing
             shift = (m.va - send.base_va) if len(send.parts) > 1 and send.base_va is not None else 0
             for off, length, at in m.segments:
                 pos = shift + at

@@ -95,3 +95,22 @@ def test_cli_simulate_capture_diff(tmp_path):
     assert r.exit_code == 0 and "bit-exact" in r.output, r.output
     r = run(main, ["decode", "--job", str(sim / "job.yaml"), "--pcap", *pcaps, "--json"])
     assert r.exit_code in (0, 3) and '"allreduces"' in r.output
+
+
+@pytest.mark.parametrize("seed,iters", [(5, 14), (2, 22)])
+def test_lost_boundary_packets_never_shift_an_allreduce_onto_another(tmp_path, seed, iters):
+    """Regressions found by the loss sweep (BENCHMARKS.md): at 1% loss the packets delimiting two sends
+    were lost together; the decoder merged them, skipped ahead and labelled one iteration's buckets as
+    another's (seed 5), or shifted a stream's steps (seed 2)."""
+    sim = simulate(SimOptions(out=str(tmp_path / "sim"), dp=8, iters=iters, mirror="0:out,1:out,2:out", loss=0.01,
+                              seed=seed))
+    truth = {(a["iteration"], a["bucket"]): a["sha256"] for a in sim.allreduces}
+    job = load_job(sim.job_path)
+    pcaps = [sim.pcaps[k] for k in sorted(sim.pcaps)]
+    for m in (2, 3):
+        got = list(decode(job, read_all(pcaps[:m]), Decoded()))
+        assert len(got) == len(truth)
+        wrong = [a.index for a in got if a.complete and a.summary()["sha256"] != truth[(a.iteration, a.bucket)]]
+        assert wrong == [], f"m={m}: complete but wrong: {wrong}"
+        if m == 3:
+            assert sum(not a.complete for a in got) <= 2  # no lasting misalignment
