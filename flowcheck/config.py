@@ -214,6 +214,19 @@ def from_dict(raw: Any, where: str = "<config>") -> Config:
     return _build(Config, raw, where, "")
 
 
+def read_yaml(path: str, error: type[Exception], what: str, hint: str = "") -> Any:
+    """A YAML (or JSON) file's content; the error says which file and why: missing, unreadable, not YAML."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return yaml.safe_load(f)
+    except FileNotFoundError as e:
+        raise error(f"{what} {path!r} does not exist{hint}") from e
+    except OSError as e:
+        raise error(f"{what} {path!r}: cannot read ({e.strerror})") from e
+    except yaml.YAMLError as e:
+        raise error(f"{what} {path!r}: not valid YAML: {e}") from e
+
+
 def load(path: str | None = None) -> Config:
     """Load a config file (YAML); None means $FLOWCHECK_CONFIG, else the embedded defaults.
 
@@ -222,13 +235,7 @@ def load(path: str | None = None) -> Config:
     path = path or os.environ.get("FLOWCHECK_CONFIG")
     if not path:
         return Config()
-    try:
-        with open(path, encoding="utf-8") as f:
-            raw = yaml.safe_load(f)
-    except FileNotFoundError as e:
-        raise ConfigError(f"config file {path!r} does not exist; pass --config FILE or unset FLOWCHECK_CONFIG") from e
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML: {e}") from e
+    raw = read_yaml(path, ConfigError, "config file", "; pass --config FILE or unset FLOWCHECK_CONFIG")
     cfg = from_dict(raw, path)
     return _anchor(cfg, os.path.dirname(os.path.abspath(path)))
 

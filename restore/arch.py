@@ -168,15 +168,9 @@ def _positive(name: str, value: Any) -> None:
 
 def load_arch(path: str) -> ModelArch:
     """``--arch FILE``: YAML or JSON with Megatron argument names (optionally under a ``model:`` key)."""
-    import yaml
+    from flowcheck.config import read_yaml
 
-    try:
-        with open(path, encoding="utf-8") as f:
-            raw = yaml.safe_load(f)
-    except OSError as e:
-        raise ConfigError(f"--arch {path}: cannot read ({e.strerror})") from e
-    except yaml.YAMLError as e:
-        raise ConfigError(f"--arch {path}: not valid YAML/JSON ({e})") from e
+    raw = read_yaml(path, ConfigError, "--arch")
     if isinstance(raw, Mapping) and isinstance(raw.get("model"), Mapping):
         raw = raw["model"]
     return ModelArch.from_mapping(raw, f"--arch {path}")

@@ -15,7 +15,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import yaml
 
 from flowcheck.capture.ring import PROTOCOLS, RingParams
 from flowcheck.errors import JobError
@@ -176,13 +175,9 @@ class Job:
 # ---- loading ----------------------------------------------------------------
 def load_job(path: str) -> Job:
     """Read a job YAML file; relative ``init``/``resync`` paths are taken from the file's folder."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            raw = yaml.safe_load(f)
-    except FileNotFoundError as e:
-        raise JobError(f"job file {path!r} does not exist") from e
-    except yaml.YAMLError as e:
-        raise JobError(f"{path}: not valid YAML: {e}") from e
+    from flowcheck.config import read_yaml
+
+    raw = read_yaml(path, JobError, "job file")
     try:
         job = job_from_dict(raw)
     except JobError as e:
