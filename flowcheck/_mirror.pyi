@@ -33,3 +33,7 @@ def ll128_unpack(buf: Buffer, segments: Buffer, out: Buffer, expected_flag: int 
 
 def simple_copy(buf: Buffer, segments: Buffer, out: Buffer) -> int:
     """Copy raw payload to out[msg_offset:]; returns bytes copied."""
+
+def place(buf: Buffer, segments: Buffer, out: Buffer, shift: int, flag: int, ll: bool) -> np.ndarray:
+    """Place segments at out[(msg_offset + shift) (/2 for LL):], clipped; int32 per segment: 0 placed,
+    -1 misaligned (LL), > 0 lines with a wrong flag (LL, nothing written), -2 outside out."""

@@ -966,6 +966,61 @@ int64_t simple_copy(const py::buffer& buf, const py::buffer& segments, py::buffe
     return copied;
 }
 
+// The decoder's placement of one message's segments into a send's data buffer: segment i goes to
+// out at (msg_offset + shift) (LL: / 2), clipped to the buffer.  LL segments are checked whole:
+// one misaligned (length or position not a multiple of 16 -> -1) or with any line whose two flags
+// differ from `flag` (-> number of such lines; flag < 0: every line is bad) is not written at all,
+// so corrupted packets can only leave data missing, never wrong.  Returns per segment: 0 placed,
+// -1 misaligned, > 0 bad lines, -2 outside the buffer (nothing to place).
+py::array_t<int32_t> place(const py::buffer& buf, const py::buffer& segments, py::buffer& out, int64_t shift,
+                           int64_t flag, bool ll) {
+    Bytes b = readable(buf);
+    MutBytes o = writable(out);
+    Bytes s = readable(segments, sizeof(SegmentRow));
+    const SegmentRow* rows = reinterpret_cast<const SegmentRow*>(s.data);
+    size_t n = s.size / sizeof(SegmentRow);
+    for (size_t i = 0; i < n; ++i)
+        if (rows[i].offset < 0 || rows[i].length < 0 || uint64_t(rows[i].offset) + uint64_t(rows[i].length) > b.size)
+            throw py::value_error("segment " + std::to_string(i) + " lies outside the capture buffer");
+    py::array_t<int32_t> status{py::ssize_t(n)};
+    int32_t* st = status.mutable_data();
+    py::gil_scoped_release nogil;
+    const int64_t size = int64_t(o.size);
+    for (size_t i = 0; i < n; ++i) {
+        const SegmentRow& r = rows[i];
+        const uint8_t* p = b.data + r.offset;
+        int64_t pos = r.msg_offset + shift;
+        if (!ll) {
+            int64_t m = std::min<int64_t>(r.length, size - pos);
+            if (pos < 0 || m <= 0) { st[i] = -2; continue; }
+            std::memcpy(o.data + pos, p, size_t(m));
+            st[i] = 0;
+            continue;
+        }
+        if (r.length % 16 || pos % 16 || pos < 0) { st[i] = -1; continue; }
+        int64_t lines = r.length / 16, bad = 0;
+        if (flag < 0) {
+            bad = lines;
+        } else {
+            const uint32_t f = uint32_t(flag);
+            for (int64_t k = 0; k < lines; ++k) bad += (le32(p + 16 * k + 4) != f) | (le32(p + 16 * k + 12) != f);
+        }
+        if (bad) { st[i] = int32_t(std::min<int64_t>(bad, INT32_MAX)); continue; }
+        int64_t lo = pos / 2, fit = std::min<int64_t>(lines, (size - lo) / 8);
+        if (lo >= size) { st[i] = -2; continue; }
+        st[i] = 0;
+        uint8_t* d = o.data + lo;
+        for (int64_t k = 0; k < fit; ++k, p += 16, d += 8) std::memcpy(d, p, 4), std::memcpy(d + 4, p + 8, 4);
+        int64_t tail = lo + fit * 8 < size && fit < lines ? size - (lo + fit * 8) : 0;  // a partial last line
+        if (tail > 0) {
+            uint8_t line[8];
+            std::memcpy(line, p, 4), std::memcpy(line + 4, p + 8, 4);
+            std::memcpy(d, line, size_t(tail));
+        }
+    }
+    return status;
+}
+
 // ---------------------------------------------------------------- record layouts
 
 #define FIELD(T, name, fmt) py::make_tuple(#name, fmt, offsetof(T, name))
@@ -1040,6 +1095,8 @@ PYBIND11_MODULE(_mirror, m) {
           "Copy LL data words of the segments into out; returns (flag, lines, bad_lines).");
     m.def("ll128_unpack", &ll128_unpack, py::arg("buf"), py::arg("segments"), py::arg("out"),
           py::arg("expected_flag") = -1, "Copy LL128 data of the segments into out; returns (flag, lines, bad_lines).");
+    m.def("place", &place, py::arg("buf"), py::arg("segments"), py::arg("out"), py::arg("shift"), py::arg("flag"),
+          py::arg("ll"), "Place a message's segments into a send's data buffer; per-segment status (see the source).");
     m.def("simple_copy", &simple_copy, py::arg("buf"), py::arg("segments"), py::arg("out"),
           "Copy the raw payload of the segments into out at their message offsets; returns bytes copied.");
 }

@@ -29,7 +29,7 @@ class WireSend:
 
     step: int  # NCCL step on its connection (the LL flag), or inferred
     size: int | None  # declared wire bytes (immediate or RETH length); None when both were lost
-    extract: Callable[[np.ndarray], list[tuple[int, int]]]  # fill data bytes; return present data-byte ranges
+    extract: Callable[[np.ndarray], np.ndarray]  # fill data bytes; return the present data-byte ranges, (n, 2) [start, end)
     info: dict = field(default_factory=dict)  # where it came from (stream, packets, psn) for reports
 
 
@@ -221,25 +221,41 @@ class Assembler:
                 ar.sources.append({**src, "elements_seen": 0, "lost": True})
                 continue
             buf = np.zeros(send.count, self.dtype)
-            present = ws.extract(buf.view(np.uint8))
-            mask = np.zeros(send.count, bool)
-            for lo, hi in present:
-                a, b = -(-lo // isz), min(hi // isz, send.count)  # whole elements only
-                mask[a:b] = True
+            present = np.asarray(ws.extract(buf.view(np.uint8)), np.int64).reshape(-1, 2)
+            mask = _mask(send.count, -(-present[:, 0] // isz), np.minimum(present[:, 1] // isz, send.count))  # whole elements
             self._merge(ar, send.start, buf, mask, src)
             ar.sources.append({**src, **ws.info, "elements_seen": int(mask.sum())})
 
     def _merge(self, ar: Allreduce, start: int, buf: np.ndarray, mask: np.ndarray, src: dict) -> None:
+        """First valid copy of each element wins; a later copy that differs is a conflict."""
         end = start + len(buf)
-        have = ar.copies[start:end] > 0
-        both = have & mask
-        if both.any():
-            mine, theirs = ar.data[start:end][both], buf[both]
-            if mine.view(np.uint8).tobytes() != theirs.view(np.uint8).tobytes():
-                bad = np.flatnonzero(mine.view(np.uint32 if buf.itemsize == 4 else np.uint16) !=
-                                     theirs.view(np.uint32 if buf.itemsize == 4 else np.uint16))
-                ar.conflicts.append({**src, "elements_differing": int(len(bad))})
-        new = mask & ~have
-        ar.data[start:end][new] = buf[new]
-        c = ar.copies[start:end]
-        c[mask] = np.minimum(c[mask].astype(np.int16) + 1, 255).astype(np.uint8)
+        data, copies = ar.data[start:end], ar.copies[start:end]
+        have = copies > 0
+        word = np.uint32 if buf.itemsize == 4 else np.uint16
+        if not have.any():  # the first copy here: nothing to compare
+            if mask.all():
+                data[...] = buf
+            else:
+                np.copyto(data, buf, where=mask)
+        else:
+            both = have & mask
+            n_bad = int(np.count_nonzero((data.view(word) != buf.view(word)) & both))
+            if n_bad:
+                ar.conflicts.append({**src, "elements_differing": n_bad})
+            np.copyto(data, buf, where=mask & ~have)
+        np.add(copies, 1, out=copies, where=mask & (copies < 255))
+
+
+def _mask(n: int, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    """Boolean vector of n with [starts[i], ends[i]) set (empty or reversed ranges ignored)."""
+    keep = starts < ends
+    starts, ends = starts[keep], ends[keep]
+    if len(starts) and starts.min() <= 0:  # the common case: the ranges tile the whole send
+        order = np.argsort(starts, kind="stable")
+        reach = np.maximum.accumulate(ends[order])
+        if reach[-1] >= n and not (starts[order][1:] > reach[:-1]).any():
+            return np.ones(n, bool)
+    edges = np.zeros(n + 1, np.int32)
+    np.add.at(edges, starts, 1)
+    np.add.at(edges, ends, -1)
+    return np.cumsum(edges[:-1]) > 0

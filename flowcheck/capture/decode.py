@@ -16,7 +16,7 @@ from flowcheck.capture import roce
 from flowcheck.capture.assemble import Allreduce, Assembler
 from flowcheck.capture.job import Job
 from flowcheck.capture.pcap import Frames, read_capture
-from flowcheck.capture.streams import Msg, StreamInfo, ring_streams
+from flowcheck.capture.streams import Msg, StreamInfo, ring_streams, segment_flags
 from flowcheck.errors import CaptureError, JobError
 
 
@@ -57,8 +57,8 @@ def decode(job: Job, frames: Frames, info: Decoded | None = None) -> Iterator[Al
                        "unpack exist, the line-to-element mapping is unverified); capture with NCCL_PROTO=LL or Simple")
     packets = roce.parse(frames)
     info.packets = {**packets.status_counts, "opcodes": packets.opcode_counts}
-    streams = _stream_infos(frames, packets, info.anomalies)
     buf = np.frombuffer(frames.buf, np.uint8)
+    streams = _stream_infos(frames, packets, buf, info.anomalies)
     rings, channels, roles = ring_streams(job, streams, buf, info.anomalies)
     info.channels, info.streams = channels, roles
     if not rings:
@@ -71,16 +71,22 @@ def decode(job: Job, frames: Frames, info: Decoded | None = None) -> Iterator[Al
     info.skipped_sends = assembler.skipped
 
 
-def _stream_infos(frames: Frames, packets, anomalies: list[dict]) -> list[StreamInfo]:
+def _stream_infos(frames: Frames, packets, buf: np.ndarray, anomalies: list[dict]) -> list[StreamInfo]:
     """The reassembler's tables as StreamInfo/Msg objects; its PSN gaps and duplicates become anomalies."""
     r = roce.reassemble(frames, packets)
+    seg_flags = segment_flags(buf, r.segments)
+    m = r.messages
+    cols = {f: m[f].tolist() for f in ("first_psn", "last_psn", "va", "dma_len", "seg_start", "n_segs", "flags", "imm",
+                                       "has_imm", "pmtu", "complete", "first_frame", "last_frame")}
+    cols["t0"] = frames.ts_ns[m["first_frame"]].tolist() if len(m) else []
+    writes = np.flatnonzero(m["kind"] == roce.KIND_WRITE)
+    writes = writes[np.lexsort((m["first_psn"][writes], m["stream"][writes]))]  # by stream, then PSN
     by_stream: dict[int, list[int]] = {}
-    writes = np.flatnonzero(r.messages["kind"] == roce.KIND_WRITE)
-    for mid in writes:
-        by_stream.setdefault(int(r.messages["stream"][mid]), []).append(int(mid))
+    for mid, sid in zip(writes.tolist(), m["stream"][writes].tolist()):
+        by_stream.setdefault(sid, []).append(mid)
     missing: dict[int, list[tuple[int, int]]] = {}
-    for row in r.missing:
-        missing.setdefault(int(row["message"]), []).append((int(row["start"]), int(row["end"])))
+    for mid, a, b in zip(r.missing["message"].tolist(), r.missing["start"].tolist(), r.missing["end"].tolist()):
+        missing.setdefault(mid, []).append((a, b))
     out = []
     for sid, s in enumerate(r.streams):
         name = r.stream_name(sid)
@@ -88,37 +94,38 @@ def _stream_infos(frames: Frames, packets, anomalies: list[dict]) -> list[Stream
             anomalies.append({"type": "psn_gap", "stream": name, "psn": [a, b], "packets": b - a})
         if int(s["n_duplicates"]):
             anomalies.append({"type": "duplicates", "stream": name, "packets": int(s["n_duplicates"])})
-        msgs = [_msg(r, mid, missing.get(mid, []), frames.ts_ns) for mid in sorted(by_stream.get(sid, []), key=lambda m: r.messages["first_psn"][m])]
+        msgs = [_msg(cols, mid, r.segments, seg_flags, missing.get(mid, [])) for mid in by_stream.get(sid, [])]
         out.append(StreamInfo(name=name, src_mac=_mac(s["src_mac"]), dst_mac=_mac(s["dst_mac"]), src_ip=_ip(s["src_ip"]),
                               dst_ip=_ip(s["dst_ip"]), qpn=int(s["dqpn"]), messages=msgs))
     return out
 
 
-def _msg(r, mid: int, missing: list[tuple[int, int]], ts_ns: np.ndarray) -> Msg:
-    m = r.messages[mid]
-    length = int(m["dma_len"]) if m["dma_len"] >= 0 else None
-    segs = r.segments_of(mid)
-    flags = roce.MessageFlag(int(m["flags"]))
-    imm = int(m["imm"]) if m["has_imm"] else None
+def _msg(cols: dict[str, list], mid: int, segments: np.ndarray, seg_flags: np.ndarray,
+         missing: list[tuple[int, int]]) -> Msg:
+    """Message ``mid`` of the reassembler's table (``cols``: its columns as lists)."""
+    length = cols["dma_len"][mid] if cols["dma_len"][mid] >= 0 else None
+    first, n_segs = cols["seg_start"][mid], cols["n_segs"][mid]
+    flags = roce.MessageFlag(cols["flags"][mid])
+    imm = cols["imm"][mid] if cols["has_imm"][mid] else None
     size = imm if imm is not None else length
-    span = int(m["last_psn"]) - int(m["first_psn"]) + 1
-    pmtu = int(m["pmtu"])
+    span = cols["last_psn"][mid] - cols["first_psn"][mid] + 1
+    pmtu = cols["pmtu"][mid]
     # more packets than its size allows: the reassembler merged sends whose boundary packets were all lost
     merged = size is not None and pmtu > 0 and span > max(1, -(-size // pmtu))
     if merged:
         length, imm = None, None
     return Msg(
-        first_psn=int(m["first_psn"]), last_psn=int(m["last_psn"]),
-        va=int(m["va"]) if m["va"] >= 0 else None, length=length,
+        first_psn=cols["first_psn"][mid], last_psn=cols["last_psn"][mid],
+        va=cols["va"][mid] if cols["va"][mid] >= 0 else None, length=length,
         imm=imm,
-        segments=[(int(o), int(n), int(at)) for o, n, at in zip(segs["offset"], segs["length"], segs["msg_offset"])],
+        segments=segments[first:first + n_segs], flags=seg_flags[first:first + n_segs],
         missing=[(a, b if b >= 0 else (length if length is not None else -1)) for a, b in missing],
-        complete=bool(m["complete"]),
-        # a message whose last packet was lost may have carried the immediate: close the send rather than merge on
-        # an end that was inferred (or cut) may have carried the immediate: close the send rather than merge on
-        closes=bool(m["has_imm"]) or bool(flags & (roce.MessageFlag.END_UNKNOWN | roce.MessageFlag.END_INFERRED))
+        complete=bool(cols["complete"][mid]),
+        # a message whose last packet was lost, or whose end was inferred (or cut), may have carried the
+        # immediate: close the send rather than merge on
+        closes=bool(cols["has_imm"][mid]) or bool(flags & (roce.MessageFlag.END_UNKNOWN | roce.MessageFlag.END_INFERRED))
         or merged or any(b < 0 or (length is not None and b >= length) for _, b in missing),
-        info={"frames": [int(m["first_frame"]), int(m["last_frame"])], "t0": int(ts_ns[int(m["first_frame"])])},
+        info={"frames": [cols["first_frame"][mid], cols["last_frame"][mid]], "t0": cols["t0"][mid]},
         placeable=not merged,
     )
 

@@ -15,9 +15,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 
+from flowcheck import _mirror
 from flowcheck.capture.assemble import RingStream, WireSend
 from flowcheck.capture.job import Job
 
@@ -31,12 +33,29 @@ class Msg:
     va: int | None  # None when the FIRST packet (with the RETH) was lost
     length: int | None  # RETH DMA length; None when unknown
     imm: int | None  # immediate (the send size for NCCL); None when absent or lost with the LAST
-    segments: list[tuple[int, int, int]]  # (offset into the capture buffer, bytes, byte offset in message)
+    segments: np.ndarray  # roce.SEGMENT rows: offset into the capture buffer, length, msg_offset (byte offset in message)
+    flags: np.ndarray  # per segment: the LL flag of its first line (int64; -1: shorter than a line)
     missing: list[tuple[int, int]]  # byte ranges [start, end) inside the message not captured
     complete: bool
     closes: bool  # the message ended with an immediate (LAST_IMM / ONLY_IMM) — or we cannot tell
     info: dict = field(default_factory=dict)
     placeable: bool = True  # False: where its bytes go inside the send is unknown (see split_by_flag)
+
+    @cached_property
+    def flag(self) -> int | None:
+        """The LL flag of the message's first captured line (None when it has no whole line)."""
+        seen = self.flags[self.flags >= 0]
+        return int(seen[0]) if len(seen) else None
+
+
+def segment_flags(buf: np.ndarray, segments: np.ndarray) -> np.ndarray:
+    """The LL flag of every segment's first line (bytes 4..8, little-endian), -1 for segments under 16 bytes."""
+    out = np.full(len(segments), -1, np.int64)
+    whole = np.flatnonzero(segments["length"] >= 16)
+    if len(whole):
+        at = segments["offset"][whole][:, None] + np.arange(4, 8)
+        out[whole] = buf[at].copy().view("<u4")[:, 0]
+    return out
 
 
 @dataclass
@@ -74,7 +93,7 @@ def group_sends(messages: Sequence[Msg], buf: np.ndarray, ll: bool) -> list[Send
     if ll:
         messages = [piece for m in messages for piece in split_by_flag(m, buf)]
     for m in messages:
-        if open_parts and ll and _flag(open_parts[0], buf) != _flag(m, buf) and _flag(m, buf) is not None:
+        if open_parts and ll and m.flag is not None and open_parts[0].flag != m.flag:
             sends.append(_close(open_parts, None))
             open_parts = []
         open_parts.append(m)
@@ -99,26 +118,21 @@ def split_by_flag(m: Msg, buf: np.ndarray) -> list[Msg]:
     the last keeps the immediate (the size of *its* send); where a later piece's bytes go inside its
     send is unknown, so they are never placed (missing, never misplaced).
     """
-    flags = [_segment_flag(seg, buf) for seg in m.segments]
-    cuts = [i for i in range(1, len(flags)) if flags[i] is not None and flags[i - 1] is not None and flags[i] != flags[i - 1]]
+    f = m.flags
+    cuts = (np.flatnonzero((f[:-1] >= 0) & (f[1:] >= 0) & (f[:-1] != f[1:])) + 1).tolist()
     if not cuts:
         return [m]
     bounds = [0, *cuts, len(m.segments)]
     pieces = []
     for k in range(len(bounds) - 1):
-        segs = m.segments[bounds[k]:bounds[k + 1]]
+        a, b = bounds[k], bounds[k + 1]
         first, last = k == 0, k == len(bounds) - 2
         pieces.append(Msg(
             first_psn=m.first_psn, last_psn=m.last_psn, va=m.va if first else None, length=None,
-            imm=m.imm if last else None, segments=segs, missing=[], complete=False, closes=True if not last else m.closes,
-            info={**m.info, "split": k}, placeable=first and m.placeable,
+            imm=m.imm if last else None, segments=m.segments[a:b], flags=f[a:b], missing=[], complete=False,
+            closes=True if not last else m.closes, info={**m.info, "split": k}, placeable=first and m.placeable,
         ))
     return pieces
-
-
-def _segment_flag(seg: tuple[int, int, int], buf: np.ndarray) -> int | None:
-    off, length, _ = seg
-    return int(buf[off + 4:off + 8].view("<u4")[0]) if length >= 16 else None
 
 
 def _close(parts: list[Msg], imm: int | None) -> Send:
@@ -133,14 +147,6 @@ def _close(parts: list[Msg], imm: int | None) -> Send:
     return Send(imm, base, parts)
 
 
-def _flag(m: Msg, buf: np.ndarray) -> int | None:
-    """The LL flag of a message's first captured line (None when it has no data)."""
-    for off, length, at in m.segments:
-        if length >= 16:
-            return int(buf[off + 4:off + 8].view("<u4")[0])
-    return None
-
-
 def ll_lines(buf: np.ndarray, off: int, length: int) -> tuple[np.ndarray, np.ndarray]:
     """(data words, flag words) of the LL lines in buf[off:off+length] (whole 16-byte lines only)."""
     n = length // 16
@@ -151,46 +157,41 @@ def ll_lines(buf: np.ndarray, off: int, length: int) -> tuple[np.ndarray, np.nda
 def send_step(send: Send, buf: np.ndarray, ll: bool) -> int | None:
     if not ll:
         return None
-    for m in send.parts:
-        f = _flag(m, buf)
-        if f is not None:
-            return f
-    return None
+    return next((m.flag for m in send.parts if m.flag is not None), None)
 
 
 def make_extract(send: Send, buf: np.ndarray, ll: bool, anomalies: list[dict], where: dict):
-    """A function filling a send's data bytes into ``out`` and returning the data-byte ranges present.
+    """A function filling a send's data bytes into ``out`` and returning the data-byte ranges present
+    (an (n, 2) array of [start, end)).
 
     LL: every line's two flags must equal the send's flag; a segment with a bad line is dropped
-    whole (reported), so a corrupted packet can only make data missing, never wrong.
+    whole (reported), so a corrupted packet can only make data missing, never wrong.  The copy and
+    the checks are native (``_mirror.place``); one call per message.
     """
-    def extract(out: np.ndarray) -> list[tuple[int, int]]:
-        present: list[tuple[int, int]] = []
+    def extract(out: np.ndarray) -> np.ndarray:
         flag = send_step(send, buf, ll)
+        present = []
         for m in send.parts:
             if not m.placeable or (m.va is None and len(send.parts) > 1):
                 continue  # a piece whose place in the send is unknown: its bytes stay missing
+            if not len(m.segments):
+                continue
             shift = (m.va - send.base_va) if len(send.parts) > 1 and send.base_va is not None else 0
-            for off, length, at in m.segments:
-                pos = shift + at
-                if ll:
-                    if length % 16 or pos % 16:
-                        anomalies.append({**where, "type": "ll_misaligned_segment", "bytes": length})
-                        continue
-                    data, flags = ll_lines(buf, off, length)
-                    if flag is None or (flags != flag).any():
-                        anomalies.append({**where, "type": "ll_bad_flags", "lines": int((flags != flag).sum() // 2)})
-                        continue
-                    lo = pos // 2
-                    hi = min(lo + data.nbytes, out.nbytes)
-                    out[lo:hi] = data.view(np.uint8)[:hi - lo]
-                    present.append((lo, hi))
-                else:
-                    hi = min(pos + length, out.nbytes)
-                    if hi > pos:
-                        out[pos:hi] = buf[off:off + hi - pos]
-                        present.append((pos, hi))
-        return present
+            segs = np.ascontiguousarray(m.segments)
+            status = _mirror.place(buf, segs, out, shift, -1 if flag is None else flag, ll)
+            ok = status == 0
+            if ll:
+                for i in np.flatnonzero(status == -1):
+                    anomalies.append({**where, "type": "ll_misaligned_segment", "bytes": int(segs["length"][i])})
+                for i in np.flatnonzero(status > 0):
+                    anomalies.append({**where, "type": "ll_bad_flags", "lines": int(status[i])})
+                lo = (segs["msg_offset"][ok] + shift) // 2
+                hi = np.minimum(lo + segs["length"][ok] // 16 * 8, out.nbytes)
+            else:
+                lo = segs["msg_offset"][ok] + shift
+                hi = np.minimum(lo + segs["length"][ok], out.nbytes)
+            present.append(np.stack([lo, hi], axis=1))
+        return np.concatenate(present) if present else np.zeros((0, 2), np.int64)
 
     return extract
 
@@ -224,13 +225,13 @@ def ring_streams(job: Job, streams: Sequence[StreamInfo], buf: np.ndarray, anoma
 def _role(job: Job, s: StreamInfo, src: int | None, dst: int | None, buf: np.ndarray, ll: bool) -> str:
     if src is None or dst is None:
         return "foreign"
-    writes = [m for m in s.messages if m.segments or m.length == 0]
+    writes = [m for m in s.messages if len(m.segments) or m.length == 0]
     if not writes or not any(m.closes for m in writes):
         return "control"  # flow-control posts (no immediate), ACK-only
     if dst != (src + 1) % job.nranks:
         return "p2p"
     if ll:
-        flags = [f for f in (_flag(m, buf) for m in writes[:8]) if f is not None]
+        flags = [m.flag for m in writes[:8] if m.flag is not None]
         sized = [m for m in writes[:8] if m.length and m.length % 16 == 0]
         if not flags or not sized or any(_line_flags_vary(m, buf) for m in writes[:4]):
             return "p2p"  # Simple-protocol p2p: raw data, no LL flags
@@ -238,10 +239,9 @@ def _role(job: Job, s: StreamInfo, src: int | None, dst: int | None, buf: np.nda
 
 
 def _line_flags_vary(m: Msg, buf: np.ndarray) -> bool:
-    for off, length, _ in m.segments[:1]:
-        if length >= 16:
-            _, flags = ll_lines(buf, off, min(length, 256))
-            return bool((flags != flags[0]).any())
+    if len(m.segments) and m.segments["length"][0] >= 16:
+        _, flags = ll_lines(buf, int(m.segments["offset"][0]), min(int(m.segments["length"][0]), 256))
+        return bool((flags != flags[0]).any())
     return False
 
 

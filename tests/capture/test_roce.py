@@ -323,6 +323,39 @@ def test_ll_unpack_counts_lines_whose_flags_disagree():
         roce.ll_unpack(frames, r.segments_of(0), np.zeros(100, dtype=np.uint8))
 
 
+def test_place_writes_only_whole_valid_segments_and_clips_to_the_send():
+    from flowcheck import _mirror
+
+    frames = Frames.from_list(write(0, 2048, flag=4))  # two 1 KiB packets: 2 segments of 64 lines
+    _, r = decode(frames)
+    segs = np.ascontiguousarray(r.segments_of(0))
+    buf = np.frombuffer(frames.buf, np.uint8)
+    ref = np.zeros(1024, np.uint8)
+    roce.ll_unpack(frames, segs, ref)
+    out = np.zeros(1024, np.uint8)
+    assert list(_mirror.place(buf, segs, out, 0, 4, True)) == [0, 0] and out.tobytes() == ref.tobytes()
+    out[:] = 0
+    assert list(_mirror.place(buf, segs, out, 0, 5, True)) == [64, 64] and not out.any()  # wrong flag: nothing written
+    assert list(_mirror.place(buf, segs, out, 0, -1, True)) == [64, 64]  # no flag known: every line is bad
+    assert list(_mirror.place(buf, segs, out, 8, 4, True)) == [-1, -1]  # not on a line boundary
+    short = np.zeros(700, np.uint8)  # the send ends inside the second segment, mid-line
+    assert list(_mirror.place(buf, segs, short, 0, 4, True)) == [0, 0] and short.tobytes() == ref[:700].tobytes()
+    assert list(_mirror.place(buf, segs, np.zeros(256, np.uint8), 1024, 4, True)) == [-2, -2]  # beyond the send
+    torn = bytearray(frames.frame(1))
+    torn[62 + 28 + 16 * 3 + 12] ^= 1  # the second packet's line 3, second flag
+    frames = Frames.from_list([frames.frame(0), reseal(torn)])
+    _, r = decode(frames)
+    out[:] = 0
+    status = _mirror.place(np.frombuffer(frames.buf, np.uint8), np.ascontiguousarray(r.segments_of(0)), out, 0, 4, True)
+    assert list(status) == [0, 1] and out[:512].tobytes() == ref[:512].tobytes() and not out[512:].any()
+    whole = np.zeros(2048, np.uint8)  # Simple: raw bytes at msg_offset + shift, clipped
+    roce.simple_copy(frames, r.segments_of(0), whole)
+    raw = np.zeros(1500, np.uint8)
+    assert list(_mirror.place(np.frombuffer(frames.buf, np.uint8), np.ascontiguousarray(r.segments_of(0)), raw, 100,
+                              -1, False)) == [0, 0]
+    assert not raw[:100].any() and raw[100:].tobytes() == whole[:1400].tobytes()
+
+
 def test_ll128_unpack_and_simple_copy():
     lines = np.random.default_rng(3).integers(0, 256, (16, 128), dtype=np.uint8)
     lines[:, 120:] = np.frombuffer(struct.pack("<Q", 77), dtype=np.uint8)
