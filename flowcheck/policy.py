@@ -5,20 +5,54 @@ object promotions likewise (hourly by default).  Jobs run off the caller's
 thread — the trainer or updater never waits for storage — one at a time per
 tier; a trigger that fires while its tier is busy is coalesced, not queued.
 GC of a tier runs right after that tier committed.
+
+Every job leaves a ``JobRecord``: when it was requested (the step, timer or API call that
+triggered it), when a tier worker started it, when it finished, and what it committed —
+the node's metrics split snapshot and upload time into queue and transfer from these.
 """
 from __future__ import annotations
 
 import logging
 import threading
 import time
+from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from flowcheck.config import PolicyConfig
 from flowcheck.errors import StaleStateError
+from flowcheck.manifest import Manifest
 from flowcheck.store import Store
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class JobRecord:
+    """One policy job: ``tier`` "local" is a snapshot (RAM -> local), "object" an upload (local -> object).
+
+    Times are ``time.monotonic()``; ``outcome`` is committed (a new step), noop (nothing new to
+    write), stale (the RAM state may not be snapshotted) or failed.
+    """
+
+    tier: str
+    outcome: str
+    requested: float
+    started: float
+    finished: float
+    step: int | None = None
+    nbytes: int = 0
+
+    @property
+    def queue_s(self) -> float:
+        """Requested -> started: waiting for the tier's worker (a job in flight, or the API's turn)."""
+        return self.started - self.requested
+
+    @property
+    def transfer_s(self) -> float:
+        """Started -> committed: reading, writing, fsync and the manifest commit."""
+        return self.finished - self.started
 
 
 @dataclass
@@ -28,6 +62,8 @@ class PolicyStats:
     coalesced: int = 0
     errors: list[str] = field(default_factory=list)
     durations: dict[str, list[float]] = field(default_factory=lambda: {"local": [], "object": []})
+    jobs: deque[JobRecord] = field(default_factory=lambda: deque(maxlen=256))  # the newest jobs
+    gc_deleted: dict[str, int] = field(default_factory=lambda: {"local": 0, "object": 0})  # steps deleted by GC
 
 
 class PolicyRunner:
@@ -41,6 +77,7 @@ class PolicyRunner:
         self._busy: dict[str, Future | None] = {"local": None, "object": None}
         self._lock = threading.Lock()
         self._scheduler = None
+        self.listeners: list[Callable[[JobRecord], None]] = []  # called with every finished job (metrics)
 
     def start(self) -> PolicyRunner:
         from apscheduler.schedulers.background import BackgroundScheduler
@@ -71,47 +108,92 @@ class PolicyRunner:
                 self.stats.coalesced += 1
                 return None
             job = self._snapshot_local if tier == "local" else self._promote
-            fut = self._pools[tier].submit(self._timed, tier, job)
+            fut = self._pools[tier].submit(self._timed, tier, job, time.monotonic())
             self._busy[tier] = fut
             return fut
 
-    def _timed(self, tier: str, job) -> None:
-        t0 = time.perf_counter()
-        try:
-            job()
-        except StaleStateError as e:
-            log.warning("policy: %s snapshot skipped: %s", tier, e)
-        except Exception as e:  # noqa: BLE001 - a failed job must not kill the scheduler; it is reported
-            log.exception("policy: %s job failed", tier)
-            self.stats.errors.append(f"{tier}: {type(e).__name__}: {e}")
-        finally:
-            self.stats.durations[tier].append(time.perf_counter() - t0)
+    def snapshot_now(self, timeout: float | None = None) -> Manifest:
+        """Persist the RAM state to the local tier now (the API's /snapshot), after any local job in flight.
 
-    def _snapshot_local(self) -> None:
-        if self.store.memory.step is None:
-            return
+        Returns the step's manifest (also when that step was committed already); raises what the store raises.
+        """
+        fut = self._pools["local"].submit(self._timed, "local", self._snapshot_any, time.monotonic(), True)
+        return fut.result(timeout)
+
+    def _timed(self, tier: str, job: Callable[[], tuple[Manifest | None, bool]], requested: float,
+               reraise: bool = False) -> Manifest | None:
+        started = time.monotonic()
+        m, outcome = None, "noop"
+        try:
+            m, wrote = job()
+            outcome = "committed" if wrote else "noop"
+            return m
+        except StaleStateError as e:
+            outcome = "stale"
+            log.warning("policy: %s snapshot skipped: %s", tier, e, extra={"event": "snapshot_skipped", "tier": tier})
+            if reraise:
+                raise
+        except Exception as e:  # noqa: BLE001 - a failed job must not kill the scheduler; it is reported
+            outcome = "failed"
+            log.exception("policy: %s job failed", tier, extra={"event": "job_failed", "tier": tier})
+            self.stats.errors.append(f"{tier}: {type(e).__name__}: {e}")
+            if reraise:
+                raise
+        finally:
+            self.stats.durations[tier].append(time.monotonic() - started)
+            self._record(JobRecord(tier, outcome, requested, started, time.monotonic(),
+                                   None if m is None else m.step, m.nbytes if m is not None and outcome == "committed" else 0))
+        return None
+
+    def _record(self, job: JobRecord) -> None:
+        self.stats.jobs.append(job)
+        if job.outcome == "committed":
+            what = "snapshot" if job.tier == "local" else "upload"
+            log.info("policy: %s of step %d committed to the %s tier: %d bytes in %.3f s (queued %.3f s)",
+                     what, job.step, job.tier, job.nbytes, job.transfer_s, job.queue_s,
+                     extra={"event": f"{what}_committed", "step": job.step, "tier": job.tier, "bytes": job.nbytes,
+                            "seconds": round(job.transfer_s, 6), "queue_seconds": round(job.queue_s, 6)})
+        for listener in list(self.listeners):
+            try:
+                listener(job)
+            except Exception:  # noqa: BLE001 - an observer must never break the policy
+                log.exception("policy: job listener failed")
+
+    def _snapshot_any(self) -> tuple[Manifest, bool]:
+        """The RAM step to the local tier (the API's snapshot: errors propagate, no GC)."""
+        had = set(self.store.local.steps())
         m = self.store.snapshot()
+        return m, m.step not in had
+
+    def _snapshot_local(self) -> tuple[Manifest | None, bool]:
+        if self.store.memory.step is None:
+            return None, False
+        m, wrote = self._snapshot_any()
         if not self.stats.local_snapshots or self.stats.local_snapshots[-1] != m.step:
             self.stats.local_snapshots.append(m.step)
         self._gc("local")
+        return m, wrote
 
-    def _promote(self) -> None:
+    def _promote(self) -> tuple[Manifest | None, bool]:
         newest = self.store.local.latest()
         obj = self.store.object
         if newest is None or obj is None:
-            return
+            return None, False
         latest_obj = obj.latest()
         if latest_obj is not None and latest_obj >= newest:
-            return
+            return None, False
         m = self.store.promote(newest)
         self.stats.promotions.append(m.step)
         self._gc("object")
+        return m, True
 
     def _gc(self, tier: str) -> None:
         report = self.store.gc(tiers=[tier])
         for tier, steps in report.deleted.items():
             if steps:
-                log.info("policy: gc deleted %s steps %s", tier, steps)
+                self.stats.gc_deleted[tier] = self.stats.gc_deleted.get(tier, 0) + len(steps)
+                log.info("policy: gc deleted %s steps %s", tier, steps,
+                         extra={"event": "gc", "tier": tier, "steps": steps})
 
     def drain(self, timeout: float | None = None) -> None:
         """Wait for running jobs to finish."""
@@ -126,8 +208,8 @@ class PolicyRunner:
         could be coalesced into a promotion of an older step.
         """
         self.drain()
-        self._timed("local", self._snapshot_local)
-        self._timed("object", self._promote)
+        self._timed("local", self._snapshot_local, time.monotonic())
+        self._timed("object", self._promote, time.monotonic())
 
     def stop(self, wait: bool = True) -> None:
         if self._scheduler is not None:

@@ -7,6 +7,8 @@ memory tier and lets the policy snapshot it.  An iteration with any incomplete b
 state stale (no snapshot can be taken of it), a resync is requested, and — when a source of full
 states is at hand (the trainer's push; offline: the job's ``resync`` directory) — the replica
 restarts from the trainer's state after that iteration.
+
+What went through and what loss did is counted by ``flowcheck.capture.mirror_stats`` (the node's metrics).
 """
 from __future__ import annotations
 
@@ -117,7 +119,9 @@ class Updater:
             self.publish(self.replica)
 
     def _go_stale(self, iteration: int, why: str) -> None:
-        log.warning("mirror capture: iteration %d unrecoverable: %s", iteration, why)
+        log.warning("mirror capture: iteration %d unrecoverable: %s", iteration, why,
+                    extra={"event": "stale_iteration", "iteration": iteration, "step": self.job.start_step + iteration,
+                           "reason": why})
         self.report.stale.append({"iteration": iteration, "step": self.job.start_step + iteration, "reason": why})
         self._stale = True
         self.on_stale(iteration, why)
@@ -131,6 +135,8 @@ class Updater:
             return
         self.replica = Replica(self.job, state, step)
         self._stale = False
+        log.info("mirror capture: resynced from the trainer's full state at step %d", step,
+                 extra={"event": "resync", "step": step, "iteration": iteration})
         self.report.resyncs.append(step)
         self.report.steps.append(step)
         self.publish(self.replica)

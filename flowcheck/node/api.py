@@ -71,7 +71,8 @@ class ControlAPI:
     async def _snapshot(self, request):
         """Persist the RAM state to the local tier now (what the policy does every K steps)."""
         try:
-            m = await asyncio.get_running_loop().run_in_executor(None, self.node.store.snapshot)
+            # through the policy's local worker: after a snapshot in flight, timed like the policy's own
+            m = await asyncio.get_running_loop().run_in_executor(None, self.node.policy.snapshot_now)
         except FlowcheckError as e:
             return self._json({"error": str(e)}, 409)
         return self._json({"step": m.step, "digest": m.digest(), "tier": "local"})
@@ -86,4 +87,5 @@ class ControlAPI:
     async def _metrics(self, request):
         from aiohttp import web
 
-        return web.Response(text=self.node.metrics(), content_type="text/plain")
+        body, content_type = await asyncio.get_running_loop().run_in_executor(None, self.node.metrics)
+        return web.Response(body=body, headers={"Content-Type": content_type})

@@ -12,6 +12,7 @@ import threading
 import time
 from typing import Any
 
+from flowcheck.capture.mirror_stats import CaptureStats
 from flowcheck.capture.push import PushReceiver
 from flowcheck.config import Config, ServeConfig
 from flowcheck.policy import PolicyRunner
@@ -26,14 +27,21 @@ class Node:
         self.store = Store(config)
         self.started = time.time()
         self.resync: dict[str, Any] | None = None  # a pending request for a full state push
+        self.resync_requests = 0
         self._recover()
         self.policy = PolicyRunner(self.store)
         host, port = ServeConfig.split(config.serve.push)
         self.receiver = PushReceiver(self.store, host, port, part_timeout_s=config.serve.part_timeout_s,
-                                     on_step=self._on_step)
+                                     on_step=self._on_push)
         self.api = None
         self.mirror: dict[str, Any] | None = None  # progress of the mirror-capture source, when configured
+        self.mirror_stats = CaptureStats()
+        self.mirror_report = None  # the mirror Updater's CaptureReport, live, once a capture runs
         self._stopped = threading.Event()
+        from flowcheck.node.metrics import NodeMetrics
+
+        self._metrics = NodeMetrics(self)
+        self.policy.listeners.append(self._metrics.observe)
 
     def _recover(self) -> None:
         """The newest committed step in any persistent tier is what the next snapshot descends from."""
@@ -45,6 +53,11 @@ class Node:
         if best is not None:
             self.store.memory.head = best.parent_ref()
             log.info("node: recovered; newest committed step %d (%s)", best.step, best.digest()[:19])
+
+    def _on_push(self, step: int) -> None:
+        log.info("node: push of step %d applied to RAM", step,
+                 extra={"event": "push_received", "step": step, "bytes": self.memory_bytes()})
+        self._on_step(step)
 
     def _on_step(self, step: int) -> None:
         self.resync = None  # a full state arrived
@@ -69,6 +82,7 @@ class Node:
         from flowcheck.capture.decode import Decoded, decode, read_all
         from flowcheck.capture.job import load_job
         from flowcheck.capture.mirror import ResyncSource, Updater, initial_replica, publish_to, run_pipeline
+        from flowcheck.capture.mirror_stats import counted
 
         serve = self.config.serve
         self.mirror = {"state": "running", "job": serve.mirror_job}
@@ -80,7 +94,10 @@ class Node:
             updater = Updater(job, replica, publish=publish_to(self.store, self.config.run, self._on_step),
                               on_stale=lambda it, why: self.request_resync(f"mirror capture, iteration {it}: {why}"),
                               resync=ResyncSource(job.resync))
-            report = run_pipeline(decode(job, read_all(pcaps), Decoded()), updater)
+            self.mirror_report = updater.report
+            frames, info = read_all(pcaps), Decoded()
+            self.mirror_stats.read(frames)
+            report = run_pipeline(counted(decode(job, frames, info), self.mirror_stats, info), updater)
             self.mirror.update(state="done", pcaps=len(pcaps), iterations=report.iterations, stale=len(report.stale),
                                resyncs=report.resyncs, step=report.steps[-1] if report.steps else None)
         except Exception as e:  # noqa: BLE001 - reported on /status; the node keeps serving pushes
@@ -102,8 +119,16 @@ class Node:
     # ---- what the API reports -----------------------------------------------------------
     def request_resync(self, reason: str) -> dict[str, Any]:
         self.resync = {"reason": reason, "since": time.time()}
+        self.resync_requests += 1
+        log.warning("node: full state push (resync) requested: %s", reason,
+                    extra={"event": "resync_requested", "step": self.store.memory.step, "reason": reason})
         self.store.memory.mark_stale(f"resync requested: {reason}")
         return self.resync
+
+    def memory_bytes(self) -> int:
+        """Bytes of the RAM state held (0 before the first full push)."""
+        arrays = getattr(self.store.memory, "_arrays", {})  # noqa: SLF001 - the tier exposes no size of its own
+        return sum(a.nbytes for a in list(arrays.values()))
 
     def steps(self) -> dict[str, list[int]]:
         out = {t.name: t.steps() for t in self.store.tiers(include_memory=False)}
@@ -126,38 +151,6 @@ class Node:
             "mirror": self.mirror,
         }
 
-    def metrics(self) -> str:
-        """Prometheus text exposition."""
-        import psutil
-
-        s = self.status()
-        rs = self.receiver.stats
-        lines = [
-            "# HELP flowcheck_push_bytes_total Bytes of state received from trainers.",
-            "# TYPE flowcheck_push_bytes_total counter",
-            f"flowcheck_push_bytes_total {rs.bytes}",
-            "# TYPE flowcheck_push_frames_total counter",
-            f"flowcheck_push_frames_total {rs.frames}",
-            "# TYPE flowcheck_push_steps_total counter",
-            f"flowcheck_push_steps_total {rs.steps}",
-            "# TYPE flowcheck_push_rejected_total counter",
-            f"flowcheck_push_rejected_total {rs.rejected}",
-            "# TYPE flowcheck_push_aborted_steps_total counter",
-            f"flowcheck_push_aborted_steps_total {rs.aborted_steps}",
-            "# TYPE flowcheck_memory_stale gauge",
-            f"flowcheck_memory_stale {int(bool(s['memory']['stale']))}",
-            "# TYPE flowcheck_resync_requested gauge",
-            f"flowcheck_resync_requested {int(self.resync is not None)}",
-            "# TYPE flowcheck_rss_bytes gauge",
-            f"flowcheck_rss_bytes {psutil.Process().memory_info().rss}",
-            "# HELP flowcheck_last_committed_step Newest committed step per tier.",
-            "# TYPE flowcheck_last_committed_step gauge",
-        ]
-        for tier, step in s["tiers"].items():
-            if step is not None:
-                lines.append(f'flowcheck_last_committed_step{{tier="{tier}"}} {step}')
-        lines += ["# TYPE flowcheck_snapshot_seconds summary"]
-        for tier, durations in self.policy.stats.durations.items():
-            lines.append(f'flowcheck_snapshot_seconds_count{{tier="{tier}"}} {len(durations)}')
-            lines.append(f'flowcheck_snapshot_seconds_sum{{tier="{tier}"}} {sum(durations):.6f}')
-        return "\n".join(lines) + "\n"
+    def metrics(self) -> tuple[bytes, str]:
+        """Prometheus text exposition (body, content type); the families are listed in the README."""
+        return self._metrics.render()
