@@ -8,10 +8,11 @@
     calls inside that same decode; "group+assemble" is the rest (Msg objects, send grouping, matching, LL unpack, merge).
     A diagnostic row runs the native `roce.ll_unpack` over every data message of the same capture.
 (b) updater: one iteration of --update-mparams GPT-like fp32 parameters, gradients in DDP-like buckets of
-    --bucket-mb: `Replica.apply_bucket` per bucket + `finish_iteration` (AdamW, one optimizer per parameter, for each
-    job optimizer.impl: single = foreach=False, foreach, fused) vs one `torch.optim.AdamW` over the same tensors with
-    fused=True (baseline), foreach=False and foreach=True; the torch alternatives copy each bucket into preallocated
-    .grad tensors, as the replica clones it into its own. Optimizer state is initialised (steady state). At each of
+    --bucket-mb: `Replica.apply_bucket` per bucket + `finish_iteration` (one AdamW over all parameters, stepped per
+    bucket, for each job optimizer.impl: single = foreach=False, foreach, fused) vs one `torch.optim.AdamW` over the
+    same tensors with fused=True (baseline), foreach=False and foreach=True; the torch alternatives copy each bucket
+    into preallocated .grad tensors (a trainer's DDP does), the replica's gradients are views of the allreduced
+    vector (fp32, averaged, no clipping: nothing to convert), so it does not copy. Optimizer state is initialised (steady state). At each of
     --update-threads torch thread counts.
 (c) end to end: a GPT-2-like model of --e2e-layers x --e2e-hidden (tied embedding; 20 x 1024 = 303M parameters),
     DDP-like buckets of --bucket-mb (reverse parameter order, a bucket closes once it holds >= the cap). Per bucket: its
@@ -376,7 +377,7 @@ def update_rounds(args, job, params: list[tuple[str, tuple[int, ...]]], grads: l
     fns = [torch_iter("fused")]
     for impl in IMPLS:
         rows.append(c.Row(f"flowcheck Replica, impl={impl} ({threads} thr)", nbytes=nbytes,
-                          note=f"apply_bucket + finish_iteration; one AdamW({IMPL_KW[impl]}) per parameter"))
+                          note=f"apply_bucket + finish_iteration; one AdamW({IMPL_KW[impl]}) over all parameters, stepped per bucket; gradients are views of the allreduced vector (no copy)"))
         fns.append(flowcheck_iter(impl))
     for impl in ("single", "foreach"):
         rows.append(c.Row(f"torch AdamW {IMPL_KW[impl]} ({threads} thr)", nbytes=nbytes, note="one optimizer"))
