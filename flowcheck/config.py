@@ -149,6 +149,34 @@ class ServeConfig:
 
 
 @dataclass(frozen=True)
+class ClusterConfig:
+    """Several checkpoint nodes (one per DP group / leaf switch) writing one step to a shared object store.
+
+    Each node commits its own part (its shards' files and a part manifest); a step is committed
+    when every listed node's part is, by whichever node first sees them all (tiers/cluster.py).
+    """
+
+    nodes: list[str] = field(default_factory=list)  # every node owning shards of a step; empty = one node writes whole steps
+    name: str = "cluster"  # producer.node of the step manifests (each part manifest names its own node)
+    commit_wait_s: float = 300.0  # how long a node that committed its part polls for the others' parts
+
+    def __post_init__(self) -> None:
+        for i, node in enumerate(self.nodes):
+            try:
+                check_name(node, "node name")
+            except Exception as e:
+                raise ConfigError(f"cluster.nodes[{i}]: {e}") from e
+        dups = sorted({n for n in self.nodes if self.nodes.count(n) > 1})
+        if dups:
+            raise ConfigError(f"cluster.nodes: expected each node once, found {dups} more than once")
+        try:
+            check_name(self.name, "cluster name")
+        except Exception as e:
+            raise ConfigError(f"cluster.name: {e}") from e
+        _positive("cluster", "commit_wait_s", self.commit_wait_s)
+
+
+@dataclass(frozen=True)
 class Config:
     run: str = "default"
     node: str = ""  # producer node name; empty = this host's name
@@ -156,6 +184,7 @@ class Config:
     policy: PolicyConfig = PolicyConfig()
     signing: SigningConfig = SigningConfig()
     serve: ServeConfig = ServeConfig()
+    cluster: ClusterConfig = ClusterConfig()
 
     def __post_init__(self) -> None:
         try:
@@ -164,6 +193,17 @@ class Config:
             raise ConfigError(f"run: {e}") from e
         if not self.node:
             object.__setattr__(self, "node", socket.gethostname())
+        if self.cluster.nodes:
+            self._check_cluster()
+
+    def _check_cluster(self) -> None:
+        if self.node not in self.cluster.nodes:
+            raise ConfigError(
+                f"node: expected one of cluster.nodes {self.cluster.nodes}, found {self.node!r}; "
+                "set `node:` to this node's name as the cluster lists it"
+            )
+        if not self.tiers.object.enabled:
+            raise ConfigError("cluster.nodes: a multi-node step lives in the object tier, but tiers.object.enabled is false")
 
     def to_yaml(self) -> str:
         raw = dataclasses.asdict(self)
@@ -207,6 +247,10 @@ def _check_type(hint: Any, value: Any, where: str, path: str) -> Any:
             return value
         if base in (int, str, dict) and isinstance(value, base) and not isinstance(value, bool):
             return value
+        if base is list and isinstance(value, list):
+            item = (typing.get_args(opt) or (object,))[0]
+            if all(isinstance(v, item) and not isinstance(v, bool) for v in value):
+                return list(value)
     raise ConfigError(f"{where}: '{path}': expected {hint}, found {value!r}")
 
 

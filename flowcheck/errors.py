@@ -68,3 +68,11 @@ class CaptureError(FlowcheckError, ValueError):
 
 class JobError(FlowcheckError, ValueError):
     """A mirror-capture job description does not fit the traffic or is invalid."""
+
+
+class ClusterError(FlowcheckError, ValueError):
+    """The node parts of a multi-node step do not fit together (overlapping or missing shards, disagreeing fields)."""
+
+
+class StepIncompleteError(FlowcheckError, TimeoutError):
+    """A multi-node step stays uncommitted: some nodes' parts did not arrive in time (GC removes its prefix)."""

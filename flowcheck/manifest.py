@@ -27,6 +27,11 @@ from flowcheck.errors import ManifestError, UnsafeNameError
 from flowcheck.state import ROLES, ParallelLayout, StateLayout, TensorSpec, check_name
 
 FORMAT_VERSION = 1
+# v2 = v1 + ``nodes``: the step manifest of a step written by several nodes (tiers/cluster.py).
+# Only such manifests are v2, so a flowcheck that predates them refuses them instead of
+# computing a digest that leaves ``nodes`` out.
+MULTI_NODE_VERSION = 2
+KNOWN_VERSIONS = (FORMAT_VERSION, MULTI_NODE_VERSION)
 SOURCES = ("mirror", "push", "import", "restore")
 
 
@@ -91,6 +96,14 @@ class FileEntry:
 
 
 @dataclass(frozen=True)
+class NodeRef:
+    """One node's part of a multi-node step: the node and the manifest digest of its part manifest."""
+
+    node: str
+    manifest_digest: str
+
+
+@dataclass(frozen=True)
 class Producer:
     node: str
     version: str
@@ -122,6 +135,7 @@ class Manifest:
     buckets: tuple[tuple[str, ...], ...] = ()
     signature: Mapping[str, str] | None = None
     format_version: int = FORMAT_VERSION
+    nodes: tuple[NodeRef, ...] = ()  # v2: the node part manifests this step merges (identity, in the digest)
 
     # ---- serialisation -------------------------------------------------
     def to_json(self, *, integrity: bool = True) -> dict[str, Any]:
@@ -163,6 +177,8 @@ class Manifest:
         }
         if self.buckets:
             out["buckets"] = [list(b) for b in self.buckets]
+        if self.nodes:
+            out["nodes"] = [{"node": n.node, "manifest_digest": n.manifest_digest} for n in self.nodes]
         if self.signature is not None:
             out["signature"] = dict(self.signature)
         if integrity:
@@ -314,6 +330,30 @@ def _tensor(r: _Reader, name: str, raw: Any) -> TensorEntry:
     return TensorEntry(dt, shape, role, tuple(shards))
 
 
+def _nodes(r: _Reader, raw: Mapping[str, Any], version: int) -> tuple[NodeRef, ...]:
+    """v2 lists its node parts (at least one, each node once); v1 has none."""
+    if version == FORMAT_VERSION:
+        if "nodes" in raw:
+            raise r.fail("nodes", f"no 'nodes' in a format_version {FORMAT_VERSION} manifest", raw["nodes"])
+        return ()
+    expected = "a non-empty list of {node, manifest_digest}"
+    items = r.get(raw, "nodes", list, "nodes", expected)
+    if not items:
+        raise r.fail("nodes", expected, items)
+    out = []
+    for i, item in enumerate(items):
+        name = r.get(item, "node", str, f"nodes[{i}].node", "a node name")
+        try:
+            check_name(name, "node name")
+        except UnsafeNameError as e:
+            raise ManifestError(f"{r.where}: field 'nodes[{i}].node': {e}") from e
+        out.append(NodeRef(name, r.digest(item, "manifest_digest", f"nodes[{i}].manifest_digest", "sha256")))
+    names = [n.node for n in out]
+    if len(set(names)) != len(names):
+        raise r.fail("nodes", "each node once", names)
+    return tuple(out)
+
+
 def parse(raw_bytes: bytes, where: str, *, verify_integrity: bool = True) -> Manifest:
     """Parse and validate a manifest file's bytes; ``where`` names it in errors."""
     r = _Reader(where)
@@ -324,9 +364,9 @@ def parse(raw_bytes: bytes, where: str, *, verify_integrity: bool = True) -> Man
     if not isinstance(raw, dict):
         raise r.fail("<root>", "a JSON object", type(raw).__name__)
     version = r.get(raw, "format_version", int, "format_version", "an integer")
-    if version != FORMAT_VERSION:
+    if version not in KNOWN_VERSIONS:
         raise ManifestError(
-            f"{where}: field 'format_version': expected {FORMAT_VERSION}, found {version}; "
+            f"{where}: field 'format_version': expected one of {list(KNOWN_VERSIONS)}, found {version}; "
             "this manifest was written by a newer flowcheck — upgrade flowcheck to read it"
         )
     prod = r.get(raw, "producer", dict, "producer", "an object")
@@ -359,6 +399,7 @@ def parse(raw_bytes: bytes, where: str, *, verify_integrity: bool = True) -> Man
     ):
         raise r.fail("buckets", "a list of lists of tensor names", buckets_raw)
     buckets = tuple(tuple(b) for b in buckets_raw)
+    nodes = _nodes(r, raw, version)
     signature = raw.get("signature")
     if signature is not None and not isinstance(signature, dict):
         raise r.fail("signature", "an object {alg, value}", signature)
@@ -388,6 +429,7 @@ def parse(raw_bytes: bytes, where: str, *, verify_integrity: bool = True) -> Man
         buckets=buckets,
         signature=signature,
         format_version=version,
+        nodes=nodes,
     )
     if verify_integrity:
         body = {k: v for k, v in raw.items() if k != "integrity"}

@@ -71,3 +71,29 @@ def test_flowcheck_config_env_is_used(tmp_path, monkeypatch):
     path.write_text("run: from-env\n")
     monkeypatch.setenv("FLOWCHECK_CONFIG", str(path))
     assert config.load().run == "from-env"
+
+
+@pytest.mark.parametrize(
+    "text, found",
+    [
+        ("node: n9\ncluster: {nodes: [n0, n1]}", "node: expected one of cluster.nodes ['n0', 'n1'], found 'n9'"),
+        ("node: n0\ncluster: {nodes: [n0, n0]}", "cluster.nodes: expected each node once, found ['n0']"),
+        ("node: n0\ncluster: {nodes: [n0, ../x]}", "cluster.nodes[1]"),
+        ("node: n0\ncluster: {nodes: n0}", "cluster.nodes"),
+        ("node: n0\ncluster: {nodes: [n0, 3]}", "cluster.nodes"),
+        ("node: n0\ncluster: {nodes: [n0], commit_wait_s: 0}", "cluster.commit_wait_s"),
+        ("node: n0\ncluster: {nodes: [n0]}\ntiers: {object: {enabled: false}}", "tiers.object.enabled is false"),
+    ],
+)
+def test_bad_cluster_config_names_what_was_expected_and_found(tmp_path, text, found):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as e:
+        config.load(str(path))
+    assert found in str(e.value) and "bad.yaml" in str(e.value)
+
+
+def test_cluster_node_yaml_loads_as_one_node_of_three():
+    cfg = config.load(os.path.join(ROOT, "configs", "cluster-node.yaml"))
+    assert cfg.node in cfg.cluster.nodes and len(cfg.cluster.nodes) == 3
+    assert cfg.tiers.object.url.startswith("s3://")

@@ -19,6 +19,7 @@ from flowcheck import __version__, dtypes
 from flowcheck.digest import data_digest
 from flowcheck.errors import FlowcheckError, IntegrityError, ManifestError, StepNotFoundError, TensorNotFoundError
 from flowcheck.manifest import (
+    FORMAT_VERSION,
     FileEntry,
     Manifest,
     ParentRef,
@@ -114,6 +115,9 @@ def make_manifest(
         files=tuple(sorted(files, key=lambda f: f.path)),
         scalars=origin.scalars if origin else snapshot.scalars.to_json(),
         buckets=snapshot.layout.buckets,
+        # a merged multi-node step keeps its node list (and so its digest) in every tier it is copied to
+        format_version=origin.format_version if origin else FORMAT_VERSION,
+        nodes=origin.nodes if origin else (),
     )
 
 
