@@ -60,7 +60,8 @@ class Store:
             from flowcheck.tiers.object import ObjectTier
 
             staging = cfg.staging_dir or os.path.join(self.config.tiers.local.root, ".staging")
-            self._object = ObjectTier(cfg, self.config.run, staging_dir=staging, progress=self.progress, **self._tier_kw)
+            self._object = ObjectTier(cfg, self.config.run, staging_dir=staging, progress=self.progress,
+                                      cluster=self.config.cluster, **self._tier_kw)
         return self._object
 
     def tiers(self, include_memory: bool = True) -> list[Tier]:

@@ -10,6 +10,7 @@ Reads fetch the header, then only the byte ranges of the rows asked for.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import logging
 import math
 import os
@@ -24,7 +25,7 @@ from datetime import datetime, timezone
 import numpy as np
 
 from flowcheck import dtypes
-from flowcheck.config import ObjectConfig
+from flowcheck.config import ClusterConfig, ObjectConfig
 from flowcheck.errors import FormatError, IntegrityError, StepExistsError, StepNotFoundError, TierError
 from flowcheck.manifest import FileEntry, Manifest, ParentRef, Piece, ShardEntry
 from flowcheck.state import Shard, Snapshot
@@ -84,9 +85,11 @@ class _Planned:
 class ObjectTier(Tier):
     name = "object"
 
-    def __init__(self, config: ObjectConfig, run: str, *, staging_dir: str, progress: bool = False, **kw) -> None:
+    def __init__(self, config: ObjectConfig, run: str, *, staging_dir: str, progress: bool = False,
+                 cluster: ClusterConfig | None = None, **kw) -> None:
         super().__init__(run, **kw)
         self.config = config
+        self.cluster = cluster if cluster is not None and cluster.nodes else None  # several nodes write each step
         self.fs, base = filesystem(config)
         self._endpoint, self._region = aws_endpoint_region(config)
         self.protocol = self.fs.protocol if isinstance(self.fs.protocol, str) else self.fs.protocol[0]
@@ -141,24 +144,38 @@ class ObjectTier(Tier):
 
     # ---- write -------------------------------------------------------------
     def _write(self, snapshot: Snapshot, parent: ParentRef | None) -> Manifest:
+        if self.cluster is not None:
+            from flowcheck.tiers import cluster
+
+            return cluster.write(self, snapshot, parent)
         if self._exists(f"{step_dir(snapshot.step)}/{MANIFEST}"):
             return self._already_committed(snapshot)
+        m = self.store_files(snapshot, parent, step_dir(snapshot.step))
+        self._commit_manifest(m)
+        self._publish_latest(snapshot.step)
+        return m
+
+    def identity(self, snapshot: Snapshot, parent: ParentRef | None) -> tuple[dict[Shard, str], Manifest]:
+        """(shard digests, the manifest without locations): what the stored files will name as their manifest."""
         digests = self._digests(snapshot)
-        identity = make_manifest(snapshot, node=self.node, parent=parent, digests=digests,
-                                 locations={s: () for s in snapshot.data}, files=())
+        return digests, make_manifest(snapshot, node=self.node, parent=parent, digests=digests,
+                                      locations={s: () for s in snapshot.data}, files=())
+
+    def store_files(self, snapshot: Snapshot, parent: ParentRef | None, prefix: str) -> Manifest:
+        """Upload a snapshot's files under ``prefix`` (relative to the run root); return the (signed,
+        not yet committed) manifest naming them."""
+        digests, identity = self.identity(snapshot, parent)
         plan = self._plan(snapshot)
         staging = os.path.join(self.staging_dir, f"{self.run}-{step_dir(snapshot.step)}-{uuid.uuid4().hex[:8]}")
         os.makedirs(staging, exist_ok=True)
         try:
-            files, locations = self._stage_and_upload(snapshot, plan, staging, identity.digest(), digests)
+            files, locations = self._stage_and_upload(snapshot, plan, staging, identity.digest(), prefix)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
         m = make_manifest(snapshot, node=self.node, parent=parent, digests=digests, locations=locations, files=files)
         m = self._sign(dataclasses.replace(m, created_at=identity.created_at))  # the identity the files name
         if m.digest() != identity.digest():
             raise IntegrityError(f"object tier {self.url}: step {m.step}: manifest identity changed while writing")
-        self._commit_manifest(m)
-        self._publish_latest(snapshot.step)
         return m
 
     def _digests(self, snapshot: Snapshot) -> dict[Shard, str]:
@@ -199,13 +216,12 @@ class ObjectTier(Tier):
                 used += size
         return [f for f in files if f] or [[]]
 
-    def _stage_and_upload(self, snapshot, plan, staging, manifest_id, digests):
+    def _stage_and_upload(self, snapshot, plan, staging, manifest_id, sd):
         """Stage file i+1 while file i uploads; staging holds at most two files at a time."""
         from concurrent.futures import ThreadPoolExecutor
 
         from tqdm.auto import tqdm
 
-        sd = step_dir(snapshot.step)
         names = [f"shard-{i:05d}-of-{len(plan):05d}.safetensors" for i in range(len(plan))]
         meta = {"run": snapshot.run, "step": str(snapshot.step), "manifest_id": manifest_id, "format": "flowcheck-v1"}
 
@@ -279,19 +295,32 @@ class ObjectTier(Tier):
                 self._boto3 = None
         return self._boto3
 
+    def create_exclusive(self, rel: str, data: bytes, what: str = "committing the manifest") -> None:
+        """Create ``rel`` with ``data`` only if it does not exist (FileExistsError if it does): S3
+        ``If-None-Match``, a hard link on local disks. Every commit in this tier goes through here."""
+        if self.protocol == "file":
+            os.makedirs(os.path.dirname(self._p(rel)), exist_ok=True)
+            commit_file_exclusive(self._p(rel), data)
+        elif self.protocol in ("s3", "s3a"):
+            try:
+                self._call(what, self.fs.pipe_file, self._p(rel), data, mode="create")
+            except TierError as e:
+                if getattr(e.__cause__, "errno", None) == errno.EBUSY:  # 409 ConditionalRequestConflict:
+                    raise FileExistsError(rel) from e  # a concurrent create of the same key is in flight
+                raise
+        else:
+            # no conditional write known for this backend: check-then-write (not race-free)
+            if self._exists(rel):
+                raise FileExistsError(rel)
+            self._call(what, self.fs.pipe_file, self._p(rel), data)
+
+    def read_bytes(self, rel: str, what: str) -> bytes:
+        """A small file under the run root (FileNotFoundError if absent)."""
+        return self._call(what, self.fs.cat_file, self._p(rel))
+
     def _commit_manifest(self, m: Manifest) -> None:
-        rel = f"{step_dir(m.step)}/{MANIFEST}"
-        data = m.to_bytes()
         try:
-            if self.protocol == "file":
-                commit_file_exclusive(self._p(rel), data)
-            elif self.protocol in ("s3", "s3a"):
-                self._call("committing the manifest", self.fs.pipe_file, self._p(rel), data, mode="create")
-            else:
-                # no conditional write known for this backend: check-then-write (not race-free)
-                if self._exists(rel):
-                    raise FileExistsError(rel)
-                self._call("committing the manifest", self.fs.pipe_file, self._p(rel), data)
+            self.create_exclusive(f"{step_dir(m.step)}/{MANIFEST}", m.to_bytes())
         except FileExistsError as e:
             raise StepExistsError(f"object tier {self.url}: step {m.step} was committed by another writer") from e
 
@@ -413,29 +442,36 @@ class ObjectTier(Tier):
         self._headers.clear()
 
     def _verify_files(self, manifest: Manifest) -> list[Problem]:
-        problems = []
+        from flowcheck.tiers import cluster
+
+        problems = cluster.verify_parts(self, manifest) if manifest.nodes else []
         for f in manifest.files:
-            path = self._p(f.path)
-            try:
-                size = self._call(f"stat {f.path}", self.fs.size, path)
-            except FileNotFoundError:
-                problems.append(Problem(self.name, manifest.step, "file listed in the manifest is missing", f.path))
-                continue
-            if size != f.bytes:
-                problems.append(Problem(self.name, manifest.step, f"size {size} != manifest {f.bytes}", f.path))
-                continue
-            digest = self._stream_digest(path)
-            if digest != f.digest:
-                problems.append(Problem(self.name, manifest.step, f"digest {digest} != manifest {f.digest}", f.path))
-                continue
-            try:
-                meta = self.header(f.path).metadata
-            except FormatError as e:
-                problems.append(Problem(self.name, manifest.step, str(e), f.path))
-                continue
-            if meta.get("manifest_id") != manifest.digest() or meta.get("step") != str(manifest.step):
-                problems.append(Problem(self.name, manifest.step, "safetensors __metadata__ names another step/manifest", f.path))
+            what = self._check_file(manifest, f, cluster.expected_manifest_id(manifest, f.path))
+            if what:
+                node = cluster.node_of(f.path) if manifest.nodes else None
+                # a multi-node step names the node whose file is damaged
+                problems.append(Problem(self.name, manifest.step, f"node {node}: {what}" if node else what, f.path))
         return problems
+
+    def _check_file(self, manifest: Manifest, f: FileEntry, manifest_id: str) -> str | None:
+        """What is wrong with one stored file (size, digest, safetensors header, the manifest it names), or None."""
+        path = self._p(f.path)
+        try:
+            size = self._call(f"stat {f.path}", self.fs.size, path)
+        except FileNotFoundError:
+            return "file listed in the manifest is missing"
+        if size != f.bytes:
+            return f"size {size} != manifest {f.bytes}"
+        digest = self._stream_digest(path)
+        if digest != f.digest:
+            return f"digest {digest} != manifest {f.digest}"
+        try:
+            meta = self.header(f.path).metadata
+        except FormatError as e:
+            return str(e)
+        if meta.get("manifest_id") != manifest_id or meta.get("step") != str(manifest.step):
+            return "safetensors __metadata__ names another step/manifest"
+        return None
 
     def _stream_digest(self, path: str) -> str:
         from flowcheck.digest import DataHasher
