@@ -1,8 +1,10 @@
-"""The `flowcheck` command line: list, show, diff, snapshot, promote, export, restore, import, serve, audit, lineage, gc, demo.
+"""The `flowcheck` command line: list, show, diff, snapshot, promote, export, restore, import, serve, audit, lineage, gc,
+demo, bench.
 
 Every command takes ``--config FILE`` (or $FLOWCHECK_CONFIG; the embedded
 defaults otherwise).  FlowcheckErrors print as one line and exit 2; audit
-exits 1 when it finds a problem.
+exits 1 when it finds a problem.  Long work shows progress on stderr when it
+is a terminal (``--no-progress`` or FLOWCHECK_NO_PROGRESS=1 turn it off).
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import sys
 import click
 
 from flowcheck import __version__
+from flowcheck import progress as _progress
 from flowcheck.errors import FlowcheckError
 
 log = logging.getLogger("flowcheck")
@@ -50,7 +53,7 @@ def _store(config_path: str | None, progress: bool = False, run: str | None = No
     cfg = config_mod.load(config_path)
     if run is not None and run != cfg.run:
         cfg = replace(cfg, run=run)
-    return open_store(cfg, progress=progress)
+    return open_store(cfg, progress=progress and _progress.enabled())
 
 
 def _reading_store(config_path: str | None, run: str | None, progress: bool = False):
@@ -90,16 +93,29 @@ def _size(n: int) -> str:
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="flowcheck")
 @click.option("-v", "--verbose", count=True, help="More logging (-v info, -vv debug).")
-def main(verbose: int) -> None:
+@click.option("--log-format", type=click.Choice(["text", "json"]), default="text", show_default=True,
+              envvar="FLOWCHECK_LOG_FORMAT", help="Logs on stderr as human text or JSON lines (ts, level, logger, msg, "
+              "event fields); json logs at info level unless -v asks for more. Env: FLOWCHECK_LOG_FORMAT.")
+@click.option("--no-progress", is_flag=True, envvar="FLOWCHECK_NO_PROGRESS",
+              help="No progress bars (they are off anyway when stderr is not a terminal). Env: FLOWCHECK_NO_PROGRESS=1.")
+def main(verbose: int, log_format: str, no_progress: bool) -> None:
     """flowcheck: multi-tier checkpoint storage for large-model training.
 
     \b
     Example:
       flowcheck demo --workdir /tmp/fc-demo
       flowcheck ls --config /tmp/fc-demo/flowcheck.yaml
+      flowcheck --log-format json -v serve --config node.yaml
     """
-    level = logging.WARNING if verbose == 0 else logging.INFO if verbose == 1 else logging.DEBUG
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from flowcheck.logs import configure
+
+    if log_format == "json":
+        level = logging.DEBUG if verbose >= 2 else logging.INFO
+    else:
+        level = logging.WARNING if verbose == 0 else logging.INFO if verbose == 1 else logging.DEBUG
+    configure(level, log_format)
+    if no_progress:
+        os.environ[_progress.ENV] = "1"  # also reaches the subprocesses of demo and bench
 
 
 @main.command("ls")
@@ -175,7 +191,8 @@ def show(config_path, step, prefer, as_json, verify):
     click.echo(f"signature  {'hmac-sha256' if m.signature else 'unsigned'}")
     click.echo(f"tiers      {', '.join(holders)}")
     click.echo(f"chain      {format_chain(parent_chain(store, m))}")
-    status, per_tier = step_checks(store, m, data=verify)
+    with _progress.activity(f"verify step {m.step}" + (" (files and shard data)" if verify else "")):
+        status, per_tier = step_checks(store, m, data=verify)
     click.echo(f"status     {status}")
     for line in per_tier:
         click.echo(f"           {line}")
@@ -199,8 +216,10 @@ def snapshot(config_path, state_path, step, tier):
     from flowcheck.state_files import load_state_file
 
     store = _store(config_path, progress=True)
-    snap = load_state_file(state_path, store.config.run, step)
-    m = store.write(snap, tier)
+    with _progress.activity(f"read {os.path.basename(state_path)}"):
+        snap = load_state_file(state_path, store.config.run, step)
+    with _progress.activity(f"write step {step} to the {tier} tier ({_size(snap.nbytes)})"):
+        m = store.write(snap, tier)
     click.echo(f"committed step {m.step} to the {tier} tier: {len(m.tensors)} tensors, {_size(m.nbytes)}, digest {m.digest()}")
 
 
@@ -218,7 +237,8 @@ def promote(config_path, step, dst):
     """
     store = _store(config_path, progress=True)
     src = "local" if dst == "object" else "object"
-    m = store.promote(None if step == "latest" else int(step), src=src, dst=dst)
+    with _progress.activity(f"promote step {step} {src} -> {dst}"):
+        m = store.promote(None if step == "latest" else int(step), src=src, dst=dst)
     click.echo(f"step {m.step} committed in the {dst} tier ({len(m.files)} files, {_size(m.nbytes)})")
 
 
@@ -246,7 +266,8 @@ def export(config_path, step, run, fmt, out, prefer, no_optim):
 
     store = _reading_store(config_path, run)
     tier, m = open_step(store, _step_arg(step), prefer)
-    size, digest = export_file(tier, m, out, fmt=fmt, include_optimizer=not no_optim)
+    with _progress.activity(f"export step {m.step} from the {tier.name} tier ({_size(m.nbytes)})"):
+        size, digest = export_file(tier, m, out, fmt=fmt, include_optimizer=not no_optim)
     click.echo(f"exported step {m.step} from the {tier.name} tier to {out} ({_size(size)}, {digest})")
 
 
@@ -288,7 +309,7 @@ def restore(config_path, step, run, tp, pp, vpp, fmt, prefer, no_optim, dtype, l
     target = Target(tp=tp, pp=pp, vpp=vpp, fmt=fmt, dtype=dtype, optim=not no_optim, layer_spec=layer_spec)
     arch = load_arch(arch_path) if arch_path else None
     rep = do_restore(store, _step_arg(step), target, out, prefer=prefer, arch=arch, force=force,
-                     progress=sys.stderr.isatty(), workers=workers)
+                     progress=_progress.enabled(), workers=workers)
     click.echo(
         f"restored step {rep.step} of run {rep.run} from the {rep.tier} tier into {rep.out}: "
         f"{fmt}, TP={tp} PP={pp} VPP={vpp}, {len(rep.files)} files, {_size(rep.bytes)} in {rep.seconds:.1f} s"
@@ -413,7 +434,8 @@ def audit(config_path, no_data, as_json):
     from flowcheck.audit import audit as run_audit
     from flowcheck.audit import to_json
 
-    report = run_audit(_store(config_path), data=not no_data)
+    with _progress.activity("audit" + ("" if no_data else ": re-reading every file and shard")):
+        report = run_audit(_store(config_path), data=not no_data)
     if as_json:
         click.echo(json.dumps({"ok": report.ok, **to_json(report)}, indent=2))
     else:
@@ -449,7 +471,8 @@ def lineage(config_path, fmt, out, verify):
 
     if fmt == "png" and out is None:
         raise click.UsageError("--format png writes an image file: expected --out FILE.png, found none")
-    report = run_lineage(_store(config_path), verify=verify)
+    with _progress.activity("lineage" + (": verifying files" if verify else "")):
+        report = run_lineage(_store(config_path), verify=verify)
     if fmt == "png":
         render_png(to_dot(report), out)
         forks = len(report.forks)
@@ -474,7 +497,8 @@ def gc(config_path, dry_run):
     Example:
       flowcheck gc --dry-run --config flowcheck.yaml
     """
-    report = _store(config_path).gc(dry_run=dry_run)
+    with _progress.activity("gc" + (" (dry run)" if dry_run else "")):
+        report = _store(config_path).gc(dry_run=dry_run)
     verb = "would delete" if dry_run else "deleted"
     for tier, steps in report.deleted.items():
         click.echo(f"{tier}: {verb} steps {steps or 'none'}; keeps {sorted(report.kept.get(tier, {}))}")
@@ -503,8 +527,9 @@ def demo(config_path, workdir, steps, local_every, object_seconds, object_url):
     """
     from flowcheck.demo import loss_summary, run_demo
 
-    cfg, res = run_demo(workdir, steps=steps, object_url=object_url, local_every=local_every,
-                        object_seconds=object_seconds, echo=click.echo)
+    with _progress.activity("demo: push half") as bar:
+        cfg, res = run_demo(workdir, steps=steps, object_url=object_url, local_every=local_every,
+                            object_seconds=object_seconds, echo=_echo_over(bar))
     cfg_path = os.path.join(os.path.abspath(workdir), "flowcheck.yaml")
     status = res["status"]
     click.echo(f"\ntrained steps {res['first_step']}..{res['last_step']}: {loss_summary(res['losses'])}")
@@ -541,19 +566,33 @@ def demo(config_path, workdir, steps, local_every, object_seconds, object_url):
                f"safetensors.torch.load_file == live trainer state bit for bit: {exact}")
     from flowcheck.demo_mirror import run_mirror_demo
 
-    mirror = run_mirror_demo(workdir, echo=click.echo)
+    with _progress.activity("demo: mirror half") as bar:
+        mirror = run_mirror_demo(workdir, echo=_echo_over(bar))
     click.echo(f"\nnext: flowcheck lineage --config {cfg_path}")
     ok = report.ok and exact and res["identical"] and mirror["exact"]
     sys.exit(0 if ok else 1)
 
 
 
+def _echo_over(bar):
+    """click.echo that clears the progress line first (tqdm redraws it below the text)."""
+    def echo(message: str = "", **kw) -> None:
+        if bar.disable:
+            click.echo(message, **kw)
+        else:
+            with bar.external_write_mode():
+                click.echo(message, **kw)
+
+    return echo
+
+
 def _register_commands() -> None:
+    from flowcheck.bench_cli import bench_command
     from flowcheck.capture.commands import capture_command, decode_command
     from flowcheck.plan_cli import plan_command
     from flowcheck.simulate.cli import simulate_command
 
-    for cmd in (simulate_command, decode_command, capture_command, plan_command):
+    for cmd in (simulate_command, decode_command, capture_command, plan_command, bench_command):
         main.add_command(_handled_command(cmd))
 
 

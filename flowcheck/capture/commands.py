@@ -32,9 +32,13 @@ def decode_command(job_path, pcaps, more, as_json, dump_dir):
     """
     from flowcheck.capture.decode import Decoded, decode, dump, read_all, report
 
+    from flowcheck import progress
+
     job = _load_job(job_path)
     info = Decoded()
-    allreduces = list(decode(job, read_all(list(pcaps) + list(more)), info))
+    with progress.activity("read captures"):
+        frames = read_all(list(pcaps) + list(more))
+    allreduces = list(progress.bar(decode(job, frames, info), desc="decode", unit="allreduce"))
     out = report(allreduces, info)
     if dump_dir:
         dump(allreduces, dump_dir)
@@ -80,6 +84,7 @@ def capture_command(config_path, job_path, pcaps, more, init, resync_dir, as_jso
       flowcheck capture --config flowcheck.yaml --job sim/job.yaml --pcap sim/*.pcap
     """
     from flowcheck import config as config_mod
+    from flowcheck import progress
     from flowcheck.capture.decode import Decoded, decode, read_all
     from flowcheck.capture.mirror import ResyncSource, Updater, initial_replica, publish_to, run_pipeline
     from flowcheck.policy import PolicyRunner
@@ -95,8 +100,11 @@ def capture_command(config_path, job_path, pcaps, more, init, resync_dir, as_jso
         updater = Updater(job, replica, publish=publish_to(store, store.config.run, runner.on_step),
                           on_stale=lambda it, why: store.memory.mark_stale(why),
                           resync=ResyncSource(resync_dir or job.resync))
-        result = run_pipeline(decode(job, read_all(list(pcaps) + list(more)), info), updater)
-        runner.flush()
+        with progress.activity("read captures"):
+            frames = read_all(list(pcaps) + list(more))
+        result = run_pipeline(progress.bar(decode(job, frames, info), desc="capture", unit="allreduce"), updater)
+        with progress.activity("flush: snapshot and upload the last step"):
+            runner.flush()
     finally:
         runner.stop()
     committed = store.local.steps()

@@ -49,7 +49,10 @@ def simulate_command(dp, iters, model, proto, channels, mirror, loss, reorder, d
     except FlowcheckError as e:
         raise click.UsageError(str(e)) from e
     try:
-        result = simulate(options)
+        from flowcheck import progress
+
+        with progress.activity(f"simulate {options.iters} iterations, {options.dp} ranks"):
+            result = simulate(options)
     except FlowcheckError as e:
         raise click.ClickException(str(e)) from e
     click.echo(f"{result.out}: {len(result.allreduces)} allreduces over {iters} iterations, "
