@@ -72,10 +72,32 @@ def collect(store: Store, report: AuditReport, *, verify: bool, data: bool) -> d
     return manifests
 
 
+def part_aliases(manifests: dict[tuple[str, int], Manifest]) -> dict[str, str]:
+    """Node part digest -> the digest of the multi-node step that lists it.
+
+    A node's local tier holds only its own part of a multi-node step (promoted with its digest kept):
+    that copy is the same state as its part, not a second state under the step number.
+    """
+    return {ref.manifest_digest: m.digest() for m in manifests.values() for ref in m.nodes}
+
+
+def merge_parts(report: AuditReport, aliases: dict[str, str]) -> None:
+    """Fold the lineage node of a node's part into the node of the step that lists it."""
+    for digest in [d for d in report.nodes if d in aliases and aliases[d] in report.nodes]:
+        part = report.nodes.pop(digest)
+        whole = report.nodes[aliases[digest]]
+        whole.tiers.extend(t for t in part.tiers if t not in whole.tiers)
+        whole.ok = whole.ok and part.ok
+
+
 def check_chain(store: Store, manifests: dict[tuple[str, int], Manifest], report: AuditReport) -> None:
+    aliases = part_aliases(manifests)
     digests_at: dict[int, set[str]] = {}
     for (_tier, step), m in manifests.items():
-        digests_at.setdefault(step, set()).add(m.digest())
+        digests_at.setdefault(step, set()).add(aliases.get(m.digest(), m.digest()))
+    known_at = {step: set(d) for step, d in digests_at.items()}  # parent links may name a part (a node's own chain)
+    for (_tier, step), m in manifests.items():
+        known_at[step].update(ref.manifest_digest for ref in m.nodes)
     pruned: dict[int, set[str | None]] = {}
     for tier in store.tiers(include_memory=False):
         for step, digest in tier.pruned().items():
@@ -88,13 +110,14 @@ def check_chain(store: Store, manifests: dict[tuple[str, int], Manifest], report
         if m.parent is None:
             continue
         ps, pd = m.parent.step, m.parent.manifest_digest
-        if pd in digests_at.get(ps, set()):
+        if pd in known_at.get(ps, set()):
             continue
         if pd in pruned.get(ps, set()) or None in pruned.get(ps, set()):
             continue  # parent deleted on purpose by retention
         what = (f"parent step {ps} exists with another digest: broken hash chain" if ps in digests_at
                 else f"parent step {ps} is missing and was not pruned by GC: lineage gap")
         report.problems.append(Problem(tier, step, what))
+    merge_parts(report, aliases)
     children: dict[str, list[int]] = {}
     for node in report.nodes.values():
         if node.parent:

@@ -128,3 +128,22 @@ def test_v1_manifests_cannot_carry_nodes_and_v2_must(tmp_path):
         body["integrity"] = sha256(canonical_json(body))
         with pytest.raises(ManifestError, match=match):
             parse(canonical_json(body), "m.json")
+
+
+def test_audit_of_a_node_treats_its_local_copy_as_its_part_of_the_step(tmp_path):
+    from flowcheck.audit import audit
+    from flowcheck.config import Config, LocalConfig, TiersConfig
+    from flowcheck.store import Store
+
+    for n in ("n0", "n1"):
+        with pytest.raises(StepIncompleteError):
+            node_tier(tmp_path, n).write(node_snapshot(10, NODES, n))
+    store = Store(Config(run="gpt", node="n2", cluster=ClusterConfig(nodes=NODES), tiers=TiersConfig(
+        local=LocalConfig(root=str(tmp_path / "n2-local")),
+        object=ObjectConfig(url=f"file://{tmp_path / 'object'}", max_file_mib=1))))
+    local = store.write(node_snapshot(10, NODES, "n2"), "local")
+    step = store.promote(10)  # n2's part is its local step, digest kept; n2 is last: the step commits
+    assert step.nodes[2].manifest_digest == local.digest() and store.object.steps() == [10]
+    report = audit(store)
+    assert report.ok and not report.problems, [str(p) for p in report.problems]
+    assert [sorted(n.tiers) for n in report.nodes.values()] == [["local", "object"]]
