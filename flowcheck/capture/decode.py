@@ -16,7 +16,7 @@ from flowcheck.capture import roce
 from flowcheck.capture.assemble import Allreduce, Assembler
 from flowcheck.capture.job import Job
 from flowcheck.capture.pcap import Frames, read_capture
-from flowcheck.capture.streams import Msg, StreamInfo, ring_streams, segment_flags
+from flowcheck.capture.streams import Msg, StreamInfo, first_flags, ring_streams, segment_flags
 from flowcheck.errors import CaptureError, JobError
 
 
@@ -79,6 +79,7 @@ def _stream_infos(frames: Frames, packets, buf: np.ndarray, anomalies: list[dict
     cols = {f: m[f].tolist() for f in ("first_psn", "last_psn", "va", "dma_len", "seg_start", "n_segs", "flags", "imm",
                                        "has_imm", "pmtu", "complete", "first_frame", "last_frame")}
     cols["t0"] = frames.ts_ns[m["first_frame"]].tolist() if len(m) else []
+    cols["flag"] = first_flags(seg_flags, m["seg_start"].astype(np.int64), m["n_segs"].astype(np.int64))
     writes = np.flatnonzero(m["kind"] == roce.KIND_WRITE)
     writes = writes[np.lexsort((m["first_psn"][writes], m["stream"][writes]))]  # by stream, then PSN
     by_stream: dict[int, list[int]] = {}
@@ -105,7 +106,7 @@ def _msg(cols: dict[str, list], mid: int, segments: np.ndarray, seg_flags: np.nd
     """Message ``mid`` of the reassembler's table (``cols``: its columns as lists)."""
     length = cols["dma_len"][mid] if cols["dma_len"][mid] >= 0 else None
     first, n_segs = cols["seg_start"][mid], cols["n_segs"][mid]
-    flags = roce.MessageFlag(cols["flags"][mid])
+    flags = cols["flags"][mid]
     imm = cols["imm"][mid] if cols["has_imm"][mid] else None
     size = imm if imm is not None else length
     span = cols["last_psn"][mid] - cols["first_psn"][mid] + 1
@@ -123,11 +124,14 @@ def _msg(cols: dict[str, list], mid: int, segments: np.ndarray, seg_flags: np.nd
         complete=bool(cols["complete"][mid]),
         # a message whose last packet was lost, or whose end was inferred (or cut), may have carried the
         # immediate: close the send rather than merge on
-        closes=bool(cols["has_imm"][mid]) or bool(flags & (roce.MessageFlag.END_UNKNOWN | roce.MessageFlag.END_INFERRED))
+        closes=bool(cols["has_imm"][mid]) or bool(flags & _OPEN_END)
         or merged or any(b < 0 or (length is not None and b >= length) for _, b in missing),
         info={"frames": [cols["first_frame"][mid], cols["last_frame"][mid]], "t0": cols["t0"][mid]},
-        placeable=not merged,
+        placeable=not merged, flag=cols["flag"][mid],
     )
+
+
+_OPEN_END = int(roce.MessageFlag.END_UNKNOWN | roce.MessageFlag.END_INFERRED)
 
 
 def _mac(a: np.ndarray) -> str:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from functools import cached_property
 
 import numpy as np
 
@@ -40,12 +39,18 @@ class Msg:
     closes: bool  # the message ended with an immediate (LAST_IMM / ONLY_IMM) — or we cannot tell
     info: dict = field(default_factory=dict)
     placeable: bool = True  # False: where its bytes go inside the send is unknown (see split_by_flag)
+    flag: int | None = None  # the LL flag of its first captured line (None: no whole line); see first_flags
 
-    @cached_property
-    def flag(self) -> int | None:
-        """The LL flag of the message's first captured line (None when it has no whole line)."""
-        seen = self.flags[self.flags >= 0]
-        return int(seen[0]) if len(seen) else None
+
+def first_flags(flags: np.ndarray, starts: np.ndarray, counts: np.ndarray) -> list[int | None]:
+    """For each run flags[starts[i]:starts[i]+counts[i]], its first flag >= 0 (None when there is none)."""
+    n = len(flags)
+    at = np.where(flags >= 0, np.arange(n), n)
+    nxt = np.append(np.minimum.accumulate(at[::-1])[::-1], n)  # index of the next segment with a flag
+    first = nxt[np.minimum(starts, n)]
+    found = first < starts + counts
+    vals = np.where(found, np.append(flags, -1)[first], -1)
+    return [None if v < 0 else v for v in vals.tolist()]
 
 
 def segment_flags(buf: np.ndarray, segments: np.ndarray) -> np.ndarray:
@@ -131,6 +136,7 @@ def split_by_flag(m: Msg, buf: np.ndarray) -> list[Msg]:
             first_psn=m.first_psn, last_psn=m.last_psn, va=m.va if first else None, length=None,
             imm=m.imm if last else None, segments=m.segments[a:b], flags=f[a:b], missing=[], complete=False,
             closes=True if not last else m.closes, info={**m.info, "split": k}, placeable=first and m.placeable,
+            flag=first_flags(f, np.array([a]), np.array([b - a]))[0],
         ))
     return pieces
 
@@ -190,7 +196,11 @@ def make_extract(send: Send, buf: np.ndarray, ll: bool, anomalies: list[dict], w
             else:
                 lo = segs["msg_offset"][ok] + shift
                 hi = np.minimum(lo + segs["length"][ok], out.nbytes)
-            present.append(np.stack([lo, hi], axis=1))
+            ranges = np.empty((len(lo), 2), np.int64)
+            ranges[:, 0], ranges[:, 1] = lo, hi
+            present.append(ranges)
+        if len(present) == 1:
+            return present[0]
         return np.concatenate(present) if present else np.zeros((0, 2), np.int64)
 
     return extract
