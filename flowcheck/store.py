@@ -179,7 +179,10 @@ class Store:
                 report.deleted[t.name] = [s for s in plan.delete if (t.name, s) not in self._in_use]
                 if not dry_run:
                     for s in report.deleted[t.name]:
-                        t.delete(s)
+                        try:
+                            t.delete(s)
+                        except StepNotFoundError:  # a shared object store: another node's GC was first
+                            log.info("gc: %s tier step %d was already deleted", t.name, s)
                 report.cleaned[t.name] = t.clean_incomplete(policy.tmp_grace_seconds, dry_run=dry_run)
         return report
 
