@@ -62,6 +62,18 @@ class PolicyConfig:
 class MemoryConfig:
     enabled: bool = True
     copy_threads: int = 4  # threads for copy-on-write of a pinned shard
+    # copy-on-write while a snapshot is in flight may hold at most this fraction of the state extra
+    # (null: no limit); past it, an update waits until the snapshot has written the shard it needs
+    cow_budget: float | None = 0.15
+    cow_wait_s: float = 300.0  # longest such wait; then the shard is copied anyway (and it is logged)
+
+    def __post_init__(self) -> None:
+        _positive("tiers.memory", "copy_threads", self.copy_threads)
+        if self.cow_budget is not None and (isinstance(self.cow_budget, bool) or not isinstance(self.cow_budget, (int, float))
+                                            or self.cow_budget < 0):
+            raise ConfigError(f"tiers.memory.cow_budget: expected a fraction of the state >= 0 (0.15 = 15%) or null, "
+                              f"found {self.cow_budget!r}")
+        _positive("tiers.memory", "cow_wait_s", self.cow_wait_s)
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -48,6 +49,8 @@ class MemoryTier(Tier):
         self._manifest: Manifest | None = None
         self.head: ParentRef | None = None  # the committed step this state descends from (lineage parent)
         self.cow_copies = 0  # shards copied because a snapshot held them (a metric)
+        self.cow_waits = 0  # updates that waited for a snapshot to write a shard (the budget was spent)
+        self._cow_bytes = 0  # bytes copied away while pins hold the originals (freed when the pins go)
 
     # ---- state in ------------------------------------------------------------
     def adopt(self, snapshot: Snapshot, parent: ParentRef | None = None) -> Manifest:
@@ -63,6 +66,7 @@ class MemoryTier(Tier):
             self._layout, self._arrays, self._step = snapshot.layout, arrays, snapshot.step
             self._scalars, self._source, self._stale = snapshot.scalars, snapshot.source, False
             self._pins.clear()  # old pins keep their own array references
+            self._cow_bytes = 0
             self.head = snapshot.origin.parent_ref() if snapshot.origin is not None else parent
             self._manifest = make_manifest(
                 snapshot, node=self.node, parent=parent, digests=digests, locations={s: () for s in arrays}, files=()
@@ -101,18 +105,48 @@ class MemoryTier(Tier):
                 self._cond.notify_all()
 
     def _writable(self, shard: Shard) -> np.ndarray:
-        """The live array of a shard, copied first if a snapshot still references it."""
+        """The live array of a shard, copied first if a snapshot still references it.
+
+        Copies are bounded by ``cow_budget`` (a fraction of the state): past it, the update waits until
+        the snapshot has written this shard (it unpins each shard once written) — the node's memory
+        stays near one state, and a trainer pushing faster than snapshots persist is back-pressured
+        (its saves coalesce) instead.  After ``cow_wait_s`` the shard is copied anyway.
+        """
         with self._cond:
-            arr = self._arrays[shard]
-            if any(shard in pinned for pinned in self._pins.values()):
-                fresh = np.empty_like(arr)
-                _native.copy_into(fresh.reshape(-1).view(np.uint8), arr.reshape(-1).view(np.uint8), self.config.copy_threads)
-                self._arrays[shard] = fresh
-                for pinned in self._pins.values():
-                    pinned.discard(shard)
-                self.cow_copies += 1
-                return fresh
-            return arr
+            deadline = None
+            while self._pinned(shard):
+                arr = self._arrays[shard]
+                if self._cow_fits(arr.nbytes):
+                    return self._copy_on_write(shard, arr)
+                now = time.monotonic()
+                if deadline is None:
+                    deadline = now + self.config.cow_wait_s
+                    self.cow_waits += 1
+                elif now >= deadline:
+                    log.warning("memory tier: waited %.0f s for a snapshot to write %s; copying it beyond the "
+                                "copy-on-write budget", self.config.cow_wait_s, shard.tensor)
+                    return self._copy_on_write(shard, arr)
+                self._cond.wait(deadline - now)
+            return self._arrays[shard]
+
+    def _pinned(self, shard: Shard) -> bool:
+        return any(shard in pinned for pinned in self._pins.values())
+
+    def _cow_fits(self, nbytes: int) -> bool:
+        if self.config.cow_budget is None:
+            return True
+        held = sum(a.nbytes for a in self._arrays.values())
+        return self._cow_bytes + nbytes <= self.config.cow_budget * held
+
+    def _copy_on_write(self, shard: Shard, arr: np.ndarray) -> np.ndarray:
+        fresh = np.empty_like(arr)
+        _native.copy_into(fresh.reshape(-1).view(np.uint8), arr.reshape(-1).view(np.uint8), self.config.copy_threads)
+        self._arrays[shard] = fresh
+        for pinned in self._pins.values():
+            pinned.discard(shard)
+        self.cow_copies += 1
+        self._cow_bytes += arr.nbytes
+        return fresh
 
     def mark_stale(self, reason: str) -> None:
         with self._cond:
@@ -164,11 +198,15 @@ class MemoryTier(Tier):
             pinned = self._pins.get(pin_id)
             if pinned is not None:
                 pinned.discard(shard)
+                self._cond.notify_all()  # an update may be waiting for this shard
 
     def release(self, snapshot: Snapshot) -> None:
         pin_id = getattr(snapshot, "_pin_id", None)
         with self._cond:
             self._pins.pop(pin_id, None)
+            if not self._pins:
+                self._cow_bytes = 0  # the originals the copies were made for are no longer held
+            self._cond.notify_all()
             copied = self.cow_copies != getattr(self, "_trimmed_at", 0)
             self._trimmed_at = self.cow_copies
         if copied:

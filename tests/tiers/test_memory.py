@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from flowcheck.config import LocalConfig, MemoryConfig
-from flowcheck.errors import StaleStateError, StepNotFoundError
+from flowcheck.errors import ConfigError, StaleStateError, StepNotFoundError
 from flowcheck.state import Scalars, Shard, Snapshot, StateLayout, TensorSpec
 from flowcheck.tiers.local import LocalTier
 from flowcheck.tiers.memory import MemoryTier
@@ -43,9 +43,11 @@ def test_update_is_in_place_and_visible_only_after_commit():
     assert tier.cow_copies == 0
 
 
-def test_snapshot_is_step_consistent_while_next_steps_are_applied(tmp_path):
-    """Snapshots persisted to the local tier while a thread keeps updating: never a torn mixture."""
-    tier = MemoryTier(MemoryConfig(), "r")
+@pytest.mark.parametrize("budget", [None, 0.15, 0.0])
+def test_snapshot_is_step_consistent_while_next_steps_are_applied(tmp_path, budget):
+    """Snapshots persisted to the local tier while a thread keeps updating: never a torn mixture
+    (copy-on-write unlimited, bounded, or none at all: updates wait for the snapshot's writes)."""
+    tier = MemoryTier(MemoryConfig(cow_budget=budget), "r")
     tier.write(_state(0))
     local = LocalTier(LocalConfig(root=str(tmp_path), fsync=False, workers=2), "r")
     stop = threading.Event()
@@ -72,7 +74,8 @@ def test_snapshot_is_step_consistent_while_next_steps_are_applied(tmp_path):
     finally:
         stop.set()
         t.join()
-    assert len(written) >= 3 and tier.cow_copies > 0
+    assert len(written) >= 3
+    assert tier.cow_copies > 0 if budget is None else tier.cow_copies <= N_TENSORS * len(written) * budget + len(written)
     for step in written:
         m = local.manifest(step)
         for name in m.tensors:
@@ -82,7 +85,7 @@ def test_snapshot_is_step_consistent_while_next_steps_are_applied(tmp_path):
 
 
 def test_pinned_arrays_never_change_after_pin():
-    tier = MemoryTier(MemoryConfig(), "r")
+    tier = MemoryTier(MemoryConfig(cow_budget=None), "r")
     tier.write(_state(0))
     snap = tier.pin()
     copies = {s: np.array(snap.array(s)) for s in snap.data}
@@ -130,3 +133,42 @@ def test_shards_already_written_by_a_snapshot_are_not_copied_on_write(tmp_path):
     tier.release(snap)
     for name in local.manifest(0).tensors:
         assert np.unique(local.read(0, name)).tolist() == [0.0]
+
+
+def test_copy_on_write_stays_within_its_budget_and_updates_wait_for_the_snapshot(tmp_path):
+    """With the budget spent, an update waits until the snapshot has written the shard, never copies it."""
+    tier = MemoryTier(MemoryConfig(cow_budget=0.0), "r")
+    tier.write(_state(0))
+    snap = tier.pin()
+    done = threading.Event()
+    t = threading.Thread(target=lambda: (_apply(tier, 1), done.set()))
+    t.start()
+    assert not done.wait(0.3)  # blocked on the first pinned shard
+    assert tier.cow_waits == 1 and tier.cow_copies == 0
+    local = LocalTier(LocalConfig(root=str(tmp_path), fsync=False, workers=2), "r")
+    local.write(snap)  # unpins each shard as written: the update proceeds shard by shard
+    t.join(10)
+    assert done.is_set() and tier.cow_copies == 0 and tier.step == 1
+    tier.release(snap)
+    for name in local.manifest(0).tensors:
+        assert np.unique(local.read(0, name)).tolist() == [0.0]
+
+
+def test_an_update_waits_at_most_cow_wait_s_then_copies():
+    tier = MemoryTier(MemoryConfig(cow_budget=0.0, cow_wait_s=0.2), "r")
+    tier.write(_state(0))
+    snap = tier.pin()  # never written, never released while the update runs
+    t0 = time.monotonic()
+    _apply(tier, 1)
+    assert 0.2 <= time.monotonic() - t0 < 5
+    assert tier.cow_copies == N_TENSORS and tier.step == 1
+    for s in snap.data:
+        assert np.unique(snap.array(s)).tolist() == [0.0]
+    tier.release(snap)
+
+
+def test_memory_config_rejects_a_bad_budget():
+    with pytest.raises(ConfigError, match="cow_budget"):
+        MemoryConfig(cow_budget=-1)
+    with pytest.raises(ConfigError, match="cow_wait_s"):
+        MemoryConfig(cow_wait_s=0)
