@@ -8,7 +8,9 @@ aborts the update, which marks the state stale — never a torn or unverified st
 """
 from __future__ import annotations
 
+import contextlib
 import logging
+import mmap
 import socket
 import socketserver
 import threading
@@ -251,6 +253,8 @@ class PushReceiver:
                     h.update(src)
         finally:
             del whole
+            if refs:
+                _unmap_pages(seg, refs[0].at, refs[-1].at + refs[-1].nbytes)
 
     def _destination(self, opened: _OpenStep, ref: ShardRef) -> np.ndarray:
         spec = opened.layout.spec(ref.shard.tensor)
@@ -367,6 +371,22 @@ def _parent(raw: Any) -> ParentRef | None:
 
 def _same_tensors(a: StateLayout, b: StateLayout) -> bool:
     return {(t.name, t.dtype, t.shape) for t in a.tensors} == {(t.name, t.dtype, t.shape) for t in b.tensors}
+
+
+def _unmap_pages(seg: shared_memory.SharedMemory, start: int, end: int) -> None:
+    """Drop the node's page-table entries for bytes [start, end) of a sender's segment once copied.
+
+    The memory is the trainer's (shared, it stays intact); without this the node's RSS would count
+    the whole buffer a second time for as long as the segment stays attached.
+    """
+    mm = getattr(seg, "_mmap", None)  # SharedMemory keeps its mmap here (CPython 3.8+)
+    if mm is None or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    lo = start - start % mmap.PAGESIZE
+    hi = min(-(-end // mmap.PAGESIZE) * mmap.PAGESIZE, len(mm))
+    if hi > lo:
+        with contextlib.suppress(OSError, ValueError):
+            mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
 
 
 def _close_quietly(seg: shared_memory.SharedMemory) -> None:
