@@ -10,7 +10,6 @@ with ``attributes["dtype"] == "bfloat16"``).
 """
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -186,14 +185,8 @@ class LocalTier(Tier):
         rel = shard.location[0].path
         path = os.path.join(self.root, rel)
         listed = self._chunk_files(manifest).get(rel, ())
-        try:
-            with open(os.path.join(path, "zarr.json"), "rb") as f:
-                meta = json.loads(f.read())
-        except FileNotFoundError:
-            raise IntegrityError(f"local tier: {path}/zarr.json is missing") from None
-        except ValueError as e:
-            raise IntegrityError(f"local tier: {path}/zarr.json is not valid JSON ({e})") from e
-        if tuple(meta.get("shape", ())) != shard.shape:
+        meta = zarr_shard.array_meta(path)
+        if tuple(meta["shape"]) != shard.shape:
             raise FormatError(f"{path}: zarr array shape {meta.get('shape')} != manifest shard shape {list(shard.shape)}")
         chunk = zarr_shard.plain_layout(meta)
         dt = np.dtype(dtypes.dtype(manifest.tensors[tensor].dtype).storage)

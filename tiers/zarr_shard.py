@@ -11,6 +11,7 @@ by zarr in the tests.
 """
 from __future__ import annotations
 
+import json
 import math
 import os
 
@@ -19,6 +20,7 @@ import numpy as np
 
 from flowcheck import _native
 from flowcheck.digest import DataHasher
+from flowcheck.errors import IntegrityError
 
 FLUSH_EVERY = 64 << 20
 
@@ -60,6 +62,31 @@ _PLAIN = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "cr
 _MISSING = np.uint64(2**64 - 1)
 
 
+def array_meta(path: str) -> dict:
+    """An array's ``zarr.json``: a JSON object whose ``shape`` is a list of non-negative integers.
+
+    Anything else (missing, not JSON, another type) is an IntegrityError naming the file: the
+    metadata is read before any digest is checked, so it must never crash the reader.
+    """
+    where = os.path.join(path, "zarr.json")
+    try:
+        with open(where, "rb") as f:
+            meta = json.loads(f.read())
+    except FileNotFoundError:
+        raise IntegrityError(f"local tier: {where} is missing") from None
+    except (ValueError, RecursionError) as e:
+        raise IntegrityError(f"local tier: {where} is not valid JSON ({e})") from e
+    shape = meta.get("shape") if isinstance(meta, dict) else None
+    if not (isinstance(shape, list) and all(_count(n) for n in shape)):
+        raise IntegrityError(f"local tier: {where}: expected an object with 'shape': [non-negative integers], "
+                             f"found {shape if isinstance(meta, dict) else type(meta).__name__!r:.60}")
+    return meta
+
+
+def _count(v: object, least: int = 0) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= least
+
+
 def plain_layout(meta: dict) -> tuple[int, ...] | None:
     """The inner chunk shape if a zarr.json describes the layout ``write_shard`` produces, else None."""
     try:
@@ -72,6 +99,7 @@ def plain_layout(meta: dict) -> tuple[int, ...] | None:
             codec["name"] == "sharding_indexed" and conf["codecs"] == _PLAIN and conf["index_codecs"] == _PLAIN
             and conf.get("index_location", "end") == "end" and len(shape) >= 1
             and all(s >= n for s, n in zip(shard_shape, shape)) and list(chunk[1:]) == list(shape[1:])
+            and len(chunk) == len(shape) and all(_count(n, 1) for n in chunk)
         )
     except (KeyError, TypeError, ValueError):
         return None
@@ -83,11 +111,16 @@ def read_rows(path: str, shape: tuple[int, ...], dtype: np.dtype, chunk_rows: in
 
     Reads the index, then only the chunks covering the rows, straight into the result.
     """
-    row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize
+    row_bytes = math.prod(shape[1:]) * dtype.itemsize
     n_chunks = -(-shape[0] // chunk_rows)
-    out = np.empty((stop - start, *shape[1:]), dtype=dtype)
-    flat = out.reshape(-1).view(np.uint8)
     with open(path, "rb") as f:
+        # the size this layout must have, checked before allocating: a forged shape cannot make us allocate
+        want = n_chunks * (chunk_rows * row_bytes + 4) + 16 * n_chunks + 4
+        size = os.fstat(f.fileno()).st_size
+        if size > want or size < 16 * n_chunks + 4:
+            raise ValueError(f"{path}: {size} bytes, expected at most {want} for shape {list(shape)} in chunks of {chunk_rows} rows")
+        out = np.empty((stop - start, *shape[1:]), dtype=dtype)
+        flat = out.reshape(-1).view(np.uint8)
         index_bytes = 16 * n_chunks
         f.seek(-(index_bytes + 4), os.SEEK_END)
         raw = f.read(index_bytes + 4)
