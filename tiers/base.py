@@ -8,6 +8,7 @@ shards, lazy snapshots and pruning records are written once, here.
 from __future__ import annotations
 
 import logging
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
@@ -236,22 +237,19 @@ class Tier(ABC):
             raise TensorNotFoundError(f"step {step} has no tensor {tensor!r}; see `flowcheck show --step {step} --json`")
         t = m.tensors[tensor]
         reg = normalize_region(region, t.global_shape, tensor)
-        out = np.empty(tuple(s.stop - s.start for s in reg), dtype=dtypes.dtype(t.dtype).storage)
-        covered = 0
-        for entry in t.shards:
-            hit = Shard(tensor, entry.offsets, entry.shape).intersect(reg)
-            if hit is None:
-                continue
-            local, dest = hit
-            out[dest] = self._read_shard(m, tensor, entry, local)
-            covered += int(np.prod([s.stop - s.start for s in dest], dtype=np.int64))
-        if covered < out.size:
+        hits = [(entry, hit) for entry in t.shards if (hit := Shard(tensor, entry.offsets, entry.shape).intersect(reg))]
+        # checked before allocating: a manifest whose shape outgrows its shards must not size the buffer
+        covered = sum(math.prod(s.stop - s.start for s in dest) for _entry, (_local, dest) in hits)
+        if covered < math.prod(s.stop - s.start for s in reg):
             raise IntegrityError(f"step {step} tensor {tensor}: the stored shards cover only part of region {reg}")
+        out = np.empty(tuple(s.stop - s.start for s in reg), dtype=dtypes.dtype(t.dtype).storage)
+        for entry, (local, dest) in hits:
+            out[dest] = self._read_stored(m, tensor, entry, local)
         return out
 
     def read_shard(self, manifest: Manifest, tensor: str, entry: ShardEntry, *, verify: bool = True) -> np.ndarray:
         """One whole shard, its data digest checked against the manifest."""
-        arr = self._read_shard(manifest, tensor, entry, full_region(entry.shape))
+        arr = self._read_stored(manifest, tensor, entry, full_region(entry.shape))
         if verify:
             got = data_digest(arr)
             if got != entry.digest:
@@ -260,6 +258,18 @@ class Tier(ABC):
                     f"data digest {got} != manifest {entry.digest}; this copy is damaged — read the step from another tier"
                 )
         return arr
+
+    def _read_stored(self, manifest: Manifest, tensor: str, entry: ShardEntry, region: tuple[slice, ...]) -> np.ndarray:
+        """``_read_shard``, with a file the manifest lists but the tier lacks reported as damage (not a bare OSError)."""
+        try:
+            return self._read_shard(manifest, tensor, entry, region)
+        except FileNotFoundError as e:
+            if isinstance(e, FlowcheckError):
+                raise
+            raise IntegrityError(
+                f"{self.name} tier step {manifest.step} tensor {tensor}: a file listed in the manifest is missing "
+                f"({e.filename or e}); this copy is damaged — read the step from another tier"
+            ) from e
 
     def load(self, step: int, *, verify: bool = True) -> Snapshot:
         """A lazy snapshot of a committed step: shards are read (and verified) when asked for."""
