@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -33,6 +34,7 @@ FORMAT_VERSION = 1
 MULTI_NODE_VERSION = 2
 KNOWN_VERSIONS = (FORMAT_VERSION, MULTI_NODE_VERSION)
 SOURCES = ("mirror", "push", "import", "restore")
+MAX_TENSOR_BYTES = 1 << 63  # numpy and the byte offsets of every format are int64
 
 
 def canonical_json(obj: Any) -> bytes:
@@ -309,10 +311,12 @@ def _tensor(r: _Reader, name: str, raw: Any) -> TensorEntry:
     from flowcheck import dtypes
 
     try:
-        dtypes.dtype(dt)
+        itemsize = dtypes.dtype(dt).itemsize
     except Exception as e:
         raise r.fail(base + ".dtype", "a known dtype", dt) from e
     shape = r.ints(raw, "global_shape", base + ".global_shape")
+    if math.prod(shape) * itemsize >= MAX_TENSOR_BYTES:
+        raise r.fail(base + ".global_shape", "a tensor of less than 2**63 bytes", list(shape))
     role = r.get(raw, "role", str, base + ".role", f"one of {ROLES}")
     if role not in ROLES:
         raise r.fail(base + ".role", f"one of {ROLES}", role)
