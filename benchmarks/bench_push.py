@@ -127,6 +127,9 @@ def main(argv: list[str] | None = None) -> dict:
             ("--p7-iters", 8, "iterations of the P7 pass"), ("--snapshots", 3, "POST /snapshot during the P7 pass")):
         p.add_argument(name, type=int, default=default, help=f"{what} (default {default})")
     p.add_argument("--on-busy", default="wait", choices=("wait", "coalesce"), help="Checkpointer(on_busy=) (default wait)")
+    p.add_argument("--p7-on-busy", default="coalesce", choices=("wait", "coalesce"),
+                   help="Checkpointer(on_busy=) in the P7 pass (default coalesce: while a snapshot holds the node's "
+                        "copy-on-write budget, pushes are back-pressured and a trainer that waits would stall)")
     args = p.parse_args(argv)
     cmd = c.command(SCRIPT, argv)
     c.preimport()
@@ -187,9 +190,9 @@ def main(argv: list[str] | None = None) -> dict:
                 self.fut.result()
                 self.fut = None
 
-    def run(alt: Alt, iters: int, on_iter=None) -> dict:
+    def run(alt: Alt, iters: int, on_iter=None, on_busy: str | None = None) -> dict:
         if alt.fc:
-            alt.ck = Checkpointer(model, opt, node=node.push, run="bench", transport=alt.kind, on_busy=args.on_busy,
+            alt.ck = Checkpointer(model, opt, node=node.push, run="bench", transport=alt.kind, on_busy=on_busy or args.on_busy,
                                   timeout_s=30)
         blocked = (lambda: alt.ck.stats.blocked_s) if alt.fc else (lambda: 0.0)
         rec = []  # per timed iteration: iteration s, checkpoint call s, flowcheck copy s, send s
@@ -256,8 +259,10 @@ def main(argv: list[str] | None = None) -> dict:
                 time.sleep(1.0)
 
         node.phase, snapper = "p7", threading.Thread(target=snapshots, daemon=True)
-        alts.append(Alt(f"flowcheck Checkpointer (shm) + {args.snapshots} node snapshots (P7 pass)", fc_note, "shm"))
-        alts[-1].rounds.append(run(alts[-1], args.p7_iters, lambda k: k == min(1, args.p7_iters - 1) and snapper.start()))
+        alts.append(Alt(f"flowcheck Checkpointer (shm) + {args.snapshots} node snapshots (P7 pass)",
+                        fc_note.replace(f"on_busy={args.on_busy}", f"on_busy={args.p7_on_busy}"), "shm"))
+        alts[-1].rounds.append(run(alts[-1], args.p7_iters, lambda k: k == min(1, args.p7_iters - 1) and snapper.start(),
+                                   on_busy=args.p7_on_busy))
         snapper.join()
         node.phase, st, last = "verify", node.get("/status"), step[0]
         snap, store = node.get("/snapshot", "POST"), open_store(node.cfg)

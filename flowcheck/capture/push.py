@@ -251,10 +251,10 @@ class PushReceiver:
                     src = whole[ref.at:ref.at + ref.nbytes]
                     np.copyto(dest.reshape(-1).view(np.uint8), src)
                     h.update(src)
+                    del src
+                    _unmap_pages(seg, ref.at, ref.at + ref.nbytes)  # one shard mapped at a time
         finally:
             del whole
-            if refs:
-                _unmap_pages(seg, refs[0].at, refs[-1].at + refs[-1].nbytes)
 
     def _destination(self, opened: _OpenStep, ref: ShardRef) -> np.ndarray:
         spec = opened.layout.spec(ref.shard.tensor)
