@@ -22,7 +22,16 @@ channel) with data, last PSN - first PSN + 1 of one copy. The "exact" column use
 send its packet count n and its number of copies c among the first m streams, P = 1 - prod (1 - p^c)^n.
 Intervals are Wilson 95%. Iteration 1 (DDP's single bucket) has its own K; predictions average over the iterations.
 
+Low loss (--resample R): p ≤ 1e-4 needs 10^4–10^6 iterations to see unrecoverable ones, too many to train. Then one
+lossless R-iteration run is simulated once and every trial drops each frame of each port's pcap independently with
+probability p (a seeded binomial draw of how many, then which) before decoding the same 1..3 ports; a trial in which no
+frame of the first m ports was dropped is the lossless decode (verified exact), so only trials with drops are decoded.
+The drop process is the simulator's (independent per frame and port); reordering and duplication are not injected.
+Iterations per p: --target events (m = 2, predicted by the exact-count model) worth, between --min-iters and
+--max-iters.
+
   python benchmarks/bench_mirror_loss.py --out /tmp/mirror-loss.json
+  python benchmarks/bench_mirror_loss.py --loss 1e-6,1e-5,1e-4,1e-3,1e-2 --resample 20 --out /tmp/loss-rs.json
   python benchmarks/bench_mirror_loss.py --loss 1e-3,1e-2 --iters 40 --chunk 20   # smoke run
 """
 from __future__ import annotations
@@ -141,33 +150,115 @@ def run_task(task: dict) -> dict[str, Any]:
         per_m = {}
         for m in range(1, PORTS + 1):
             try:
-                ars = decode_ports(res, m)
-                error = None
+                per_m[m] = evaluate(decode_ports(res, m), truth, iterations)
             except Exception as e:  # noqa: BLE001 - a decoder failure counts every iteration of the task as failed
-                ars, error = [], f"{type(e).__name__}: {e}"
-            got = {(a.iteration, a.bucket): a for a in ars}
-            failed, misaligned, wrong, wrong_ar = [], [], [], 0
-            for it in iterations:
-                mine = [got.get(k) for k in truth if k[0] == it]
-                ok = all(a is not None and a.complete for a in mine)
-                bad = [a for a in mine if a is not None and a.complete
-                       and hashlib.sha256(a.data.tobytes()).hexdigest() != truth[(a.iteration, a.bucket)]]
-                wrong_ar += len(bad)
-                if not ok:
-                    failed.append(it)
-                    # copies of one element never differ on the wire: a conflict (or an allreduce not found at all)
-                    # means the decoder matched some stream at the wrong sends, which Eq. 2 does not model
-                    if any(a is None or a.conflicts for a in mine):
-                        misaligned.append(it)
-                elif bad:
-                    wrong.append(it)
-            per_m[m] = {"failed": failed, "misaligned": misaligned, "silently_wrong": wrong,
-                        "wrong_allreduces": wrong_ar, "error": error}
+                per_m[m] = evaluate([], truth, iterations, f"{type(e).__name__}: {e}")
         dropped = {k: v["dropped"] for k, v in res.injected["pcaps"].items()}
         return {"p": task["p"], "seed": task["seed"], "iterations": len(iterations), "first_iterations": 1,
                 "per_m": per_m, "dropped": dropped, "sim_s": sim_s, "s": time.perf_counter() - t0}
     finally:
         shutil.rmtree(out, ignore_errors=True)
+
+
+def evaluate(ars: list, truth: dict, iterations: list[int], error: str | None = None) -> dict[str, Any]:
+    """failed / misaligned / silently wrong iterations of one decode against the truth (iteration, bucket) -> sha256."""
+    got = {(a.iteration, a.bucket): a for a in ars}
+    failed, misaligned, wrong, wrong_ar = [], [], [], 0
+    for it in iterations:
+        mine = [got.get(k) for k in truth if k[0] == it]
+        ok = all(a is not None and a.complete for a in mine)
+        bad = [a for a in mine if a is not None and a.complete
+               and hashlib.sha256(a.data.tobytes()).hexdigest() != truth[(a.iteration, a.bucket)]]
+        wrong_ar += len(bad)
+        if not ok:
+            failed.append(it)
+            # copies of one element never differ on the wire: a conflict (or an allreduce not found at all)
+            # means the decoder matched some stream at the wrong sends, which Eq. 2 does not model
+            if any(a is None or a.conflicts for a in mine):
+                misaligned.append(it)
+        elif bad:
+            wrong.append(it)
+    return {"failed": failed, "misaligned": misaligned, "silently_wrong": wrong, "wrong_allreduces": wrong_ar,
+            "error": error}
+
+
+class Resampler:
+    """One lossless run's per-port frames; trials drop frames independently per port and decode the first m ports."""
+
+    def __init__(self, dp: int, iters: int, seed: int, work: str) -> None:
+        from flowcheck.capture.job import load_job
+        from flowcheck.capture.pcap import read_capture
+        from flowcheck.simulate import SimOptions, simulate
+
+        res = simulate(SimOptions(out=os.path.join(work, "resample"), dp=dp, iters=iters, mirror=_mirror_text(),
+                                  seed=seed))
+        self.job = load_job(res.job_path)
+        self.ports = [read_capture(res.pcaps[f"{r}:out"]) for r in range(PORTS)]
+        self.truth = {(r["iteration"], r["bucket"]): r["sha256"] for r in res.allreduces}
+        self.iterations = sorted({it for it, _ in self.truth})
+        self.lossless = {m: evaluate(self._decode(m, None), self.truth, self.iterations) for m in range(1, PORTS + 1)}
+        if self.lossless[PORTS]["failed"] or any(v["silently_wrong"] for v in self.lossless.values()):
+            raise RuntimeError(f"the lossless resample run does not decode exactly with {PORTS} ports: {self.lossless}")
+
+    def _decode(self, m: int, keep: list | None) -> list:
+        import numpy as np
+
+        from flowcheck.capture.decode import Decoded, decode
+        from flowcheck.capture.pcap import Frames
+
+        parts = self.ports[:m]
+        masks = keep[:m] if keep is not None else [np.ones(len(f), bool) for f in parts]
+        bufs = [np.asarray(f.buf) for f in parts]
+        shifts = np.cumsum([0] + [b.nbytes for b in bufs[:-1]])
+        frames = Frames(buf=np.concatenate(bufs),
+                        offsets=np.concatenate([f.offsets[k] + s for f, k, s in zip(parts, masks, shifts)]),
+                        lengths=np.concatenate([f.lengths[k] for f, k in zip(parts, masks)]),
+                        ts_ns=np.concatenate([f.ts_ns[k] for f, k in zip(parts, masks)]), source="resample")
+        return list(decode(self.job, frames, Decoded()))
+
+    def trial(self, p: float, rng) -> tuple[dict[int, dict], list[int]]:
+        """Per m: the evaluation of one trial; and the frames dropped per port."""
+        import numpy as np
+
+        keep, dropped = [], []
+        for f in self.ports:
+            n = int(rng.binomial(len(f), p))
+            mask = np.ones(len(f), bool)
+            if n:
+                mask[rng.choice(len(f), size=n, replace=False)] = False
+            keep.append(mask)
+            dropped.append(n)
+        out = {}
+        for m in range(1, PORTS + 1):
+            if not any(dropped[:m]):
+                out[m] = self.lossless[m]
+                continue
+            try:
+                out[m] = evaluate(self._decode(m, keep), self.truth, self.iterations)
+            except Exception as e:  # noqa: BLE001 - a decoder failure counts every iteration of the trial as failed
+                out[m] = evaluate([], self.truth, self.iterations, f"{type(e).__name__}: {e}")
+        return out, dropped
+
+
+def resample_task(task: dict) -> list[dict[str, Any]]:
+    """Trials of one p on a process-local Resampler (built once per process)."""
+    import numpy as np
+
+    global _RESAMPLER
+    if _RESAMPLER is None or _RESAMPLER[0] != task["key"]:
+        _RESAMPLER = (task["key"], Resampler(task["dp"], task["iters"], task["seed"], task["dir"]))
+    rs = _RESAMPLER[1]
+    rng = np.random.default_rng([task["seed"], int(round(-math.log10(task["p"]) * 1000)), task["block"]])
+    out = []
+    for _ in range(task["trials"]):
+        t0 = time.perf_counter()
+        per_m, dropped = rs.trial(task["p"], rng)
+        out.append({"p": task["p"], "seed": task["seed"], "iterations": len(rs.iterations), "first_iterations": 1,
+                    "per_m": per_m, "dropped": dropped, "sim_s": 0.0, "s": time.perf_counter() - t0})
+    return out
+
+
+_RESAMPLER = None
 
 
 # ---- report ----------------------------------------------------------------------------------
@@ -268,6 +359,11 @@ def main(argv: list[str] | None = None) -> dict:
                    help="plot path, written when matplotlib is importable (default benchmarks/results/mirror_loss.png)")
     p.add_argument("--dir", help="work directory base (default $FLOWCHECK_BENCH_DIR or /tmp)")
     p.add_argument("--out", help="write the results as JSON to this file")
+    p.add_argument("--resample", type=int, default=0, metavar="R",
+                   help="resample drops on one lossless R-iteration run instead of simulating each run (see above)")
+    p.add_argument("--target", type=float, default=20, help="--resample: predicted m=2 failures to aim for per p (default 20)")
+    p.add_argument("--min-iters", type=int, default=500, help="--resample: fewest iterations per p (default 500)")
+    p.add_argument("--max-iters", type=int, default=100000, help="--resample: most iterations per p (default 100000)")
     args = p.parse_args(argv)
     cmd = c.command(SCRIPT, argv)
     losses = [float(x) for x in args.loss.split(",") if x.strip()]
@@ -277,19 +373,39 @@ def main(argv: list[str] | None = None) -> dict:
         kinfo = derive_k(args.dp, args.seed, work)
         print(f"K = {kinfo['K_steady']} packets of final-chunk data per steady iteration ({kinfo['final_sends_steady']} "
               f"final sends in {kinfo['allreduces_per_iteration']} allreduces), {kinfo['K_first']} in iteration 1", flush=True)
-        tasks = []
-        for i in range(math.ceil(args.iters / args.chunk)):  # every p's tasks interleaved: drift hits all alike
-            for p_ in losses:
-                n = min(args.chunk, args.iters - i * args.chunk)
-                tasks.append({"p": p_, "dp": args.dp, "iters": n, "seed": args.seed + 1 + i, "dir": work})
         results = []
-        with ProcessPoolExecutor(max_workers=args.jobs) as pool:
-            for r in pool.map(run_task, tasks):
-                results.append(r)
-                f = {m: len(r["per_m"][m]["failed"]) for m in r["per_m"]}
-                print(f"  p={r['p']:g} seed {r['seed']}: {r['iterations']} iterations, failed m=1/2/3: {f[1]}/{f[2]}/{f[3]}, "
-                      f"silently wrong {sum(len(v['silently_wrong']) for v in r['per_m'].values())}, "
-                      f"{r['s']:.0f} s", flush=True)
+        if args.resample:
+            tasks = []
+            for p_ in losses:
+                rate = (exact(p_, kinfo["sends_steady"][2]) or 1e-12)
+                iters = int(min(args.max_iters, max(args.min_iters, args.target / rate)))
+                trials = math.ceil(iters / args.resample)
+                blocks = max(args.jobs, math.ceil(trials / 200))
+                for b in range(blocks):
+                    n = trials // blocks + (b < trials % blocks)
+                    if n:
+                        tasks.append({"p": p_, "dp": args.dp, "iters": args.resample, "seed": args.seed + 1, "dir": work,
+                                      "key": (args.dp, args.resample, args.seed + 1), "trials": n, "block": b})
+            with ProcessPoolExecutor(max_workers=args.jobs) as pool:
+                for rs in pool.map(resample_task, tasks):
+                    results += rs
+                    f = {m: sum(len(r["per_m"][m]["failed"]) for r in rs) for m in (1, 2, 3)}
+                    print(f"  p={rs[0]['p']:g}: {len(rs)} trials x {args.resample} iterations, failed m=1/2/3: "
+                          f"{f[1]}/{f[2]}/{f[3]}, decoded {sum(1 for r in rs if any(r['dropped']))}, "
+                          f"{sum(r['s'] for r in rs):.0f} s", flush=True)
+        else:
+            tasks = []
+            for i in range(math.ceil(args.iters / args.chunk)):  # every p's tasks interleaved: drift hits all alike
+                for p_ in losses:
+                    n = min(args.chunk, args.iters - i * args.chunk)
+                    tasks.append({"p": p_, "dp": args.dp, "iters": n, "seed": args.seed + 1 + i, "dir": work})
+            with ProcessPoolExecutor(max_workers=args.jobs) as pool:
+                for r in pool.map(run_task, tasks):
+                    results.append(r)
+                    f = {m: len(r["per_m"][m]["failed"]) for m in r["per_m"]}
+                    print(f"  p={r['p']:g} seed {r['seed']}: {r['iterations']} iterations, failed m=1/2/3: "
+                          f"{f[1]}/{f[2]}/{f[3]}, silently wrong {sum(len(v['silently_wrong']) for v in r['per_m'].values())}, "
+                          f"{r['s']:.0f} s", flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     rows = summarise(results, kinfo, args.dp, losses)
@@ -299,7 +415,8 @@ def main(argv: list[str] | None = None) -> dict:
     result = {"benchmark": "mirror_loss", "command": cmd, "machine": m, "dp": args.dp, "k": {
         k: v for k, v in kinfo.items() if not k.startswith("sends_")}, "rows": rows, "silently_wrong": wrong,
         "tasks": results, "wall_s": wall,
-        "sim_s_per_iteration": statistics.median(r["sim_s"] / r["iterations"] for r in results)}
+        "sim_s_per_iteration": statistics.median(r["sim_s"] / r["iterations"] for r in results),
+        "resample": args.resample}
     c.save_json(args.out, result)  # before plotting: a plotting problem must not cost the run
     png = plot(rows, kinfo, args.dp, args.png)
     mis = [(r["p"], r["m"], r["first_misaligned"]) for r in rows if r["first_misaligned"]]
@@ -308,7 +425,8 @@ def main(argv: list[str] | None = None) -> dict:
         f"- command: `{cmd}`",
         f"- machine: {m['cpu']}, {m['cores']} cores; date {m['date']}; flowcheck commit {m['commit']}",
         (f"- N={args.dp}, tiny model, LL, fp32, MTU 1024; ports 0:out,1:out,2:out, m = the first m decoded; "
-         f"{args.iters} iterations per p in runs of {args.chunk}; wall {wall:.0f} s"),
+         + (f"drops resampled on one lossless {args.resample}-iteration run (iterations per p in the table)"
+            if args.resample else f"{args.iters} iterations per p in runs of {args.chunk}") + f"; wall {wall:.0f} s"),
         (f"- K = {kinfo['K_steady']} (steady iterations, {kinfo['allreduces_per_iteration']} buckets), "
          f"{kinfo['K_first']} (iteration 1, one bucket)"),
         "- misaligned / not found = failed with a conflict (copies of one element differ: the decoder matched some "
