@@ -230,7 +230,8 @@ int64_t to_ns(uint64_t ts, const Interface& itf) {
     } else {
         for (int i = 9; i < itf.exponent && v != 0; ++i) v /= 10;
     }
-    return int64_t(v) + itf.offset_s * 1000000000;
+    // unsigned, wrapping: a garbled if_tsoffset gives a garbled time, never signed-overflow UB (UBSan found it)
+    return int64_t(uint64_t(v) + uint64_t(itf.offset_s) * 1000000000u);
 }
 
 std::string at(size_t pos) { return " at byte " + std::to_string(pos); }

@@ -1,0 +1,167 @@
+"""The native packet path under AddressSanitizer + UndefinedBehaviorSanitizer.
+
+Builds ``native/mirror.cpp`` and ``native/flowcheck_native.cpp`` with ``-fsanitize=address,undefined``
+into a temporary folder, then runs the capture fuzz corpus (the shared captures, structured mutations
+of them, random bytes) through index_capture, parse, reassemble and the unpackers in a child Python
+with ``LD_PRELOAD`` of gcc's libasan.  Any sanitizer report (out-of-bounds read, overflow, shift or
+signed-overflow UB) fails the test with the report.  Skipped, saying why, without g++ or libasan.
+
+Run alone: ``pytest tests/reliability/test_asan.py -s`` (``FLOWCHECK_ASAN_INPUTS`` sets the corpus size).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+INPUTS = int(os.environ.get("FLOWCHECK_ASAN_INPUTS", "400"))
+FLAGS = ["-O0", "-g", "-fno-omit-frame-pointer", "-fsanitize=address,undefined", "-fno-sanitize-recover=undefined",
+         "-std=c++17", "-shared", "-fPIC"]
+
+
+def _libasan() -> str:
+    gcc = shutil.which("gcc")
+    if gcc is None or shutil.which("g++") is None:
+        pytest.skip("g++/gcc not found: the sanitizer build needs them (apt-get install g++)")
+    path = subprocess.run([gcc, "-print-file-name=libasan.so"], capture_output=True, text=True, check=False).stdout.strip()
+    if not os.path.isabs(path) or not os.path.exists(path):
+        pytest.skip(f"gcc has no libasan ({path!r}): install libasan (Debian: libgcc-12-dev / libasan8)")
+    # python itself does not link libstdc++: preloaded too, ASan can intercept the C++ throw of a ValueError
+    cxx = subprocess.run(["g++", "-print-file-name=libstdc++.so"], capture_output=True, text=True, check=False).stdout.strip()
+    return f"{path} {os.path.realpath(cxx)}" if os.path.isabs(cxx) else path
+
+
+@pytest.fixture(scope="module")
+def asan_build(tmp_path_factory):
+    libasan = _libasan()
+    import pybind11
+
+    out = tmp_path_factory.mktemp("asan")
+    suffix = sysconfig.get_config_var("EXT_SUFFIX")
+    includes = [f"-I{sysconfig.get_paths()['include']}", f"-I{pybind11.get_include()}"]
+    for name, src in (("_mirror", "mirror.cpp"), ("_native", "flowcheck_native.cpp")):
+        cmd = ["g++", *FLAGS, *includes, str(ROOT / "native" / src), "-o", str(out / f"{name}{suffix}")]
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=600)
+        if proc.returncode != 0:
+            pytest.fail(f"sanitizer build of {src} failed:\n{proc.stderr[-4000:]}")
+    return out, libasan
+
+
+CHILD = textwrap.dedent('''
+    import importlib.util, random, sys, glob, os
+    build = sys.argv[1]
+    n_inputs = int(sys.argv[2])
+    for name in ("_mirror", "_native"):  # the sanitized builds stand in for the installed extensions
+        path = glob.glob(os.path.join(build, name + ".*so"))[0]
+        spec = importlib.util.spec_from_file_location("flowcheck." + name, path)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        sys.modules["flowcheck." + name] = mod
+        import flowcheck
+        setattr(flowcheck, name, mod)
+    import numpy as np
+    from flowcheck import _mirror, _native
+    assert "asan" in open("/proc/self/maps").read() and _mirror.__file__.startswith(build)
+    from flowcheck.capture import roce
+    from flowcheck.errors import FlowcheckError
+    from tests.reliability import test_fuzz as tf
+
+    def decode(data):
+        try:
+            path = tf.WORK / "asan.cap"
+            path.write_bytes(data)
+            frames = tf.read_capture(str(path))
+            for icrc in (True, False):
+                packets = roce.parse(frames, check_icrc=icrc)
+            ra = roce.reassemble(frames, packets)
+            ra2 = roce.reassemble(frames, packets, pmtu=256)
+            out = np.zeros(1 << 16, np.uint8)
+            for m in range(min(len(ra.messages), 64)):
+                segs = ra.segments_of(m)
+                for fn in (roce.ll_unpack, roce.ll128_unpack):
+                    try:
+                        fn(frames, segs, out)
+                    except (ValueError, FlowcheckError):
+                        pass
+                try:
+                    roce.simple_copy(frames, segs, out)
+                except (ValueError, FlowcheckError):
+                    pass
+        except FlowcheckError:
+            return "rejected"
+        return "accepted"
+
+    rng = random.Random(1234)
+    counts = {"accepted": 0, "rejected": 0}
+    corpus = list(tf.SEED_CAPTURES)
+    for p in sorted(glob.glob(str(tf.PCAPS / "*.pcapng"))):
+        corpus.append(open(p, "rb").read())
+    # hand-made edge cases: extreme pcapng time resolutions and offsets (128-bit/shift arithmetic)
+    import struct
+    from tests.capture.test_pcap import block, epb, option, shb
+    frame = bytes(range(64))
+    for resol in (0, 9, 19, 127, 0x80, 0x80 | 63, 0x80 | 64, 0xFF):
+        for offset in (0, 1, 2**62, 2**63 - 1, 2**63, 2**64 - 1):
+            opts = option(9, bytes([resol])) + option(14, struct.pack("<Q", offset)) + option(0, b"")
+            idb = block(1, struct.pack("<HHI", 1, 0, 0) + opts)
+            corpus.append(shb() + idb + epb(0, 2**64 - 1, frame) + epb(0, 0, frame))
+    runs = 0
+    for data in corpus:
+        counts[decode(data)] += 1; runs += 1
+    kinds = ["flip", "u32", "truncate", "magic", "splice", "frame"]
+    for i in range(n_inputs):
+        seed = tf.SEED_CAPTURES[i % len(tf.SEED_CAPTURES)]
+        edits = []
+        for _ in range(rng.randint(1, 5)):
+            k = rng.choice(kinds)
+            r = rng.random
+            if k == "flip": edits.append((k, r(), rng.randint(1, 255)))
+            elif k == "u32": edits.append((k, r(), rng.choice([0, 1, 11, 12, 0xFFFFFFFF, 0x7FFFFFFF, rng.getrandbits(32)]), rng.choice([0, 4, 8, 12, 16, 20, 24, 28]), rng.random() < .5))
+            elif k == "truncate": edits.append((k, r()))
+            elif k == "magic": edits.append((k, rng.choice(tf.MAGICS), rng.choice([0, 8])))
+            elif k == "splice": edits.append((k, r(), r(), rng.randint(1, 512)))
+            else: edits.append((k, r(), rng.randint(0, 95), rng.randint(0, 255)))
+        counts[decode(tf._mutate_capture(seed, edits))] += 1; runs += 1
+        counts[decode(rng.choice(tf.MAGICS).to_bytes(4, "little") + rng.randbytes(rng.randint(0, 400)))] += 1; runs += 1
+    # the other extension: writes and copies with odd sizes and offsets
+    fd = os.open(str(tf.WORK / "asan.bin"), os.O_RDWR | os.O_CREAT)
+    for size in (0, 1, 7, 4096, 65537):
+        buf = np.frombuffer(rng.randbytes(size), np.uint8)
+        _native.pwrite_all(fd, buf, rng.randint(0, 100), 4096)
+        dst = np.empty(size, np.uint8)
+        _native.copy_into(dst, buf, 3)
+        assert dst.tobytes() == buf.tobytes()
+        for bad in (np.empty(max(size - 1, 0), np.uint8), np.empty(size + 1, np.uint8)):
+            try:
+                _native.copy_into(bad, buf, 2)
+            except (ValueError, TypeError):
+                pass
+    os.close(fd)
+    print(f"ASAN-FUZZ inputs={runs} accepted={counts['accepted']} rejected={counts['rejected']} crashes=0")
+''')
+
+
+def test_native_packet_path_is_clean_under_address_and_ub_sanitizers(asan_build):
+    build, libasan = asan_build
+    env = dict(os.environ)
+    env.update(
+        LD_PRELOAD=libasan,
+        ASAN_OPTIONS="detect_leaks=0:abort_on_error=0:exitcode=86:allocator_may_return_null=1",
+        UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:exitcode=87",
+        PYTHONPATH=str(ROOT),
+    )
+    proc = subprocess.run([sys.executable, "-c", CHILD, str(build), str(INPUTS)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600, check=False)
+    report = proc.stderr[-6000:]
+    assert "AddressSanitizer" not in proc.stderr and "runtime error:" not in proc.stderr, report
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-2000:]}\n{report}"
+    line = [x for x in proc.stdout.splitlines() if x.startswith("ASAN-FUZZ")]
+    assert line, proc.stdout[-2000:]
+    print("\n" + line[0])
