@@ -59,6 +59,10 @@ def collect(store: Store, report: AuditReport, *, verify: bool, data: bool) -> d
                 report.problems.append(Problem(tier.name, step, str(e), "manifest.json"))
                 continue
             manifests[(tier.name, step)] = m
+            if m.signature is None and tier.signing_key is not None:
+                # accepted (signing.required is off) but worth a look: a stripped signature reads like this
+                report.problems.append(Problem(tier.name, step, "unsigned manifest while a signing key is set; "
+                                               "set signing.required: true to refuse unsigned steps", "manifest.json", "warning"))
             if verify:
                 report.problems.extend(tier.verify(step, data=data))
             node = report.nodes.setdefault(m.digest(), Node(
