@@ -19,7 +19,8 @@ FORMATS = ("text", "json")
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 # structured fields a log call may attach with extra={...}; anything else stays out of the output
 FIELDS = ("event", "step", "tier", "bytes", "seconds", "queue_seconds", "steps", "reason", "iteration", "run", "node")
-_SECRET_NAME = re.compile(r"(SECRET|TOKEN|PASSWORD|PASSWD|CREDENTIAL|HMAC|_KEY$|^KEY$)", re.IGNORECASE)
+# AWS_ACCESS_KEY_ID too: botocore's debug log prints it in every request's Authorization header
+_SECRET_NAME = re.compile(r"(SECRET|TOKEN|PASSWORD|PASSWD|CREDENTIAL|HMAC|ACCESS_KEY|_KEY$|_KEY_ID$|^KEY$)", re.IGNORECASE)
 _MASK = "***"
 
 
