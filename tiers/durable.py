@@ -7,8 +7,10 @@ the data durable before the manifest commits it.
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import threading
+from contextlib import contextmanager
 
 from zarr.core.buffer import Buffer
 from zarr.storage import LocalStore
@@ -94,13 +96,37 @@ class DurableStore(LocalStore):
         super().__init__(root)
         self.written: dict[str, tuple[int, str]] = {}
         self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._busy = 0
+        self._abandoned = False
+
+    @contextmanager
+    def _writing(self, key: str):
+        with self._lock:
+            if self._abandoned:
+                raise OSError(errno.ECANCELED, "the step write was abandoned", key)
+            self._busy += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._busy -= 1
+                self._idle.notify_all()
+
+    def abandon(self, timeout: float = 60.0) -> None:
+        """Refuse new writes and wait for those in flight: zarr runs writes concurrently and keeps them
+        going after one fails, so without this a folder removed after a failure comes back."""
+        with self._lock:
+            self._abandoned = True
+            self._idle.wait_for(lambda: self._busy == 0, timeout)
 
     def _put_durable(self, key: str, value: Buffer) -> None:
         path = os.path.join(str(self.root), key)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        view = value.as_buffer_like()
-        write_file(path, view, fsync=False)
-        digest = data_digest(view)
+        with self._writing(key):
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            view = value.as_buffer_like()
+            write_file(path, view, fsync=False)
+            digest = data_digest(view)
         with self._lock:
             self.written[key] = (memoryview(view).nbytes, digest)
 
@@ -108,7 +134,8 @@ class DurableStore(LocalStore):
         """Write a whole uncompressed shard file straight from ``arr`` (see zarr_shard)."""
         from flowcheck.tiers.zarr_shard import write_shard
 
-        size, digest = write_shard(os.path.join(str(self.root), key), arr, chunk_rows)
+        with self._writing(key):
+            size, digest = write_shard(os.path.join(str(self.root), key), arr, chunk_rows)
         with self._lock:
             self.written[key] = (size, digest)
 

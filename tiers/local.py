@@ -10,6 +10,7 @@ with ``attributes["dtype"] == "bfloat16"``).
 """
 from __future__ import annotations
 
+import errno
 import logging
 import math
 import os
@@ -24,7 +25,7 @@ import numpy as np
 from flowcheck import dtypes
 from flowcheck.config import LocalConfig
 from flowcheck.digest import file_digest
-from flowcheck.errors import FormatError, IntegrityError, StepExistsError, StepNotFoundError, TierError
+from flowcheck.errors import FlowcheckError, FormatError, IntegrityError, StepExistsError, StepNotFoundError, TierError
 from flowcheck.manifest import FileEntry, Manifest, ParentRef, Piece, ShardEntry
 from flowcheck.state import Shard, Snapshot
 from flowcheck.tiers import zarr_shard
@@ -98,23 +99,48 @@ class LocalTier(Tier):
         if os.path.exists(os.path.join(final, MANIFEST)):
             return self._already_committed(snapshot, final)
         try:
-            os.makedirs(self.root, exist_ok=True)
+            if not os.path.isdir(self.root):
+                os.makedirs(self.root, exist_ok=True)
+                if self.config.fsync:
+                    fsync_dir(os.path.dirname(self.root))  # the run folder itself survives a power loss
         except OSError as e:
             raise TierError(f"local tier: cannot create {self.root}: {e.strerror}; check the path and permissions") from e
         tmp = os.path.join(self.root, f"{step_dir(snapshot.step)}.{uuid.uuid4().hex[:8]}.tmp")
+        store = DurableStore(tmp)
         try:
-            manifest = self._write_tmp(snapshot, parent, tmp)
+            manifest = self._write_tmp(snapshot, parent, store)
             self._commit(tmp, final, manifest)
-        except BaseException:
+        except BaseException as e:
+            store.abandon()  # no write still in flight may recreate the folder removed next
             shutil.rmtree(tmp, ignore_errors=True)
+            if isinstance(e, OSError) and not isinstance(e, FlowcheckError):
+                raise self._write_failed(snapshot, tmp, e, os.path.exists(os.path.join(final, MANIFEST))) from e
             raise
         self._publish_latest(snapshot.step)
         return manifest
 
-    def _write_tmp(self, snapshot: Snapshot, parent: ParentRef | None, tmp: str) -> Manifest:
+    def _write_failed(self, snapshot: Snapshot, tmp: str, e: OSError, renamed: bool) -> TierError:
+        """A disk error while writing a step, said plainly: what was written where, what the disk said, what to do."""
+        try:
+            free = f", {shutil.disk_usage(self.root).free / 2**20:.1f} MiB free"
+        except OSError:
+            free = ""
+        hint = {
+            errno.ENOSPC: "free space (lower policy.local.keep_last, run `flowcheck gc`) and snapshot again",
+            errno.EDQUOT: "raise the quota or free space, and snapshot again",
+            errno.EROFS: "the filesystem is read-only: remount it read-write or point tiers.local.root elsewhere",
+            errno.EACCES: "check the permissions of tiers.local.root",
+            errno.EPERM: "check the permissions of tiers.local.root",
+        }.get(e.errno, "check the disk")
+        msg = (f"local tier: cannot write step {snapshot.step} ({snapshot.nbytes / 2**20:.1f} MiB{free}) into {self.root}: "
+               f"{e.strerror or e} ({e.filename or tmp}); {hint}; "
+               + ("the step was renamed into place but its folder entry may not be durable: audit it"
+                  if renamed else "nothing was committed and older steps are intact"))
+        return TierError(e.errno, msg) if e.errno is not None else TierError(msg)
+
+    def _write_tmp(self, snapshot: Snapshot, parent: ParentRef | None, store: DurableStore) -> Manifest:
         import zarr
 
-        store = DurableStore(tmp)
         group = zarr.create_group(store, attributes={"flowcheck": {"run": snapshot.run, "step": snapshot.step}})
         shards = list(snapshot.data)
         index = _shard_indices(shards)
