@@ -483,9 +483,10 @@ class ObjectTier(Tier):
         return h.hexdigest()
 
     def clean_incomplete(self, older_than_s: float, dry_run: bool = False) -> list[str]:
-        """Delete step prefixes that never got a manifest, and abort stale multipart uploads."""
-        removed = []
+        """Delete step prefixes that never got a manifest, abort stale multipart uploads, and remove
+        staging folders a killed upload left behind (each may hold two whole files)."""
         cutoff = time.time() - older_than_s
+        removed = self._clean_staging(cutoff, dry_run)
         self.fs.invalidate_cache(self.root)
         try:
             entries = self._call("listing", self.fs.ls, self.root, detail=False)
@@ -502,6 +503,24 @@ class ObjectTier(Tier):
         if self.protocol in ("s3", "s3a"):
             removed += self._abort_multipart(cutoff, dry_run)
         return removed
+
+    def _clean_staging(self, cutoff: float, dry_run: bool) -> list[str]:
+        try:
+            names = os.listdir(self.staging_dir)
+        except FileNotFoundError:
+            return []
+        stale = []
+        for n in names:  # <run>-step-<step:09d>-<8 hex>, see store_files
+            path = os.path.join(self.staging_dir, n)
+            try:
+                ours = n.startswith(f"{self.run}-") and parse_step_dir(n[len(self.run) + 1:-9]) is not None
+                if ours and os.path.getmtime(path) < cutoff:
+                    stale.append(path)
+            except FileNotFoundError:  # an upload finished meanwhile
+                continue
+        for path in stale if not dry_run else ():
+            shutil.rmtree(path, ignore_errors=True)
+        return stale
 
     def _newest_mtime(self, path: str) -> float:
         newest = 0.0
