@@ -143,10 +143,18 @@ def _origin_digest(m: Manifest, shard: Shard) -> str:
     raise KeyError(shard)
 
 
+def shard_files(manifest: Manifest, entry: ShardEntry) -> list[str]:
+    """The manifest's files holding a shard: its pieces' files, or the files under its zarr array."""
+    pieces = {p.path for p in entry.location}
+    found = [f.path for f in manifest.files if f.path in pieces or any(f.path.startswith(p + "/") for p in pieces)]
+    return found or sorted(pieces) or ["(no file)"]
+
+
 class Tier(ABC):
     """A place that stores committed steps of one run."""
 
     name: str = "tier"
+    verifies_reads: bool = True  # read() checks every whole shard it reads against the manifest's digest
 
     def __init__(self, run: str, *, node: str = "", signing_key: bytes | None = None, require_signature: bool = False):
         self.run = run
@@ -244,7 +252,9 @@ class Tier(ABC):
             raise IntegrityError(f"step {step} tensor {tensor}: the stored shards cover only part of region {reg}")
         out = np.empty(tuple(s.stop - s.start for s in reg), dtype=dtypes.dtype(t.dtype).storage)
         for entry, (local, dest) in hits:
-            out[dest] = self._read_stored(m, tensor, entry, local)
+            whole = self.verifies_reads and local == full_region(entry.shape)
+            # a whole shard costs no extra I/O to check: a flipped byte must not come back as data
+            out[dest] = self.read_shard(m, tensor, entry) if whole else self._read_stored(m, tensor, entry, local)
         return out
 
     def read_shard(self, manifest: Manifest, tensor: str, entry: ShardEntry, *, verify: bool = True) -> np.ndarray:
@@ -254,8 +264,9 @@ class Tier(ABC):
             got = data_digest(arr)
             if got != entry.digest:
                 raise IntegrityError(
-                    f"{self.name} tier step {manifest.step} tensor {tensor} shard {list(entry.offsets)}: "
-                    f"data digest {got} != manifest {entry.digest}; this copy is damaged — read the step from another tier"
+                    f"{self.name} tier step {manifest.step} tensor {tensor} shard {list(entry.offsets)} "
+                    f"(stored in {', '.join(shard_files(manifest, entry))}): data digest {got} != manifest {entry.digest}; "
+                    "this copy is damaged — read the step from another tier"
                 )
         return arr
 
