@@ -10,6 +10,7 @@ from flowcheck.manifest import Manifest
 from flowcheck.restore.assemble import assemble_tensor
 from flowcheck.tiers import safetensors_io as st
 from flowcheck.tiers.base import Tier
+from flowcheck.tiers.durable import fsync_dir, fsync_file
 
 EXPORT_FORMATS = ("safetensors", "torch")
 
@@ -54,7 +55,9 @@ def _atomic(out: str, write) -> int:
     tmp = f"{out}.partial"
     try:
         write(tmp)
+        fsync_file(tmp)  # the bytes are durable before the final name points at them
         os.replace(tmp, out)
+        fsync_dir(os.path.dirname(os.path.abspath(out)))
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
