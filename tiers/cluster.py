@@ -175,8 +175,20 @@ def _await_winner(tier: ObjectTier, step: int, timeout_s: float = 10.0) -> Manif
             delay = min(delay * 2, 0.5)
 
 
+def _forget_listings(tier: ObjectTier, step: int) -> None:
+    """Drop every cached listing under the step (fsspec's invalidate_cache(path) keeps the children's,
+    so a part committed after ``nodes/<n>/`` was first listed would stay invisible)."""
+    prefix = tier._p(step_dir(step))
+    tier.fs.invalidate_cache(prefix)
+    cache = getattr(tier.fs, "dircache", None)
+    if cache is not None:
+        stripped = tier.fs._strip_protocol(prefix).rstrip("/")
+        for key in [k for k in list(cache) if k == stripped or k.startswith(stripped + "/")]:
+            cache.pop(key, None)
+
+
 def _committed(tier: ObjectTier, step: int) -> Manifest | None:
-    tier.fs.invalidate_cache(tier._p(step_dir(step)))
+    _forget_listings(tier, step)
     if not tier._exists(f"{step_dir(step)}/{MANIFEST}"):
         return None
     return tier.manifest(step, fresh=True)
@@ -185,7 +197,7 @@ def _committed(tier: ObjectTier, step: int) -> Manifest | None:
 def _present(tier: ObjectTier, step: int) -> set[str]:
     """Nodes whose part manifest of ``step`` is committed (one listing)."""
     pattern = tier._p(f"{step_dir(step)}/{NODES}/*/{MANIFEST}")
-    tier.fs.invalidate_cache(tier._p(step_dir(step)))
+    _forget_listings(tier, step)
     try:
         found = tier._call("listing node parts", tier.fs.glob, pattern)
     except FileNotFoundError:
