@@ -109,6 +109,15 @@ class ObjectConfig:
     region: str | None = None  # overrides AWS_REGION / AWS_DEFAULT_REGION
     storage_options: dict[str, Any] = field(default_factory=dict)  # passed to fsspec (never put secrets here)
     enabled: bool = True
+    # transient failures (5xx, SlowDown, resets, timeouts, truncated bodies): each HTTP request is
+    # retried by botocore (standard mode: exponential backoff with jitter) up to request_attempts
+    # times; a whole operation (a file upload, the manifest commit, a verified read) is retried by
+    # flowcheck up to `retries` more times, backing off, and no new attempt starts past retry_deadline_s
+    retries: int = 4
+    retry_deadline_s: float = 600.0
+    request_attempts: int = 3
+    connect_timeout_s: float = 5.0  # a refused or unreachable endpoint fails fast (it is not retried)
+    read_timeout_s: float = 60.0  # a request whose answer stalls this long fails (and is retried)
 
     def __post_init__(self) -> None:
         if not isinstance(self.url, str) or "://" not in self.url:
@@ -118,6 +127,12 @@ class ObjectConfig:
         _positive("tiers.object", "part_mib", self.part_mib)
         if self.part_mib < 5:
             raise ConfigError("tiers.object.part_mib: S3 multipart parts must be >= 5 MiB")
+        if isinstance(self.retries, bool) or not isinstance(self.retries, int) or self.retries < 0:
+            raise ConfigError(f"tiers.object.retries: expected an integer >= 0 (0: no retry), found {self.retries!r}")
+        if isinstance(self.request_attempts, bool) or not isinstance(self.request_attempts, int) or self.request_attempts < 1:
+            raise ConfigError(f"tiers.object.request_attempts: expected an integer >= 1, found {self.request_attempts!r}")
+        for name in ("retry_deadline_s", "connect_timeout_s", "read_timeout_s"):
+            _positive("tiers.object", name, getattr(self, name))
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ import numpy as np
 
 from flowcheck import config as config_mod
 from flowcheck.config import Config
-from flowcheck.errors import FlowcheckError, StepNotFoundError
+from flowcheck.errors import FlowcheckError, StepNotFoundError, TierError
 from flowcheck.manifest import Manifest, ParentRef, signing_key
 from flowcheck.state import Snapshot
 from flowcheck.tiers import retention
@@ -116,7 +116,11 @@ class Store:
             self._in_use.add((src, step))
         try:
             with self._locks[dst]:
-                if step in target.steps():
+                try:
+                    present = step in target.steps()
+                except TierError as e:
+                    raise TierError(f"{dst} tier: step {step} was not promoted (nothing of it was written): {e}") from e
+                if present:
                     return target.manifest(step)
                 return target.write(snap)
         finally:

@@ -27,12 +27,13 @@ import numpy as np
 from flowcheck import dtypes
 from flowcheck.config import ClusterConfig, ObjectConfig
 from flowcheck.errors import FormatError, IntegrityError, StepExistsError, StepNotFoundError, TierError
-from flowcheck.manifest import FileEntry, Manifest, ParentRef, Piece, ShardEntry
+from flowcheck.manifest import FileEntry, Manifest, ParentRef, Piece, ShardEntry, parse
 from flowcheck.state import Shard, Snapshot
 from flowcheck.tiers import range_reads
 from flowcheck.tiers import safetensors_io as st
 from flowcheck.tiers.base import Problem, Tier, make_manifest, parse_step_dir, shard_digests, step_dir
 from flowcheck.tiers.durable import commit_file_exclusive, fsync_dir, fsync_file, replace_file
+from flowcheck.tiers.retry import RetryPolicy
 
 log = logging.getLogger(__name__)
 
@@ -64,13 +65,23 @@ def filesystem(config: ObjectConfig):
             options.setdefault("endpoint_url", endpoint)
         if region:
             options.setdefault("client_kwargs", {}).setdefault("region_name", region)
-        # fail in seconds, not minutes, when the endpoint is down; s3fs retries on top of this
-        options.setdefault("config_kwargs", {"connect_timeout": 5, "read_timeout": 60, "retries": {"max_attempts": 3}})
+        # bounded requests: botocore retries each one (standard mode, backoff + jitter); the options win
+        options["config_kwargs"] = {**botocore_options(config), **options.get("config_kwargs", {})}
     try:
         fs, root = fsspec.core.url_to_fs(config.url, **options)
     except (ImportError, ValueError) as e:
         raise TierError(f"tiers.object.url {config.url!r}: cannot open ({e}); install the fsspec backend for it") from e
+    if protocol in ("s3", "s3a"):
+        # s3fs would retry botocore's retries again (5 times, multiplying read timeouts); the tier's
+        # own loop retries whole operations instead, within retry_deadline_s
+        fs.retries = 1
     return fs, root.rstrip("/")
+
+
+def botocore_options(config: ObjectConfig) -> dict:
+    """botocore client settings for the configured timeouts and per-request attempts."""
+    return {"connect_timeout": config.connect_timeout_s, "read_timeout": config.read_timeout_s,
+            "retries": {"mode": "standard", "total_max_attempts": config.request_attempts}}
 
 
 @dataclass(frozen=True)
@@ -100,6 +111,8 @@ class ObjectTier(Tier):
         self._window: dict[tuple, np.ndarray] = {}
         self._expected: tuple | None = None  # the shard a sequential reader asks for next
         self._window_lock = threading.Lock()
+        # local disks do not heal by trying again; a network store's transient faults do
+        self._retry = RetryPolicy(0 if self.protocol == "file" else config.retries, config.retry_deadline_s)
 
     @property
     def url(self) -> str:
@@ -109,6 +122,10 @@ class ObjectTier(Tier):
         return f"{self.root}/{rel}"
 
     def _call(self, what: str, fn, *args, **kwargs):
+        """Run one idempotent fsspec call, retried on transient failures (tiers/retry.py)."""
+        return self._retry.run(f"object tier {self.url}: {what}", lambda: self._call_once(what, fn, *args, **kwargs))
+
+    def _call_once(self, what: str, fn, *args, **kwargs):
         """Run one fsspec call, turning transport failures into a TierError that names the URL."""
         try:
             return fn(*args, **kwargs)
@@ -117,7 +134,7 @@ class ObjectTier(Tier):
         except OSError as e:
             raise TierError(f"object tier {self.url}: {what} failed: {e}; check the endpoint and credentials") from e
         except Exception as e:  # botocore raises its own tree for endpoint/credential trouble
-            if type(e).__module__.startswith(("botocore", "aiobotocore", "aiohttp")):
+            if type(e).__module__.startswith(("botocore", "aiobotocore", "aiohttp", "boto3", "s3transfer", "urllib3")):
                 raise TierError(f"object tier {self.url}: {what} failed: {type(e).__name__}: {e}") from e
             raise
 
@@ -148,11 +165,18 @@ class ObjectTier(Tier):
             from flowcheck.tiers import cluster
 
             return cluster.write(self, snapshot, parent)
-        if self._exists(f"{step_dir(snapshot.step)}/{MANIFEST}"):
-            return self._already_committed(snapshot)
-        m = self.store_files(snapshot, parent, step_dir(snapshot.step))
-        self._commit_manifest(m)
-        self._publish_latest(snapshot.step)
+        try:
+            if self._exists(f"{step_dir(snapshot.step)}/{MANIFEST}"):
+                return self._already_committed(snapshot)
+            m = self.store_files(snapshot, parent, step_dir(snapshot.step))
+            self._commit_manifest(m)
+        except TierError as e:
+            raise TierError(f"object tier {self.url}: step {snapshot.step} was not committed (no part of it is "
+                            f"visible; GC removes its uploaded files): {e}") from e
+        try:
+            self._publish_latest(snapshot.step)
+        except TierError as e:  # the step is committed; "latest" is a hint that the next commit moves on
+            log.warning("object tier %s: step %d committed, but updating 'latest' failed: %s", self.url, snapshot.step, e)
         return m
 
     def identity(self, snapshot: Snapshot, parent: ParentRef | None) -> tuple[dict[Shard, str], Manifest]:
@@ -290,7 +314,8 @@ class ObjectTier(Tier):
                 from flowcheck.tiers.s3_upload import s3_client
 
                 opts = self.config.storage_options
-                self._boto3 = s3_client(opts.get("endpoint_url") or self._endpoint, self._region, opts)
+                self._boto3 = s3_client(opts.get("endpoint_url") or self._endpoint, self._region, opts,
+                                        {**botocore_options(self.config), **opts.get("config_kwargs", {})})
             except ImportError:
                 self._boto3 = None
         return self._boto3
@@ -302,8 +327,8 @@ class ObjectTier(Tier):
             os.makedirs(os.path.dirname(self._p(rel)), exist_ok=True)
             commit_file_exclusive(self._p(rel), data)
         elif self.protocol in ("s3", "s3a"):
-            try:
-                self._call(what, self.fs.pipe_file, self._p(rel), data, mode="create")
+            try:  # once: a retried create whose first answer was lost is refused; the caller decides
+                self._call_once(what, self.fs.pipe_file, self._p(rel), data, mode="create")
             except TierError as e:
                 if getattr(e.__cause__, "errno", None) == errno.EBUSY:  # 409 ConditionalRequestConflict:
                     raise FileExistsError(rel) from e  # a concurrent create of the same key is in flight
@@ -319,10 +344,24 @@ class ObjectTier(Tier):
         return self._call(what, self.fs.cat_file, self._p(rel))
 
     def _commit_manifest(self, m: Manifest) -> None:
-        try:
-            self.create_exclusive(f"{step_dir(m.step)}/{MANIFEST}", m.to_bytes())
-        except FileExistsError as e:
-            raise StepExistsError(f"object tier {self.url}: step {m.step} was committed by another writer") from e
+        """The exclusive create of the manifest, retried; "exists" after a lost answer is checked, not believed."""
+        rel = f"{step_dir(m.step)}/{MANIFEST}"
+
+        def attempt() -> None:
+            try:
+                self.create_exclusive(rel, m.to_bytes())
+            except FileExistsError as e:
+                # our own create may have landed with its answer lost (a reset or timeout, then a retry
+                # refused): the step is ours if the stored manifest is this one
+                try:
+                    existing = parse(self._call_once("reading back the manifest", self.fs.cat_file, self._p(rel)), rel)
+                except FileNotFoundError:  # 409: a create still in flight; look again
+                    raise TierError(f"object tier {self.url}: {rel}: create refused but no manifest yet") from e
+                if existing.digest() != m.digest():
+                    raise StepExistsError(f"object tier {self.url}: step {m.step} was committed by another writer") from e
+                log.info("object tier %s: step %d: the manifest create was answered 'exists'; it is ours", self.url, m.step)
+
+        self._retry.run(f"object tier {self.url}: step {m.step}: committing the manifest", attempt)
 
     def _already_committed(self, snapshot: Snapshot) -> Manifest:
         existing = self.manifest(snapshot.step)
@@ -361,7 +400,18 @@ class ObjectTier(Tier):
             )
         return info, rows
 
+    def read_shard(self, manifest: Manifest, tensor: str, entry: ShardEntry, *, verify: bool = True) -> np.ndarray:
+        # a body cut short or garbled in transit fails its length or digest check: read it again
+        return self._retry.run(f"object tier {self.url}: step {manifest.step}: reading {tensor} {list(entry.offsets)}",
+                               lambda: super(ObjectTier, self).read_shard(manifest, tensor, entry, verify=verify),
+                               retry_on=(TierError, IntegrityError))
+
     def _read_shard(self, manifest: Manifest, tensor: str, shard: ShardEntry, region) -> np.ndarray:
+        return self._retry.run(f"object tier {self.url}: step {manifest.step}: reading {tensor} {list(shard.offsets)}",
+                               lambda: self._read_shard_once(manifest, tensor, shard, region),
+                               retry_on=(TierError, IntegrityError))
+
+    def _read_shard_once(self, manifest: Manifest, tensor: str, shard: ShardEntry, region) -> np.ndarray:
         if all(r.start == 0 and r.stop == n for r, n in zip(region, shard.shape)):
             return self._whole_shard(manifest, tensor, shard)
         dt = dtypes.dtype(manifest.tensors[tensor].dtype)
@@ -454,17 +504,30 @@ class ObjectTier(Tier):
         return problems
 
     def _check_file(self, manifest: Manifest, f: FileEntry, manifest_id: str) -> str | None:
-        """What is wrong with one stored file (size, digest, safetensors header, the manifest it names), or None."""
+        """What is wrong with one stored file (size, digest, safetensors header, the manifest it names), or None.
+
+        A mismatch is read again before it is believed: a body cut short in transit looks the same."""
+        try:
+            return self._retry.run(f"object tier {self.url}: checking {f.path}",
+                                   lambda: self._check_file_once(manifest, f, manifest_id),
+                                   retry_on=(TierError, IntegrityError))
+        except IntegrityError as e:
+            return str(e)
+        except TierError as e:
+            return f"cannot be read: {e}"
+
+    def _check_file_once(self, manifest: Manifest, f: FileEntry, manifest_id: str) -> str | None:
         path = self._p(f.path)
+        self.fs.invalidate_cache(path)
         try:
             size = self._call(f"stat {f.path}", self.fs.size, path)
         except FileNotFoundError:
             return "file listed in the manifest is missing"
         if size != f.bytes:
-            return f"size {size} != manifest {f.bytes}"
-        digest = self._stream_digest(path)
+            raise IntegrityError(f"size {size} != manifest {f.bytes}")
+        digest = self._call_once(f"reading {f.path}", self._stream_digest, path)
         if digest != f.digest:
-            return f"digest {digest} != manifest {f.digest}"
+            raise IntegrityError(f"digest {digest} != manifest {f.digest}")
         try:
             meta = self.header(f.path).metadata
         except FormatError as e:
@@ -477,7 +540,7 @@ class ObjectTier(Tier):
         from flowcheck.digest import DataHasher
 
         h = DataHasher()
-        with self._call("opening", self.fs.open, path, "rb", block_size=16 << 20) as f:
+        with self.fs.open(path, "rb", block_size=16 << 20) as f:
             while chunk := f.read(16 << 20):
                 h.update(chunk)
         return h.hexdigest()
@@ -541,8 +604,11 @@ class ObjectTier(Tier):
             if started.replace(tzinfo=started.tzinfo or timezone.utc).timestamp() < cutoff:
                 aborted.append(f"multipart:{bucket}/{up['Key']}")
                 if not dry_run:
-                    self._call("aborting a multipart upload", self.fs.call_s3, "abort_multipart_upload",
-                               Bucket=bucket, Key=up["Key"], UploadId=up["UploadId"])
+                    try:
+                        self._call("aborting a multipart upload", self.fs.call_s3, "abort_multipart_upload",
+                                   Bucket=bucket, Key=up["Key"], UploadId=up["UploadId"])
+                    except FileNotFoundError:  # NoSuchUpload: completed or aborted meanwhile
+                        aborted.pop()
         return aborted
 
     def incomplete(self) -> list[str]:

@@ -14,9 +14,12 @@ from collections.abc import Callable
 from typing import Any
 
 
-def s3_client(endpoint_url: str | None, region: str | None, storage_options: dict[str, Any]):
-    """A boto3 S3 client for the same endpoint and credentials as the tier's s3fs filesystem."""
+def s3_client(endpoint_url: str | None, region: str | None, storage_options: dict[str, Any],
+              config_kwargs: dict[str, Any] | None = None):
+    """A boto3 S3 client for the same endpoint, credentials and botocore settings (timeouts,
+    retries) as the tier's s3fs filesystem."""
     import boto3
+    from botocore.config import Config
 
     creds = {
         "aws_access_key_id": storage_options.get("key"),
@@ -24,12 +27,16 @@ def s3_client(endpoint_url: str | None, region: str | None, storage_options: dic
         "aws_session_token": storage_options.get("token"),
     }
     session = boto3.session.Session(profile_name=storage_options.get("profile"), **{k: v for k, v in creds.items() if v})
-    return session.client("s3", endpoint_url=endpoint_url, region_name=region)
+    return session.client("s3", endpoint_url=endpoint_url, region_name=region, config=Config(**(config_kwargs or {})))
 
 
 def upload_file(client, local: str, remote: str, *, part_bytes: int, concurrency: int,
                 progress: Callable[[int], None] | None = None) -> None:
-    """Upload ``local`` to ``remote`` (``bucket/key``) with ``concurrency`` parts of ``part_bytes`` in flight."""
+    """Upload ``local`` to ``remote`` (``bucket/key``) with ``concurrency`` parts of ``part_bytes`` in flight.
+
+    Each request is retried by the client's botocore config; a part that runs out of attempts
+    fails the upload, which the transfer manager then aborts (best effort: GC aborts what is left).
+    The caller retries the whole file."""
     from boto3.s3.transfer import TransferConfig
 
     bucket, key = remote.split("/", 1)

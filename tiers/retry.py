@@ -1,0 +1,94 @@
+"""Bounded retries of object-store operations: exponential backoff with full jitter, a deadline, the last error.
+
+botocore already retries each HTTP request (standard mode); this loop is the layer above it, around
+whole operations the library cannot repeat by itself: a file upload whose parts ran out of
+attempts, a manifest commit whose answer was lost, a read whose body came back short.  Only the
+outermost loop of a thread retries: an operation retried inside another one fails at once and
+lets the outer loop (which owns the time budget) start over, so attempts never multiply.
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+from flowcheck.errors import TierError
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+_depth = threading.local()
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """``retries`` more attempts after the first, none started past ``deadline_s`` from the first."""
+
+    retries: int = 4
+    deadline_s: float = 600.0
+    base_s: float = 0.1  # first backoff at most this long; doubles per attempt (full jitter)
+    cap_s: float = 5.0
+
+    def run(self, what: str, fn: Callable[[], T], retry_on: tuple[type[BaseException], ...] = (TierError,)) -> T:
+        """``fn()``, retried while it raises a transient ``retry_on`` error; the final error names
+        ``what``, the attempts and the time spent, and chains the last error."""
+        if getattr(_depth, "n", 0):
+            return fn()  # an outer loop owns the budget
+        _depth.n = 1
+        try:
+            return self._loop(what, fn, retry_on)
+        finally:
+            _depth.n = 0
+
+    def _loop(self, what: str, fn: Callable[[], T], retry_on: tuple[type[BaseException], ...]) -> T:
+        start = time.monotonic()
+        for attempt in range(1, self.retries + 2):
+            try:
+                return fn()
+            except retry_on as e:
+                if not transient(e) or self.retries == 0:
+                    raise
+                spent = time.monotonic() - start
+                delay = random.uniform(0, min(self.cap_s, self.base_s * 2 ** (attempt - 1)))
+                if attempt > self.retries or spent + delay > self.deadline_s:
+                    if not isinstance(e, TierError):
+                        raise  # what stays wrong on every read (a damaged copy) keeps its own error
+                    raise TierError(
+                        f"{what}: gave up after {attempt} attempt{'s' if attempt > 1 else ''} in {spent:.1f}s "
+                        f"(tiers.object.retries={self.retries}, retry_deadline_s={self.deadline_s:g}); "
+                        f"last error: {e}"
+                    ) from e
+                log.warning("%s: attempt %d failed (%s); retrying in %.2fs", what, attempt, e, delay,
+                            extra={"event": "object_retry", "attempt": attempt})
+                time.sleep(delay)
+        raise AssertionError("unreachable")
+
+
+_PERMANENT_ERRNO = {errno.EINVAL, errno.EACCES, errno.EPERM, errno.ENOENT, errno.ENOSPC, errno.EROFS}
+
+
+def transient(e: BaseException) -> bool:
+    """Whether an error may go away by trying again: 5xx, SlowDown, resets, read timeouts and short
+    bodies do; bad requests, permissions and an endpoint that cannot be connected to do not (a
+    refused connection is a wrong URL or an outage longer than any retry budget: fail fast)."""
+    seen = 0
+    while e is not None and seen < 8:
+        name = type(e).__name__
+        if name in ("EndpointConnectionError", "ConnectTimeoutError", "ClientConnectorError", "InvalidURL"):
+            return False
+        status = getattr(e, "response", None)
+        if isinstance(status, dict):
+            code = status.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+            if 400 <= code < 500 and code not in (408, 409, 429):
+                return False
+        if isinstance(e, OSError) and e.errno in _PERMANENT_ERRNO:
+            return False
+        if isinstance(e, (FileNotFoundError, FileExistsError, PermissionError)):
+            return False
+        e, seen = (e.__cause__ if e.__cause__ is not None else None if e.__suppress_context__ else e.__context__), seen + 1
+    return True
