@@ -55,6 +55,15 @@ class JobRecord:
         return self.finished - self.started
 
 
+HISTORY = 256  # entries kept per PolicyStats list: a node runs for months, one job every few seconds
+
+
+def _keep(history: list, item) -> None:
+    """Append, dropping the oldest entries past ``HISTORY`` (lists, so callers keep slicing and comparing)."""
+    history.append(item)
+    del history[:-HISTORY]
+
+
 @dataclass
 class PolicyStats:
     local_snapshots: list[int] = field(default_factory=list)
@@ -136,11 +145,11 @@ class PolicyRunner:
         except Exception as e:  # noqa: BLE001 - a failed job must not kill the scheduler; it is reported
             outcome = "failed"
             log.exception("policy: %s job failed", tier, extra={"event": "job_failed", "tier": tier})
-            self.stats.errors.append(f"{tier}: {type(e).__name__}: {e}")
+            _keep(self.stats.errors, f"{tier}: {type(e).__name__}: {e}")
             if reraise:
                 raise
         finally:
-            self.stats.durations[tier].append(time.monotonic() - started)
+            _keep(self.stats.durations[tier], time.monotonic() - started)
             self._record(JobRecord(tier, outcome, requested, started, time.monotonic(),
                                    None if m is None else m.step, m.nbytes if m is not None and outcome == "committed" else 0))
         return None
@@ -170,7 +179,7 @@ class PolicyRunner:
             return None, False
         m, wrote = self._snapshot_any()
         if not self.stats.local_snapshots or self.stats.local_snapshots[-1] != m.step:
-            self.stats.local_snapshots.append(m.step)
+            _keep(self.stats.local_snapshots, m.step)
         self._gc("local")
         return m, wrote
 
@@ -183,7 +192,7 @@ class PolicyRunner:
         if latest_obj is not None and latest_obj >= newest:
             return None, False
         m = self.store.promote(newest)
-        self.stats.promotions.append(m.step)
+        _keep(self.stats.promotions, m.step)
         self._gc("object")
         return m, True
 

@@ -54,3 +54,21 @@ def test_scheduler_jobs_use_the_safe_apscheduler_settings(tmp_path):
         assert (job.max_instances, job.coalesce, job.misfire_grace_time) == (1, True, None)
     finally:
         runner.stop()
+
+
+def test_job_history_stays_bounded_on_a_long_running_node(tmp_path, monkeypatch):
+    import flowcheck.policy as policy_module
+
+    monkeypatch.setattr(policy_module, "HISTORY", 4)
+    store = make_store(tmp_path, local_keep=2, object_keep=1)
+    runner = PolicyRunner(store, PolicyConfig(local=TierPolicy(every_steps=1, keep_last=2),
+                                              object=TierPolicy(every_steps=1, keep_last=1)))
+    store.push(make_snapshot(step=0))
+    for step in range(1, 11):
+        advance(store, step)
+        runner.trigger("local").result()
+        runner.trigger("object").result()
+    runner.stop()
+    # a node snapshotting every few seconds for months must not keep every step it ever wrote
+    assert runner.stats.local_snapshots == [7, 8, 9, 10] and runner.stats.promotions == [7, 8, 9, 10]
+    assert all(len(d) == 4 for d in runner.stats.durations.values())
