@@ -60,3 +60,32 @@ def test_secrets_never_appear_in_logs_manifests_files_or_errors(tmp_path, secret
         leaks = [t[max(0, t.find(value) - 80): t.find(value) + 80] for t in texts if value in t]
         assert not leaks, f"{name} leaked: {leaks[:2]}"
     print(f"\nsecrets test: {len(SECRETS)} secrets, {len(outputs)} CLI outputs ({log_format}) + {len(stored)} stored files: 0 leaks")
+
+
+def test_secrets_never_appear_in_a_nodes_metrics_or_status(tmp_path, secret_env):
+    """A running node (in-process, the fake secrets in its environment) after a snapshot and a promotion to S3:
+    /metrics, /status and /steps carry none of them."""
+    import urllib.request
+
+    from flowcheck.config import load
+    from flowcheck.node.service import Node
+
+    cfg_path = tmp_path / "node.yaml"
+    cfg_path.write_text(yaml.safe_dump({"run": "r1", "signing": {"required": True}, "tiers": {
+        "local": {"root": str(tmp_path / "local")}, "object": {"url": secret_env, "max_file_mib": 1}},
+        "serve": {"push": "127.0.0.1:0", "http": "127.0.0.1:0"}}))
+    node = Node(load(str(cfg_path))).start()
+    try:
+        node.store.push(make_snapshot(step=10))
+        node.store.snapshot()
+        node.store.promote(10)
+        pages = {}
+        for page in ("metrics", "status", "steps"):
+            with urllib.request.urlopen("http://%s:%d/%s" % (*node.api.address, page), timeout=10) as r:
+                pages[page] = r.read().decode()
+    finally:
+        node.stop()
+    assert "flowcheck_" in pages["metrics"] and '"object"' in pages["steps"], pages
+    for name, value in SECRETS.items():
+        leaks = {page: text[max(0, text.find(value) - 80): text.find(value) + 80] for page, text in pages.items() if value in text}
+        assert not leaks, f"{name} leaked: {leaks}"
