@@ -191,9 +191,14 @@ class ObjectTier(Tier):
         digests, identity = self.identity(snapshot, parent)
         plan = self._plan(snapshot)
         staging = os.path.join(self.staging_dir, f"{self.run}-{step_dir(snapshot.step)}-{uuid.uuid4().hex[:8]}")
-        os.makedirs(staging, exist_ok=True)
         try:
+            os.makedirs(staging, exist_ok=True)
             files, locations = self._stage_and_upload(snapshot, plan, staging, identity.digest(), prefix)
+        except TierError:
+            raise
+        except OSError as e:  # a full or read-only staging disk
+            raise TierError(e.errno, f"object tier {self.url}: step {snapshot.step}: staging its files in {self.staging_dir} "
+                            f"failed: {e.strerror or e} (errno {e.errno}); free space there or set tiers.object.staging_dir") from e
         finally:
             shutil.rmtree(staging, ignore_errors=True)
         m = make_manifest(snapshot, node=self.node, parent=parent, digests=digests, locations=locations, files=files)

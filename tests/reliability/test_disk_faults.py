@@ -152,9 +152,9 @@ def test_a_full_staging_disk_fails_a_promotion_without_touching_either_tier(tmp_
     commit(store, 10, 11, promote=True)
     commit(store, 12)
     faults = FailingWrites(monkeypatch, path_part=os.path.join(str(tmp_path), "staging"))
-    with pytest.raises(OSError) as err:
+    with pytest.raises(TierError) as err:  # a FlowcheckError that keeps the errno
         store.promote(12)
-    assert err.value.errno == errno.ENOSPC and "staging" in str(err.value)
+    assert f"errno {errno.ENOSPC}" in str(err.value) and "staging" in str(err.value) and "step 12" in str(err.value)
     assert_intact(open_store(str(tmp_path)), {"local": [10, 11, 12], "object": [10, 11]})
     faults.armed = False
     store.promote(12)
