@@ -211,6 +211,8 @@ class LocalTier(Tier):
         rel = shard.location[0].path
         path = os.path.join(self.root, rel)
         listed = self._chunk_files(manifest).get(rel, ())
+        for f in (f"{rel}/zarr.json", *listed):
+            self._check_inside(f)
         meta = zarr_shard.array_meta(path)
         if tuple(meta["shape"]) != shard.shape:
             raise FormatError(f"{path}: zarr array shape {meta.get('shape')} != manifest shard shape {list(shard.shape)}")
@@ -254,6 +256,21 @@ class LocalTier(Tier):
                 self._chunks_by_manifest.popitem(last=False)
         return found
 
+    def _outside(self, rel: str) -> str | None:
+        """Where a step file really is, when that is outside the store's run folder (a symlink out of it); else None."""
+        root = os.path.realpath(self.root)
+        real = os.path.realpath(os.path.join(self.root, rel))
+        return None if real == root or real.startswith(root + os.sep) else real
+
+    def _check_inside(self, rel: str) -> None:
+        # even a link to an identical copy is refused: the copy outside the root is not the tier's to vouch for
+        real = self._outside(rel)
+        if real is not None:
+            raise IntegrityError(
+                f"local tier: {os.path.join(self.root, rel)} is a symlink out of the store root {self.root} (to {real}); "
+                "refusing to read it — replace the link with the file (or read the step from another tier)"
+            )
+
     # ---- delete / verify / clean -------------------------------------------
     def _delete(self, step: int) -> None:
         path = os.path.join(self.root, step_dir(step))
@@ -268,6 +285,10 @@ class LocalTier(Tier):
         for f in manifest.files:
             listed.add(f.path)
             path = os.path.join(self.root, f.path)
+            real = self._outside(f.path)
+            if real is not None:
+                problems.append(Problem(self.name, manifest.step, f"symlink out of the store root (to {real})", path))
+                continue
             try:
                 size, digest = file_digest(path)
             except FileNotFoundError:
@@ -281,7 +302,10 @@ class LocalTier(Tier):
         for dirpath, _dirs, files in os.walk(os.path.join(self.root, sd)):
             for name in files:
                 rel = os.path.relpath(os.path.join(dirpath, name), self.root)
-                if rel not in listed and rel != f"{sd}/{MANIFEST}":
+                real = self._outside(rel) if rel not in listed else None
+                if real is not None:
+                    problems.append(Problem(self.name, manifest.step, f"symlink out of the store root (to {real})", rel))
+                elif rel not in listed and rel != f"{sd}/{MANIFEST}":
                     problems.append(Problem(self.name, manifest.step, "file not listed in the manifest", rel, "warning"))
         return problems
 

@@ -89,3 +89,35 @@ def test_secrets_never_appear_in_a_nodes_metrics_or_status(tmp_path, secret_env)
     for name, value in SECRETS.items():
         leaks = {page: text[max(0, text.find(value) - 80): text.find(value) + 80] for page, text in pages.items() if value in text}
         assert not leaks, f"{name} leaked: {leaks}"
+
+
+def test_a_symlink_out_of_the_store_root_is_refused_on_read_and_flagged_by_audit_even_to_an_identical_copy(tmp_path):
+    import shutil
+
+    from flowcheck.audit import audit
+    from flowcheck.config import Config, LocalConfig, TiersConfig
+    from flowcheck.errors import IntegrityError
+    from flowcheck.store import Store
+
+    store = Store(Config(run="r1", tiers=TiersConfig(local=LocalConfig(root=str(tmp_path / "local")))))
+    store.push(make_snapshot(step=10))
+    m = store.snapshot()
+    tensor = next(iter(m.tensors))
+    chunk = next(f.path for f in m.files if f.path.startswith(m.tensors[tensor].shards[0].location[0].path + "/c"))
+    inside = tmp_path / "local" / "r1" / chunk
+    outside = tmp_path / "elsewhere" / "chunk"  # the same bytes, outside the root
+    outside.parent.mkdir()
+    shutil.copyfile(inside, outside)
+    inside.unlink()
+    inside.symlink_to(outside)
+
+    with pytest.raises(IntegrityError, match="symlink out of the store root") as e:
+        store.local.read(10, tensor)
+    assert str(inside) in str(e.value) and str(outside) in str(e.value)
+    report = audit(store)
+    assert not report.ok
+    assert any(p.severity == "error" and "symlink out of the store root" in p.what and p.path == str(inside)
+               for p in report.problems), report.problems
+    inside.unlink()
+    shutil.copyfile(outside, inside)  # the file back in place: reads and audit are clean again
+    assert store.local.read(10, tensor).shape == tuple(m.tensors[tensor].global_shape) and audit(store).ok
