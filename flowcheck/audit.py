@@ -11,13 +11,15 @@ import json
 import os
 import shutil
 import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from flowcheck.errors import FlowcheckError, ManifestError, StepNotFoundError
 from flowcheck.manifest import Manifest
+from flowcheck.progress import Progress, counter
 from flowcheck.store import Store
-from flowcheck.tiers.base import Problem
+from flowcheck.tiers.base import Problem, verify_bytes
 
 
 @dataclass
@@ -46,7 +48,8 @@ class AuditReport:
         return not any(p.severity == "error" for p in self.problems)
 
 
-def collect(store: Store, report: AuditReport, *, verify: bool, data: bool) -> dict[tuple[str, int], Manifest]:
+def collect(store: Store, report: AuditReport, *, verify: bool, data: bool,
+            on_bytes: Callable[[int], None] | None = None) -> dict[tuple[str, int], Manifest]:
     manifests: dict[tuple[str, int], Manifest] = {}
     for tier in store.tiers(include_memory=False):
         for name in tier.incomplete():
@@ -64,7 +67,7 @@ def collect(store: Store, report: AuditReport, *, verify: bool, data: bool) -> d
                 report.problems.append(Problem(tier.name, step, "unsigned manifest while a signing key is set; "
                                                "set signing.required: true to refuse unsigned steps", "manifest.json", "warning"))
             if verify:
-                report.problems.extend(tier.verify(step, data=data))
+                report.problems.extend(tier.verify(step, data=data, on_bytes=on_bytes))
             node = report.nodes.setdefault(m.digest(), Node(
                 step, m.digest(), (m.parent.step, m.parent.manifest_digest) if m.parent else None,
                 m.producer.source, m.created_at))
@@ -132,17 +135,31 @@ def check_chain(store: Store, manifests: dict[tuple[str, int], Manifest], report
             report.forks.append((parent_step, sorted(steps)))
 
 
-def audit(store: Store, *, verify: bool = True, data: bool = True) -> AuditReport:
-    """Verify every step in every persistent tier and the lineage across them."""
+def audit(store: Store, *, verify: bool = True, data: bool = True, progress: Progress | None = None) -> AuditReport:
+    """Verify every step in every persistent tier and the lineage across them; ``progress`` counts bytes re-read."""
     report = AuditReport(verified=verify)
-    manifests = collect(store, report, verify=verify, data=data)
+    on_bytes = counter(progress, _verify_total(store, data)) if verify and progress is not None else None
+    manifests = collect(store, report, verify=verify, data=data, on_bytes=on_bytes)
     check_chain(store, manifests, report)
     return report
 
 
+def _verify_total(store: Store, data: bool, tiers: list | None = None, step: int | None = None) -> int:
+    """The bytes ``Tier.verify`` will re-read (of one step, or all), from each tier's own manifest (its files
+    differ per tier); a manifest that does not load counts nothing: nothing of its step is re-read."""
+    total = 0
+    for tier in store.tiers(include_memory=False) if tiers is None else tiers:
+        for s in tier.steps() if step is None else [step]:
+            try:
+                total += verify_bytes(tier.manifest(s), data)
+            except FlowcheckError:
+                pass
+    return total
+
+
 # ---- lineage views ---------------------------------------------------------------
-def lineage(store: Store, *, verify: bool = False) -> AuditReport:
-    return audit(store, verify=verify, data=False)
+def lineage(store: Store, *, verify: bool = False, progress: Progress | None = None) -> AuditReport:
+    return audit(store, verify=verify, data=False, progress=progress)
 
 
 class RendererNotFoundError(FlowcheckError, FileNotFoundError):
@@ -345,16 +362,16 @@ def format_chain(links: list[Link], *, keep: int = 12) -> str:
     return "step " + " <- ".join(parts)
 
 
-def step_checks(store: Store, manifest: Manifest, *, data: bool) -> tuple[str, list[str]]:
+def step_checks(store: Store, manifest: Manifest, *, data: bool, progress: Progress | None = None) -> tuple[str, list[str]]:
     """Verify one step in every tier holding it: (overall status, one line per tier).
 
     Always: the manifest re-read (integrity), its signature, and that every tier holds the same
     state (manifest digest).  With ``data``: every file's size and digest and every shard's data digest.
     """
     digest, lines, bad = manifest.digest(), [], False
-    for tier in store.tiers(include_memory=False):
-        if manifest.step not in tier.steps():
-            continue
+    holders = [t for t in store.tiers(include_memory=False) if manifest.step in t.steps()]
+    on_bytes = counter(progress, _verify_total(store, True, holders, manifest.step)) if data else None
+    for tier in holders:
         problems: list[Problem] = []
         try:
             m = tier.manifest(manifest.step, fresh=True)
@@ -371,7 +388,7 @@ def step_checks(store: Store, manifest: Manifest, *, data: bool) -> tuple[str, l
         else:
             checks.append("signature valid")
         if data:
-            problems = tier.verify(manifest.step, data=True)
+            problems = tier.verify(manifest.step, data=True, on_bytes=on_bytes)
             checks.append("files and shard data ok" if not problems else "; ".join(p.what for p in problems))
         bad = bad or m.digest() != digest or bool(problems)
         lines.append(f"{tier.name}: {'FAILED ' if problems else ''}{', '.join(checks)}")

@@ -82,6 +82,11 @@ def _step_arg(step: str) -> int | str:
     return int(step)
 
 
+def _bytes_bar(desc: str):
+    """A byte-counting bar; the library call it is passed to sets its total before the first update."""
+    return _progress.bar(desc=desc, unit="B", unit_scale=True, unit_divisor=1024)
+
+
 def _size(n: int) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if n < 1024 or unit == "TiB":
@@ -191,8 +196,11 @@ def show(config_path, step, prefer, as_json, verify):
     click.echo(f"signature  {'hmac-sha256' if m.signature else 'unsigned'}")
     click.echo(f"tiers      {', '.join(holders)}")
     click.echo(f"chain      {format_chain(parent_chain(store, m))}")
-    with _progress.activity(f"verify step {m.step}" + (" (files and shard data)" if verify else "")):
-        status, per_tier = step_checks(store, m, data=verify)
+    if verify:
+        with _bytes_bar(f"verify step {m.step} (files and shard data)") as bar:
+            status, per_tier = step_checks(store, m, data=True, progress=bar)
+    else:
+        status, per_tier = step_checks(store, m, data=False)
     click.echo(f"status     {status}")
     for line in per_tier:
         click.echo(f"           {line}")
@@ -218,8 +226,8 @@ def snapshot(config_path, state_path, step, tier):
     store = _store(config_path, progress=True)
     with _progress.activity(f"read {os.path.basename(state_path)}"):
         snap = load_state_file(state_path, store.config.run, step)
-    with _progress.activity(f"write step {step} to the {tier} tier ({_size(snap.nbytes)})"):
-        m = store.write(snap, tier)
+    with _bytes_bar(f"write step {step} to the {tier} tier") as bar:
+        m = store.write(snap, tier, progress=bar)
     click.echo(f"committed step {m.step} to the {tier} tier: {len(m.tensors)} tensors, {_size(m.nbytes)}, digest {m.digest()}")
 
 
@@ -237,8 +245,8 @@ def promote(config_path, step, dst):
     """
     store = _store(config_path, progress=True)
     src = "local" if dst == "object" else "object"
-    with _progress.activity(f"promote step {step} {src} -> {dst}"):
-        m = store.promote(None if step == "latest" else int(step), src=src, dst=dst)
+    with _bytes_bar(f"promote step {step} {src} -> {dst}") as bar:
+        m = store.promote(None if step == "latest" else int(step), src=src, dst=dst, progress=bar)
     click.echo(f"step {m.step} committed in the {dst} tier ({len(m.files)} files, {_size(m.nbytes)})")
 
 
@@ -266,8 +274,8 @@ def export(config_path, step, run, fmt, out, prefer, no_optim):
 
     store = _reading_store(config_path, run)
     tier, m = open_step(store, _step_arg(step), prefer)
-    with _progress.activity(f"export step {m.step} from the {tier.name} tier ({_size(m.nbytes)})"):
-        size, digest = export_file(tier, m, out, fmt=fmt, include_optimizer=not no_optim)
+    with _bytes_bar(f"export step {m.step} from the {tier.name} tier") as bar:
+        size, digest = export_file(tier, m, out, fmt=fmt, include_optimizer=not no_optim, progress=bar)
     click.echo(f"exported step {m.step} from the {tier.name} tier to {out} ({_size(size)}, {digest})")
 
 
@@ -434,8 +442,8 @@ def audit(config_path, no_data, as_json):
     from flowcheck.audit import audit as run_audit
     from flowcheck.audit import to_json
 
-    with _progress.activity("audit" + ("" if no_data else ": re-reading every file and shard")):
-        report = run_audit(_store(config_path), data=not no_data)
+    with _bytes_bar("audit: re-reading every file" + ("" if no_data else " and shard")) as bar:
+        report = run_audit(_store(config_path), data=not no_data, progress=bar)
     if as_json:
         click.echo(json.dumps({"ok": report.ok, **to_json(report)}, indent=2))
     else:
@@ -471,8 +479,12 @@ def lineage(config_path, fmt, out, verify):
 
     if fmt == "png" and out is None:
         raise click.UsageError("--format png writes an image file: expected --out FILE.png, found none")
-    with _progress.activity("lineage" + (": verifying files" if verify else "")):
-        report = run_lineage(_store(config_path), verify=verify)
+    if verify:
+        with _bytes_bar("lineage: verifying files") as bar:
+            report = run_lineage(_store(config_path), verify=True, progress=bar)
+    else:
+        with _progress.activity("lineage"):
+            report = run_lineage(_store(config_path))
     if fmt == "png":
         render_png(to_dot(report), out)
         forks = len(report.forks)
@@ -497,8 +509,8 @@ def gc(config_path, dry_run):
     Example:
       flowcheck gc --dry-run --config flowcheck.yaml
     """
-    with _progress.activity("gc" + (" (dry run)" if dry_run else "")):
-        report = _store(config_path).gc(dry_run=dry_run)
+    with _progress.bar(desc="gc" + (" (dry run)" if dry_run else ""), unit="step") as bar:
+        report = _store(config_path).gc(dry_run=dry_run, progress=bar)
     verb = "would delete" if dry_run else "deleted"
     for tier, steps in report.deleted.items():
         click.echo(f"{tier}: {verb} steps {steps or 'none'}; keeps {sorted(report.kept.get(tier, {}))}")

@@ -232,6 +232,13 @@ class Manifest:
     def nbytes(self) -> int:
         return sum(f.bytes for f in self.files)
 
+    @property
+    def data_nbytes(self) -> int:
+        """Bytes of tensor data in the shards (``nbytes`` less the formats' headers and metadata)."""
+        from flowcheck import dtypes
+
+        return sum(math.prod(s.shape) * dtypes.dtype(t.dtype).itemsize for t in self.tensors.values() for s in t.shards)
+
 
 def signing_key(env_var: str = "FLOWCHECK_HMAC_KEY") -> bytes | None:
     """The HMAC key from the environment, or None when signing is off."""

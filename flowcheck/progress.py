@@ -2,7 +2,8 @@
 
 Off also with ``FLOWCHECK_NO_PROGRESS=1`` (what ``flowcheck --no-progress`` sets), so CI logs and
 captured output stay clean.  ``bar`` counts work with a known size; ``activity`` shows what is
-running and for how long where the work has no hook to count.
+running and for how long where the work has no hook to count.  Library code that does long work
+takes an optional ``progress`` (a ``Progress``: a tqdm bar fits) and reports through ``counter``.
 """
 from __future__ import annotations
 
@@ -10,10 +11,39 @@ import contextlib
 import os
 import sys
 import threading
-from collections.abc import Iterable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, Protocol
 
 ENV = "FLOWCHECK_NO_PROGRESS"
+
+
+class Progress(Protocol):
+    """Where long library work reports: the worker sets ``total`` once it knows the size, then ``update(n)``."""
+
+    total: float | None
+
+    def update(self, n: float = 1) -> object: ...
+
+
+def _ignore(n: float) -> None:
+    pass
+
+
+def counter(progress: Progress | None, total: float) -> Callable[[float], None]:
+    """Set ``progress.total`` and return an ``add(n)`` safe to call from worker threads (a no-op without progress).
+
+    Called per file, shard or step, never per byte: reporting costs nothing next to the I/O it counts.
+    """
+    if progress is None:
+        return _ignore
+    progress.total = total
+    lock = threading.Lock()  # tqdm's update is a read-modify-write: concurrent shard writers would lose counts
+
+    def add(n: float) -> None:
+        with lock:
+            progress.update(n)
+
+    return add
 
 
 def enabled(stream: Any = None) -> bool:

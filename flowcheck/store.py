@@ -18,6 +18,7 @@ from flowcheck import config as config_mod
 from flowcheck.config import Config
 from flowcheck.errors import FlowcheckError, StepNotFoundError, TierError
 from flowcheck.manifest import Manifest, ParentRef, signing_key
+from flowcheck.progress import Progress, counter
 from flowcheck.state import Snapshot
 from flowcheck.tiers import retention
 from flowcheck.tiers.base import Tier
@@ -96,16 +97,19 @@ class Store:
             self.memory.head = m.parent_ref()  # the RAM state now descends from this committed step
             return m
 
-    def write(self, snapshot: Snapshot, tier: str = "local", parent: ParentRef | None = None, *, root: bool = False) -> Manifest:
+    def write(self, snapshot: Snapshot, tier: str = "local", parent: ParentRef | None = None, *, root: bool = False,
+              progress: Progress | None = None) -> Manifest:
         """Commit a snapshot directly to a tier; the parent defaults to the newest earlier committed step
-        (``root=True``: no parent, e.g. an imported checkpoint starts its own lineage)."""
+        (``root=True``: no parent, e.g. an imported checkpoint starts its own lineage); ``progress`` counts bytes."""
         with self._locks[tier]:
             if parent is None and snapshot.origin is None and not root:
                 parent = self._newest_before(snapshot.step)
-            return self.tier(tier).write(snapshot, parent)
+            return self.tier(tier).write(snapshot, parent, progress=progress)
 
-    def promote(self, step: int | None = None, src: str = "local", dst: str = "object") -> Manifest:
-        """Copy a committed step from one tier to another (default: the newest local step to object)."""
+    def promote(self, step: int | None = None, src: str = "local", dst: str = "object", *,
+                progress: Progress | None = None) -> Manifest:
+        """Copy a committed step from one tier to another (default: the newest local step to object);
+        ``progress`` counts the bytes written (left at zero when the target holds the step already)."""
         source, target = self.tier(src), self.tier(dst)
         with self._locks[src]:
             if step is None:
@@ -122,7 +126,7 @@ class Store:
                     raise TierError(f"{dst} tier: step {step} was not promoted (nothing of it was written): {e}") from e
                 if present:
                     return target.manifest(step)
-                return target.write(snap)
+                return target.write(snap, progress=progress)
         finally:
             self._in_use.discard((src, step))
 
@@ -163,12 +167,14 @@ class Store:
         return t.load(step)
 
     # ---- retention ---------------------------------------------------------------
-    def gc(self, dry_run: bool = False, tiers: list[str] | None = None) -> GcReport:
-        """Apply each tier's retention policy; clean abandoned partial writes."""
+    def gc(self, dry_run: bool = False, tiers: list[str] | None = None, *, progress: Progress | None = None) -> GcReport:
+        """Apply each tier's retention policy; clean abandoned partial writes.
+
+        ``progress`` counts committed steps (listed first, for the total) as each is kept or deleted."""
         report = GcReport(dry_run=dry_run)
-        for t in self.tiers(include_memory=False):
-            if tiers is not None and t.name not in tiers:
-                continue
+        chosen = [t for t in self.tiers(include_memory=False) if tiers is None or t.name in tiers]
+        done = counter(progress, sum(len(t.steps()) for t in chosen) if progress is not None else 0)
+        for t in chosen:
             with self._locks[t.name]:
                 policy = getattr(self.config.policy, t.name)
                 infos = []
@@ -181,12 +187,14 @@ class Store:
                 plan = retention.plan(infos, policy)
                 report.kept[t.name] = plan.keep
                 report.deleted[t.name] = [s for s in plan.delete if (t.name, s) not in self._in_use]
-                if not dry_run:
-                    for s in report.deleted[t.name]:
-                        try:
+                done(len(infos) - len(report.deleted[t.name]))
+                for s in report.deleted[t.name]:
+                    try:
+                        if not dry_run:
                             t.delete(s)
-                        except StepNotFoundError:  # a shared object store: another node's GC was first
-                            log.info("gc: %s tier step %d was already deleted", t.name, s)
+                    except StepNotFoundError:  # a shared object store: another node's GC was first
+                        log.info("gc: %s tier step %d was already deleted", t.name, s)
+                    done(1)
                 report.cleaned[t.name] = t.clean_incomplete(policy.tmp_grace_seconds, dry_run=dry_run)
         return report
 

@@ -2,11 +2,15 @@
 from __future__ import annotations
 
 import json
+import math
 import os
+from collections.abc import Callable
 
 import torch
 
+from flowcheck import dtypes
 from flowcheck.manifest import Manifest
+from flowcheck.progress import Progress, counter
 from flowcheck.restore.assemble import assemble_tensor
 from flowcheck.tiers import safetensors_io as st
 from flowcheck.tiers.base import Tier
@@ -16,24 +20,31 @@ EXPORT_FORMATS = ("safetensors", "torch")
 
 
 def export_file(tier: Tier, manifest: Manifest, out: str, *, fmt: str = "safetensors",
-                include_optimizer: bool = True) -> tuple[int, str]:
-    """Write every (verified) tensor of a step to ``out`` atomically; return (bytes, digest note)."""
+                include_optimizer: bool = True, progress: Progress | None = None) -> tuple[int, str]:
+    """Write every (verified) tensor of a step to ``out`` atomically; return (bytes, digest note).
+
+    ``progress`` counts tensor bytes as each tensor is read, verified and assembled."""
     if fmt == "safetensors":
-        return export_safetensors(tier, manifest, out, include_optimizer=include_optimizer)
+        return export_safetensors(tier, manifest, out, include_optimizer=include_optimizer, progress=progress)
     if fmt != "torch":
         from flowcheck.errors import ConfigError
 
         raise ConfigError(f"--format: expected one of {EXPORT_FORMATS}, found {fmt!r}")
     from flowcheck.torch.state import from_numpy
 
-    state = {n: from_numpy(assemble_tensor(tier, manifest, n), manifest.tensors[n].dtype) for n in _names(manifest, include_optimizer)}
+    names = _names(manifest, include_optimizer)
+    done = counter(progress, _bytes(manifest, names))
+    state = {n: from_numpy(_loader(tier, manifest, n, done)(), manifest.tensors[n].dtype) for n in names}
     return _atomic(out, lambda tmp: torch.save(state, tmp)), f"manifest {manifest.digest()}"
 
 
-def export_safetensors(tier: Tier, manifest: Manifest, out: str, *, include_optimizer: bool = True) -> tuple[int, str]:
+def export_safetensors(tier: Tier, manifest: Manifest, out: str, *, include_optimizer: bool = True,
+                       progress: Progress | None = None) -> tuple[int, str]:
+    names = _names(manifest, include_optimizer)
+    done = counter(progress, _bytes(manifest, names))
     entries = [
-        st.Entry(n, manifest.tensors[n].dtype, manifest.tensors[n].global_shape, _loader(tier, manifest, n))
-        for n in _names(manifest, include_optimizer)
+        st.Entry(n, manifest.tensors[n].dtype, manifest.tensors[n].global_shape, _loader(tier, manifest, n, done))
+        for n in names
     ]
     meta = {"run": manifest.run, "step": str(manifest.step), "manifest_id": manifest.digest(), "format": "pt"}
     if manifest.scalars.get("optimizer_step") is not None:
@@ -65,5 +76,14 @@ def _atomic(out: str, write) -> int:
     return os.path.getsize(out)
 
 
-def _loader(tier: Tier, manifest: Manifest, name: str):
-    return lambda: assemble_tensor(tier, manifest, name)
+def _bytes(manifest: Manifest, names: list[str]) -> int:
+    return sum(math.prod(manifest.tensors[n].global_shape) * dtypes.dtype(manifest.tensors[n].dtype).itemsize for n in names)
+
+
+def _loader(tier: Tier, manifest: Manifest, name: str, done: Callable[[int], None]):
+    def load():
+        arr = assemble_tensor(tier, manifest, name)
+        done(arr.nbytes)
+        return arr
+
+    return load

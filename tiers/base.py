@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -31,6 +31,7 @@ from flowcheck.manifest import (
     now_utc,
     parse,
 )
+from flowcheck.progress import Progress
 from flowcheck.state import Shard, Snapshot
 
 log = logging.getLogger(__name__)
@@ -173,8 +174,11 @@ class Tier(ABC):
         """The raw manifest of a committed step; StepNotFoundError if none."""
 
     @abstractmethod
-    def _write(self, snapshot: Snapshot, parent: ParentRef | None) -> Manifest:
-        """Store data, then commit the manifest last; return the committed manifest."""
+    def _write(self, snapshot: Snapshot, parent: ParentRef | None, progress: Progress | None = None) -> Manifest:
+        """Store data, then commit the manifest last; return the committed manifest.
+
+        ``progress``: set its total to the bytes to write (``snapshot.nbytes``, plus any header bytes) and
+        update it per shard or file written."""
 
     @abstractmethod
     def _read_shard(self, manifest: Manifest, tensor: str, shard: ShardEntry, region: tuple[slice, ...]) -> np.ndarray:
@@ -184,7 +188,9 @@ class Tier(ABC):
     def _delete(self, step: int) -> None:
         """Remove a committed step (manifest first, so it stops existing before its data goes)."""
 
-    def _verify_files(self, manifest: Manifest) -> list[Problem]:
+    def _verify_files(self, manifest: Manifest, on_bytes: Callable[[int], None] = lambda n: None) -> list[Problem]:
+        """Problems with the stored files; ``on_bytes(f.bytes)`` once per listed file checked (or found bad)."""
+        on_bytes(manifest.nbytes)
         return []
 
     def clean_incomplete(self, older_than_s: float, dry_run: bool = False) -> list[str]:
@@ -231,10 +237,11 @@ class Tier(ABC):
             )
         return m
 
-    def write(self, snapshot: Snapshot, parent: ParentRef | None = None) -> Manifest:
+    def write(self, snapshot: Snapshot, parent: ParentRef | None = None, *, progress: Progress | None = None) -> Manifest:
+        """Commit a snapshot as a step; ``progress`` (a tqdm bar fits) counts the bytes written."""
         if snapshot.run != self.run:
             raise FlowcheckError(f"{self.name} tier: expected a snapshot of run {self.run!r}, found run {snapshot.run!r}")
-        m = self._write(snapshot, parent)
+        m = self._write(snapshot, parent, progress=progress)
         log.info("%s tier: committed %s step %d (%d bytes)", self.name, self.run, m.step, m.nbytes)
         return m
 
@@ -334,20 +341,27 @@ class Tier(ABC):
             return
         self._put_record("latest", f"{step}\n".encode())
 
-    def verify(self, step: int, *, data: bool = True) -> list[Problem]:
-        """Check one step: manifest, every file's size and digest, every shard's data digest."""
+    def verify(self, step: int, *, data: bool = True, on_bytes: Callable[[int], None] | None = None) -> list[Problem]:
+        """Check one step: manifest, every file's size and digest, every shard's data digest.
+
+        ``on_bytes(n)`` is called per file and per shard checked; over a step it adds up to
+        ``verify_bytes(manifest, data)`` (whatever is found, so a bar still ends at its total).
+        """
+        on_bytes = on_bytes or (lambda n: None)
         try:
             m = self.manifest(step, fresh=True)
         except FlowcheckError as e:
             return [Problem(self.name, step, str(e), "manifest.json")]
-        problems = self._verify_files(m)
-        if data and not problems:
-            for name, t in m.tensors.items():
-                for entry in t.shards:
+        problems = self._verify_files(m, on_bytes)
+        files_ok = not problems  # damaged files: their data is not re-read, only counted
+        for name, t in m.tensors.items() if data else ():
+            for entry in t.shards:
+                if files_ok:
                     try:
                         self.read_shard(m, name, entry)
                     except Exception as e:  # noqa: BLE001 - every failure is a finding here
                         problems.append(Problem(self.name, step, f"tensor {name}: {e}"))
+                on_bytes(math.prod(entry.shape) * dtypes.dtype(t.dtype).itemsize)
         return problems
 
     def _sign(self, m: Manifest) -> Manifest:
@@ -362,6 +376,11 @@ class Tier(ABC):
                 f"{where}: field 'signature': signing is required but the manifest is "
                 f"{'unsigned' if m.signature is None else 'signed and no key is set to check it'}"
             )
+
+
+def verify_bytes(manifest: Manifest, data: bool) -> int:
+    """What ``Tier.verify`` re-reads of a step: every file, and with ``data`` every shard again."""
+    return manifest.nbytes + (manifest.data_nbytes if data else 0)
 
 
 class _Loader:

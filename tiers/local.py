@@ -18,6 +18,7 @@ import shutil
 import time
 import uuid
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -27,6 +28,7 @@ from flowcheck.config import LocalConfig
 from flowcheck.digest import file_digest
 from flowcheck.errors import FlowcheckError, FormatError, IntegrityError, StepExistsError, StepNotFoundError, TierError
 from flowcheck.manifest import FileEntry, Manifest, ParentRef, Piece, ShardEntry
+from flowcheck.progress import Progress, counter
 from flowcheck.state import Shard, Snapshot
 from flowcheck.tiers import zarr_shard
 from flowcheck.tiers.base import Problem, Tier, make_manifest, parse_step_dir, shard_digests, step_dir
@@ -94,7 +96,7 @@ class LocalTier(Tier):
             raise StepNotFoundError(f"local tier {self.root}: step {step} is not committed") from None
 
     # ---- write -------------------------------------------------------------
-    def _write(self, snapshot: Snapshot, parent: ParentRef | None) -> Manifest:
+    def _write(self, snapshot: Snapshot, parent: ParentRef | None, progress: Progress | None = None) -> Manifest:
         final = os.path.join(self.root, step_dir(snapshot.step))
         if os.path.exists(os.path.join(final, MANIFEST)):
             return self._already_committed(snapshot, final)
@@ -108,7 +110,7 @@ class LocalTier(Tier):
         tmp = os.path.join(self.root, f"{step_dir(snapshot.step)}.{uuid.uuid4().hex[:8]}.tmp")
         store = DurableStore(tmp)
         try:
-            manifest = self._write_tmp(snapshot, parent, store)
+            manifest = self._write_tmp(snapshot, parent, store, counter(progress, snapshot.nbytes))
             self._commit(tmp, final, manifest)
         except BaseException as e:
             store.abandon()  # no write still in flight may recreate the folder removed next
@@ -138,14 +140,15 @@ class LocalTier(Tier):
                   if renamed else "nothing was committed and older steps are intact"))
         return TierError(e.errno, msg) if e.errno is not None else TierError(msg)
 
-    def _write_tmp(self, snapshot: Snapshot, parent: ParentRef | None, store: DurableStore) -> Manifest:
+    def _write_tmp(self, snapshot: Snapshot, parent: ParentRef | None, store: DurableStore,
+                   on_bytes: Callable[[int], None]) -> Manifest:
         import zarr
 
         group = zarr.create_group(store, attributes={"flowcheck": {"run": snapshot.run, "step": snapshot.step}})
         shards = list(snapshot.data)
         index = _shard_indices(shards)
         with ThreadPoolExecutor(self.config.workers) as pool:
-            digests = dict(pool.map(lambda s: self._write_shard(group, snapshot, s, index[s]), shards))
+            digests = dict(pool.map(lambda s: self._write_shard(group, snapshot, s, index[s], on_bytes), shards))
         locations = {s: (Piece(f"{step_dir(snapshot.step)}/{s.tensor}/{index[s]}"),) for s in shards}
         files = [
             FileEntry(f"{step_dir(snapshot.step)}/{key}", size, digest) for key, (size, digest) in store.written.items()
@@ -153,7 +156,8 @@ class LocalTier(Tier):
         m = make_manifest(snapshot, node=self.node, parent=parent, digests=digests, locations=locations, files=files)
         return self._sign(m)
 
-    def _write_shard(self, group, snapshot: Snapshot, shard: Shard, index: int) -> tuple[Shard, str]:
+    def _write_shard(self, group, snapshot: Snapshot, shard: Shard, index: int,
+                     on_bytes: Callable[[int], None]) -> tuple[Shard, str]:
         spec = snapshot.layout.spec(shard.tensor)
         dt = dtypes.dtype(spec.dtype)
         arr = snapshot.array(shard)
@@ -178,6 +182,7 @@ class LocalTier(Tier):
         written = getattr(snapshot, "_on_shard_written", None)
         if written is not None:
             written(shard)  # the bytes are in the file (page cache): the source may change from now on
+        on_bytes(arr.nbytes)
         return shard, digest
 
     def _commit(self, tmp: str, final: str, manifest: Manifest) -> None:
@@ -279,11 +284,12 @@ class LocalTier(Tier):
         fsync_dir(self.root)
         shutil.rmtree(trash, ignore_errors=True)
 
-    def _verify_files(self, manifest: Manifest) -> list[Problem]:
+    def _verify_files(self, manifest: Manifest, on_bytes: Callable[[int], None] = lambda n: None) -> list[Problem]:
         problems = []
         listed = set()
         for f in manifest.files:
             listed.add(f.path)
+            on_bytes(f.bytes)  # before the check: a missing or damaged file still moves the count on
             path = os.path.join(self.root, f.path)
             real = self._outside(f.path)
             if real is not None:

@@ -58,8 +58,8 @@ class MemoryTier(Tier):
         """Replace the whole state with arrays nobody else holds (a node's freshly received push): no copy."""
         return self._write(snapshot, parent, copy=False)
 
-    def _write(self, snapshot: Snapshot, parent: ParentRef | None, copy: bool = True) -> Manifest:
-        """Replace the whole state (a full push, a resync, or a restore into RAM)."""
+    def _write(self, snapshot: Snapshot, parent: ParentRef | None, progress: object = None, copy: bool = True) -> Manifest:
+        """Replace the whole state (a full push, a resync, or a restore into RAM); a RAM copy, not counted."""
         arrays = {s: np.array(snapshot.array(s), copy=True) if copy else snapshot.array(s) for s in snapshot.data}
         digests = shard_digests(snapshot, arrays)
         with self._cond:

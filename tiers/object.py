@@ -9,6 +9,7 @@ Reads fetch the header, then only the byte ranges of the rows asked for.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import logging
@@ -19,6 +20,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
@@ -28,6 +30,7 @@ from flowcheck import dtypes
 from flowcheck.config import ClusterConfig, ObjectConfig
 from flowcheck.errors import FormatError, IntegrityError, StepExistsError, StepNotFoundError, TierError
 from flowcheck.manifest import FileEntry, Manifest, ParentRef, Piece, ShardEntry, parse
+from flowcheck.progress import Progress
 from flowcheck.state import Shard, Snapshot
 from flowcheck.tiers import range_reads
 from flowcheck.tiers import safetensors_io as st
@@ -160,7 +163,7 @@ class ObjectTier(Tier):
             raise StepNotFoundError(f"object tier {self.url}: step {step} is not committed") from None
 
     # ---- write -------------------------------------------------------------
-    def _write(self, snapshot: Snapshot, parent: ParentRef | None) -> Manifest:
+    def _write(self, snapshot: Snapshot, parent: ParentRef | None, progress: Progress | None = None) -> Manifest:
         if self.cluster is not None:
             from flowcheck.tiers import cluster
 
@@ -168,7 +171,7 @@ class ObjectTier(Tier):
         try:
             if self._exists(f"{step_dir(snapshot.step)}/{MANIFEST}"):
                 return self._already_committed(snapshot)
-            m = self.store_files(snapshot, parent, step_dir(snapshot.step))
+            m = self.store_files(snapshot, parent, step_dir(snapshot.step), progress)
             self._commit_manifest(m)
         except TierError as e:
             raise TierError(f"object tier {self.url}: step {snapshot.step} was not committed (no part of it is "
@@ -185,15 +188,17 @@ class ObjectTier(Tier):
         return digests, make_manifest(snapshot, node=self.node, parent=parent, digests=digests,
                                       locations={s: () for s in snapshot.data}, files=())
 
-    def store_files(self, snapshot: Snapshot, parent: ParentRef | None, prefix: str) -> Manifest:
+    def store_files(self, snapshot: Snapshot, parent: ParentRef | None, prefix: str,
+                    progress: Progress | None = None) -> Manifest:
         """Upload a snapshot's files under ``prefix`` (relative to the run root); return the (signed,
-        not yet committed) manifest naming them."""
+        not yet committed) manifest naming them.  ``progress`` counts the file bytes uploaded (else the
+        tier's own bar, when it was opened with ``progress=True``)."""
         digests, identity = self.identity(snapshot, parent)
         plan = self._plan(snapshot)
         staging = os.path.join(self.staging_dir, f"{self.run}-{step_dir(snapshot.step)}-{uuid.uuid4().hex[:8]}")
         try:
             os.makedirs(staging, exist_ok=True)
-            files, locations = self._stage_and_upload(snapshot, plan, staging, identity.digest(), prefix)
+            files, locations = self._stage_and_upload(snapshot, plan, staging, identity.digest(), prefix, progress)
         except TierError:
             raise
         except OSError as e:  # a full or read-only staging disk
@@ -245,7 +250,7 @@ class ObjectTier(Tier):
                 used += size
         return [f for f in files if f] or [[]]
 
-    def _stage_and_upload(self, snapshot, plan, staging, manifest_id, sd):
+    def _stage_and_upload(self, snapshot, plan, staging, manifest_id, sd, progress=None):
         """Stage file i+1 while file i uploads; staging holds at most two files at a time."""
         from concurrent.futures import ThreadPoolExecutor
 
@@ -261,9 +266,11 @@ class ObjectTier(Tier):
             return local, size, digest, size - sum(e.nbytes for e in entries)
 
         files, locations = [], {s: [] for s in snapshot.data}
-        with ThreadPoolExecutor(1, "fc-stage") as stager, tqdm(
-            total=snapshot.nbytes, unit="B", unit_scale=True, desc=f"upload {sd}", disable=not self.progress
-        ) as bar:
+        if progress is not None:
+            progress.total = snapshot.nbytes  # each file's header bytes are added as it is staged
+        own = tqdm(total=snapshot.nbytes, unit="B", unit_scale=True, desc=f"upload {sd}",
+                   disable=not self.progress or progress is not None)
+        with ThreadPoolExecutor(1, "fc-stage") as stager, own, contextlib.nullcontext(own if progress is None else progress) as bar:
             ahead = stager.submit(stage, 0)
             for i, planned in enumerate(plan):
                 local, size, digest, header_bytes = ahead.result()
@@ -496,11 +503,12 @@ class ObjectTier(Tier):
         self._call("deleting step data", self.fs.rm, self._p(sd), recursive=True)
         self._headers.clear()
 
-    def _verify_files(self, manifest: Manifest) -> list[Problem]:
+    def _verify_files(self, manifest: Manifest, on_bytes: Callable[[int], None] = lambda n: None) -> list[Problem]:
         from flowcheck.tiers import cluster
 
         problems = cluster.verify_parts(self, manifest) if manifest.nodes else []
         for f in manifest.files:
+            on_bytes(f.bytes)
             what = self._check_file(manifest, f, cluster.expected_manifest_id(manifest, f.path))
             if what:
                 node = cluster.node_of(f.path) if manifest.nodes else None
