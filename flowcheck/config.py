@@ -64,7 +64,7 @@ class MemoryConfig:
     copy_threads: int = 4  # threads for copy-on-write of a pinned shard
     # copy-on-write while a snapshot is in flight may hold at most this fraction of the state extra
     # (null: no limit); past it, an update waits until the snapshot has written the shard it needs
-    cow_budget: float | None = 0.15
+    cow_budget: float | None = 0.1
     cow_wait_s: float = 300.0  # longest such wait; then the shard is copied anyway (and it is logged)
 
     def __post_init__(self) -> None:
