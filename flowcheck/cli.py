@@ -344,8 +344,9 @@ def serve(config_path):
     import threading
 
     from flowcheck import config as config_mod
-    from flowcheck.node.service import Node
+    from flowcheck.node.service import Node, tune_allocator
 
+    tune_allocator()
     node = Node(config_mod.load(config_path)).start()
     click.echo(f"flowcheck node: run {node.config.run}; push tcp://{node.receiver.address[0]}:{node.receiver.address[1]}; "
                f"control http://{node.api.address[0]}:{node.api.address[1]}", err=True)
