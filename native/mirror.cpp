@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -1022,6 +1023,175 @@ py::array_t<int32_t> place(const py::buffer& buf, const py::buffer& segments, py
     return status;
 }
 
+// ---------------------------------------------------------------- merging final sends
+
+// An integer argument (anything with __index__) that fits int64, else ValueError.
+int64_t as_int64(const py::handle& h, const char* what) {
+    PyObject* idx = PyNumber_Index(h.ptr());
+    if (idx == nullptr) {
+        PyErr_Clear();
+        throw py::value_error(std::string(what) + " must be an integer");
+    }
+    int overflow = 0;
+    long long v = PyLong_AsLongLongAndOverflow(idx, &overflow);
+    Py_DECREF(idx);
+    if (overflow || (v == -1 && PyErr_Occurred())) {
+        PyErr_Clear();
+        throw py::value_error(std::string(what) + " does not fit 64 bits");
+    }
+    return int64_t(v);
+}
+
+// One element of `data` against the scratch copy: an element with no copy yet takes it, one with
+// copies is compared bitwise (returns 1 when it differs; the first copy stays); copies saturate at 255.
+template <class W>
+int64_t merge_run(uint8_t* data, uint8_t* copies, const uint8_t* src, int64_t a, int64_t b) {
+    int64_t bad = 0;
+    for (int64_t e = a; e < b; ++e) {
+        W old, got;
+        std::memcpy(&old, data + e * int64_t(sizeof(W)), sizeof(W));
+        std::memcpy(&got, src + e * int64_t(sizeof(W)), sizeof(W));
+        const uint8_t c = copies[e];
+        bad += (c != 0) & (old != got);
+        W keep = c ? old : got;
+        std::memcpy(data + e * int64_t(sizeof(W)), &keep, sizeof(W));
+        copies[e] = uint8_t(c + (c != 255));
+    }
+    return bad;
+}
+
+// The decoder's merge of one final send into its allreduce.  `parts` is a list of (segments, shift):
+// each segment is placed exactly as `place` does (same checks, same clipping) into a scratch copy of
+// the send's `data.size` elements; the whole elements inside the byte range of a segment that placed
+// are present (an element cut by a range edge is not, even when the next range holds its rest).
+// Then, per present element, in `data` (the send's slice of the allreduce vector, 1/2/4/8-byte items)
+// and `copies` (uint8, one per element): the first valid copy wins, an element that already has
+// copies is compared bitwise (a difference is counted, the first copy stays), and its count goes up
+// (saturating at 255).  Returns (elements present, elements differing, [(status, segment bytes)]):
+// the LL segments not placed, per part first the misaligned ones (-1) then those with bad lines
+// (status = their number).  Every size and offset is checked; the GIL is released for the work.
+py::tuple merge_send(const py::buffer& buf, const py::list& parts, int64_t flag, bool ll, py::buffer& data,
+                     py::buffer& copies) {
+    struct Part {
+        const SegmentRow* rows;
+        size_t n;
+        int64_t shift;
+    };
+    Bytes b = readable(buf);
+    py::buffer_info di = data.request(true), ci = copies.request(true);
+    const int64_t isz = di.itemsize;
+    if (di.ndim != 1 || (isz != 1 && isz != 2 && isz != 4 && isz != 8) || (di.size > 1 && di.strides[0] != isz))
+        throw py::value_error("data must be a writable contiguous 1-d array of 1-, 2-, 4- or 8-byte items");
+    if (ci.ndim != 1 || ci.itemsize != 1 || (ci.size > 1 && ci.strides[0] != 1))
+        throw py::value_error("copies must be a writable contiguous 1-d uint8 array");
+    if (ci.size != di.size)
+        throw py::value_error("copies holds " + std::to_string(ci.size) + " counts for " + std::to_string(di.size) +
+                              " data elements");
+    std::vector<py::object> keep;  // the segment arrays stay alive while the GIL is released
+    std::vector<Part> ps;
+    keep.reserve(parts.size()), ps.reserve(parts.size());
+    for (size_t k = 0; k < parts.size(); ++k) {
+        py::handle item = parts[k];
+        if (!py::isinstance<py::tuple>(item) || py::len(item) != 2)
+            throw py::value_error("part " + std::to_string(k) + " is not a (segments, shift) pair");
+        py::tuple t = py::reinterpret_borrow<py::tuple>(item);
+        if (!PyObject_CheckBuffer(t[0].ptr())) throw py::value_error("part " + std::to_string(k) + ": segments is not an array");
+        py::buffer segs = py::reinterpret_borrow<py::buffer>(t[0]);
+        Bytes s = readable(segs, sizeof(SegmentRow));
+        Part p{reinterpret_cast<const SegmentRow*>(s.data), s.size / sizeof(SegmentRow), as_int64(t[1], "shift")};
+        for (size_t i = 0; i < p.n; ++i)
+            if (p.rows[i].offset < 0 || p.rows[i].length < 0 || uint64_t(p.rows[i].offset) + uint64_t(p.rows[i].length) > b.size)
+                throw py::value_error("part " + std::to_string(k) + ", segment " + std::to_string(i) +
+                                      " lies outside the capture buffer");
+        keep.push_back(std::move(segs));
+        ps.push_back(p);
+    }
+    uint8_t* out = static_cast<uint8_t*>(di.ptr);
+    uint8_t* cnt = static_cast<uint8_t*>(ci.ptr);
+    const int64_t n = di.size, size = n * isz;
+    int64_t seen = 0, differing = 0;
+    std::vector<std::pair<int32_t, int64_t>> unplaced;
+    {
+        py::gil_scoped_release nogil;
+        std::unique_ptr<uint8_t[]> scratch(new uint8_t[size_t(std::max<int64_t>(size, 1))]);  // only placed bytes are read
+        uint8_t* o = scratch.get();
+        std::vector<std::pair<int64_t, int64_t>> present;  // element ranges [a, b)
+        std::vector<int64_t> misaligned, bad_lines;
+        for (const Part& part : ps) {
+            misaligned.clear(), bad_lines.clear();
+            for (size_t i = 0; i < part.n; ++i) {
+                const SegmentRow& r = part.rows[i];
+                const uint8_t* p = b.data + r.offset;
+                int64_t pos, lo, hi;
+                if (__builtin_add_overflow(r.msg_offset, part.shift, &pos)) continue;  // nowhere in the send
+                if (!ll) {
+                    if (pos < 0) continue;
+                    int64_t m = std::min<int64_t>(r.length, size - pos);
+                    if (m <= 0) continue;
+                    std::memcpy(o + pos, p, size_t(m));
+                    lo = pos, hi = pos + m;
+                } else {
+                    if (r.length % 16 || pos % 16 || pos < 0) { misaligned.push_back(r.length); continue; }
+                    int64_t lines = r.length / 16, bad = 0;
+                    if (flag < 0) {
+                        bad = lines;
+                    } else {
+                        const uint32_t f = uint32_t(flag);
+                        for (int64_t k = 0; k < lines; ++k) bad += (le32(p + 16 * k + 4) != f) | (le32(p + 16 * k + 12) != f);
+                    }
+                    if (bad) { bad_lines.push_back(std::min<int64_t>(bad, INT32_MAX)); continue; }
+                    lo = pos / 2;
+                    if (lo >= size) continue;
+                    int64_t fit = std::min<int64_t>(lines, (size - lo) / 8);
+                    uint8_t* d = o + lo;
+                    for (int64_t k = 0; k < fit; ++k, p += 16, d += 8) std::memcpy(d, p, 4), std::memcpy(d + 4, p + 8, 4);
+                    hi = std::min<int64_t>(lo + lines * 8, size);
+                    if (hi > lo + fit * 8) {  // a partial last line
+                        uint8_t line[8];
+                        std::memcpy(line, p, 4), std::memcpy(line + 4, p + 8, 4);
+                        std::memcpy(d, line, size_t(hi - (lo + fit * 8)));
+                    }
+                }
+                int64_t ea = (lo + isz - 1) / isz, eb = std::min<int64_t>(hi / isz, n);  // whole elements only
+                if (ea < eb) present.emplace_back(ea, eb);
+            }
+            for (int64_t v : misaligned) unplaced.emplace_back(-1, v);
+            for (int64_t v : bad_lines) unplaced.emplace_back(int32_t(v), 0);
+        }
+        std::sort(present.begin(), present.end());
+        for (size_t i = 0; i < present.size();) {  // the union of the ranges, each run merged once
+            int64_t a = present[i].first, e = present[i].second;
+            for (++i; i < present.size() && present[i].first <= e; ++i) e = std::max(e, present[i].second);
+            seen += e - a;
+            switch (isz) {
+                case 1: differing += merge_run<uint8_t>(out, cnt, o, a, e); break;
+                case 2: differing += merge_run<uint16_t>(out, cnt, o, a, e); break;
+                case 4: differing += merge_run<uint32_t>(out, cnt, o, a, e); break;
+                default: differing += merge_run<uint64_t>(out, cnt, o, a, e); break;
+            }
+        }
+    }
+    py::list bad;
+    for (const auto& [status, bytes] : unplaced) bad.append(py::make_tuple(status, bytes));
+    return py::make_tuple(seen, differing, bad);
+}
+
+// The LL flag of every segment's first line (u32 at bytes 4..8), -1 for segments under 16 bytes.
+py::array_t<int64_t> segment_flags(const py::buffer& buf, const py::buffer& segments) {
+    Bytes b = readable(buf);
+    Bytes s = readable(segments, sizeof(SegmentRow));
+    const SegmentRow* rows = reinterpret_cast<const SegmentRow*>(s.data);
+    size_t n = s.size / sizeof(SegmentRow);
+    for (size_t i = 0; i < n; ++i)
+        if (rows[i].offset < 0 || rows[i].length < 0 || uint64_t(rows[i].offset) + uint64_t(rows[i].length) > b.size)
+            throw py::value_error("segment " + std::to_string(i) + " lies outside the capture buffer");
+    py::array_t<int64_t> flags{py::ssize_t(n)};
+    int64_t* f = flags.mutable_data();
+    py::gil_scoped_release nogil;
+    for (size_t i = 0; i < n; ++i) f[i] = rows[i].length >= 16 ? int64_t(le32(b.data + rows[i].offset + 4)) : -1;
+    return flags;
+}
+
 // ---------------------------------------------------------------- record layouts
 
 #define FIELD(T, name, fmt) py::make_tuple(#name, fmt, offsetof(T, name))
@@ -1098,6 +1268,10 @@ PYBIND11_MODULE(_mirror, m) {
           py::arg("expected_flag") = -1, "Copy LL128 data of the segments into out; returns (flag, lines, bad_lines).");
     m.def("place", &place, py::arg("buf"), py::arg("segments"), py::arg("out"), py::arg("shift"), py::arg("flag"),
           py::arg("ll"), "Place a message's segments into a send's data buffer; per-segment status (see the source).");
+    m.def("merge_send", &merge_send, py::arg("buf"), py::arg("parts"), py::arg("flag"), py::arg("ll"), py::arg("data"),
+          py::arg("copies"), "Place a final send's parts into an allreduce's data/copies slices; (seen, differing, unplaced).");
+    m.def("segment_flags", &segment_flags, py::arg("buf"), py::arg("segments"),
+          "The LL flag of every segment's first line, -1 for segments under 16 bytes.");
     m.def("simple_copy", &simple_copy, py::arg("buf"), py::arg("segments"), py::arg("out"),
           "Copy the raw payload of the segments into out at their message offsets; returns bytes copied.");
 }

@@ -29,7 +29,10 @@ class WireSend:
 
     step: int  # NCCL step on its connection (the LL flag), or inferred
     size: int | None  # declared wire bytes (immediate or RETH length); None when both were lost
-    extract: Callable[[np.ndarray], np.ndarray]  # fill data bytes; return the present data-byte ranges, (n, 2) [start, end)
+    # merge into the allreduce: place(data, copies) gets the send's slices of Allreduce.data and .copies, gives
+    # each element it delivered whole that has no copy yet its value, compares those that have one (bitwise),
+    # counts copies up (saturating at 255) and returns (elements seen, elements differing); see roce.merge_send
+    place: Callable[[np.ndarray, np.ndarray], tuple[int, int]]
     info: dict = field(default_factory=dict)  # where it came from (stream, packets, psn) for reports
 
 
@@ -210,52 +213,21 @@ class Assembler:
         return None
 
     def _take(self, ar: Allreduce, s: RingStream, at: int, pattern: list[Send]) -> None:
-        isz = self.params.itemsize
+        """Merge the final sends of the allreduce found at step ``at``: the first valid copy of each element
+        wins, a later copy that differs is a conflict (natively: roce.merge_send through WireSend.place)."""
         for j, send in enumerate(pattern):
-            ws = s.sends.get(at + j)
             if not send.final or send.count == 0:
                 continue
+            ws = s.sends.get(at + j)
             src = {"stream": s.name, "position": s.position, "channel": s.channel, "chunk": send.chunk,
                    "loop": send.loop, "range": [send.start, send.start + send.count], "step": at + j}
             if ws is None:
                 ar.sources.append({**src, "elements_seen": 0, "lost": True})
                 continue
-            buf = np.zeros(send.count, self.dtype)
-            present = np.asarray(ws.extract(buf.view(np.uint8)), np.int64).reshape(-1, 2)
-            mask = _mask(send.count, -(-present[:, 0] // isz), np.minimum(present[:, 1] // isz, send.count))  # whole elements
-            self._merge(ar, send.start, buf, mask, src)
-            ar.sources.append({**src, **ws.info, "elements_seen": int(mask.sum())})
-
-    def _merge(self, ar: Allreduce, start: int, buf: np.ndarray, mask: np.ndarray, src: dict) -> None:
-        """First valid copy of each element wins; a later copy that differs is a conflict."""
-        end = start + len(buf)
-        data, copies = ar.data[start:end], ar.copies[start:end]
-        have = copies > 0
-        word = np.uint32 if buf.itemsize == 4 else np.uint16
-        if not have.any():  # the first copy here: nothing to compare
-            if mask.all():
-                data[...] = buf
-            else:
-                np.copyto(data, buf, where=mask)
-        else:
-            both = have & mask
-            n_bad = int(np.count_nonzero((data.view(word) != buf.view(word)) & both))
-            if n_bad:
-                ar.conflicts.append({**src, "elements_differing": n_bad})
-            np.copyto(data, buf, where=mask & ~have)
-        np.add(copies, 1, out=copies, where=mask & (copies < 255))
-
-
-def _mask(n: int, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
-    """Boolean vector of n with [starts[i], ends[i]) set (empty or reversed ranges ignored)."""
-    keep = starts < ends
-    starts, ends = starts[keep], ends[keep]
-    if len(starts) and starts.min() <= 0:  # the common case: the ranges tile the whole send
-        order = np.argsort(starts, kind="stable")
-        reach = np.maximum.accumulate(ends[order])
-        if reach[-1] >= n and not (starts[order][1:] > reach[:-1]).any():
-            return np.ones(n, bool)
-    edges = np.zeros(n + 1, np.int32)
-    np.add.at(edges, starts, 1)
-    np.add.at(edges, ends, -1)
-    return np.cumsum(edges[:-1]) > 0
+            end = send.start + send.count
+            if send.start < 0 or end > ar.elements:
+                raise ValueError(f"send [{send.start}, {end}) lies outside allreduce {ar.index} of {ar.elements} elements")
+            seen, differing = ws.place(ar.data[send.start:end], ar.copies[send.start:end])
+            if differing:
+                ar.conflicts.append({**src, "elements_differing": differing})
+            ar.sources.append({**src, **ws.info, "elements_seen": seen})

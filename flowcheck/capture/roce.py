@@ -4,7 +4,8 @@
 extension-header fields, payload location).  ``reassemble`` demultiplexes OK packets into
 streams (src IP, dst IP, destination QP), places SEND/WRITE packets by PSN, and forms
 messages with their payload segments, the byte ranges lost inside them and the PSN gaps of
-each stream.  ``ll_unpack`` / ``ll128_unpack`` / ``simple_copy`` copy a message's payload out.
+each stream.  ``ll_unpack`` / ``ll128_unpack`` / ``simple_copy`` copy a message's payload out; ``merge_send``
+places a decoded send straight into its allreduce (first copy wins, later copies compared).
 
 Table fields (numpy structured arrays).  PSNs in the reassembly tables are unwrapped to int64:
 a stream's first SEND/WRITE packet (capture order) keeps its 24-bit PSN, each later one moves
@@ -202,6 +203,33 @@ def ll128_unpack(frames: Frames, segments: np.ndarray, out, expected_flag: int |
 def simple_copy(frames: Frames, segments: np.ndarray, out) -> int:
     """NCCL Simple: copy the raw payload of the segments into ``out`` at their message offsets."""
     return _mirror.simple_copy(frames.buf, _segments(segments), out)
+
+
+class Merged(NamedTuple):
+    seen: int  # whole elements this send delivered
+    differing: int  # of those, elements that already had a copy and differ from it bitwise
+    unplaced: list[tuple[int, int]]  # LL segments not placed: (-1, their bytes) misaligned, (bad lines, 0)
+
+
+def merge_send(buf: np.ndarray, parts: list[tuple[np.ndarray, int]], flag: int | None, ll: bool, data: np.ndarray,
+               copies: np.ndarray) -> Merged:
+    """Merge one final send into its allreduce, natively and in one call.
+
+    ``parts`` are (``Reassembly.segments`` rows, shift) of the send's placeable messages: each segment's
+    payload goes to the send's data bytes at msg_offset + shift (LL: every line's flags must equal ``flag``,
+    8 data bytes per 16-byte line at (msg_offset + shift) / 2; a segment with a bad or misaligned line is
+    not placed).  The whole elements inside a placed segment's byte range are present.  For each present
+    element of ``data`` (the send's slice of the allreduce vector) and ``copies`` (uint8, valid copies per
+    element): the first copy wins, a later one is compared bitwise (a difference counts), the count goes up
+    (saturating at 255).  ``flag`` None: no line can be valid.
+    """
+    seen, differing, unplaced = _mirror.merge_send(buf, parts, _flag(flag), ll, data, copies)
+    return Merged(seen, differing, unplaced)
+
+
+def segment_flags(buf: np.ndarray, segments: np.ndarray) -> np.ndarray:
+    """The LL flag of every segment's first line (bytes 4..8, little-endian; int64), -1 for segments under 16 bytes."""
+    return _mirror.segment_flags(buf, _segments(segments))
 
 
 def _segments(segments: np.ndarray) -> np.ndarray:

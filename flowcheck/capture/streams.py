@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from flowcheck import _mirror
+from flowcheck.capture import roce
 from flowcheck.capture.assemble import RingStream, WireSend
 from flowcheck.capture.job import Job
 
@@ -55,12 +55,7 @@ def first_flags(flags: np.ndarray, starts: np.ndarray, counts: np.ndarray) -> li
 
 def segment_flags(buf: np.ndarray, segments: np.ndarray) -> np.ndarray:
     """The LL flag of every segment's first line (bytes 4..8, little-endian), -1 for segments under 16 bytes."""
-    out = np.full(len(segments), -1, np.int64)
-    whole = np.flatnonzero(segments["length"] >= 16)
-    if len(whole):
-        at = segments["offset"][whole][:, None] + np.arange(4, 8)
-        out[whole] = buf[at].copy().view("<u4")[:, 0]
-    return out
+    return roce.segment_flags(buf, segments)
 
 
 @dataclass
@@ -166,44 +161,31 @@ def send_step(send: Send, buf: np.ndarray, ll: bool) -> int | None:
     return next((m.flag for m in send.parts if m.flag is not None), None)
 
 
-def make_extract(send: Send, buf: np.ndarray, ll: bool, anomalies: list[dict], where: dict):
-    """A function filling a send's data bytes into ``out`` and returning the data-byte ranges present
-    (an (n, 2) array of [start, end)).
+def make_place(send: Send, buf: np.ndarray, ll: bool, flag: int | None, anomalies: list[dict], where: dict):
+    """A function merging a send into its allreduce's ``data`` and ``copies`` slices (see ``WireSend.place``);
+    returns (elements seen, elements differing).
 
-    LL: every line's two flags must equal the send's flag; a segment with a bad line is dropped
-    whole (reported), so a corrupted packet can only make data missing, never wrong.  The copy and
-    the checks are native (``_mirror.place``); one call per message.
+    Every placeable message of the send is one part, at its offset inside the send (its VA minus the send's
+    base VA when the send has several).  LL: every line's two flags must equal the send's flag; a segment
+    with a bad line is dropped whole (reported), so a corrupted packet can only make data missing, never
+    wrong.  Placement, whole-element ranges and the merge are one native call (``roce.merge_send``).
     """
-    def extract(out: np.ndarray) -> np.ndarray:
-        flag = send_step(send, buf, ll)
-        present = []
+    def place(data: np.ndarray, copies: np.ndarray) -> tuple[int, int]:
+        multi = len(send.parts) > 1
+        parts = []
         for m in send.parts:
-            if not m.placeable or (m.va is None and len(send.parts) > 1):
+            if not m.placeable or (m.va is None and multi) or not len(m.segments):
                 continue  # a piece whose place in the send is unknown: its bytes stay missing
-            if not len(m.segments):
-                continue
-            shift = (m.va - send.base_va) if len(send.parts) > 1 and send.base_va is not None else 0
-            segs = np.ascontiguousarray(m.segments)
-            status = _mirror.place(buf, segs, out, shift, -1 if flag is None else flag, ll)
-            ok = status == 0
-            if ll:
-                for i in np.flatnonzero(status == -1):
-                    anomalies.append({**where, "type": "ll_misaligned_segment", "bytes": int(segs["length"][i])})
-                for i in np.flatnonzero(status > 0):
-                    anomalies.append({**where, "type": "ll_bad_flags", "lines": int(status[i])})
-                lo = (segs["msg_offset"][ok] + shift) // 2
-                hi = np.minimum(lo + segs["length"][ok] // 16 * 8, out.nbytes)
+            parts.append((m.segments, m.va - send.base_va if multi and send.base_va is not None else 0))
+        seen, differing, unplaced = roce.merge_send(buf, parts, flag, ll, data, copies)
+        for status, nbytes in unplaced:
+            if status < 0:
+                anomalies.append({**where, "type": "ll_misaligned_segment", "bytes": nbytes})
             else:
-                lo = segs["msg_offset"][ok] + shift
-                hi = np.minimum(lo + segs["length"][ok], out.nbytes)
-            ranges = np.empty((len(lo), 2), np.int64)
-            ranges[:, 0], ranges[:, 1] = lo, hi
-            present.append(ranges)
-        if len(present) == 1:
-            return present[0]
-        return np.concatenate(present) if present else np.zeros((0, 2), np.int64)
+                anomalies.append({**where, "type": "ll_bad_flags", "lines": status})
+        return seen, differing
 
-    return extract
+    return place
 
 
 def ring_streams(job: Job, streams: Sequence[StreamInfo], buf: np.ndarray, anomalies: list[dict]) -> tuple[list[RingStream], int, list[dict]]:
@@ -260,7 +242,7 @@ def _ring_stream(s: StreamInfo, position: int, channel: int, sends: list[Send], 
     by_step: dict[int, WireSend] = {}
     counter = 0
     for send in sends:
-        step = send_step(send, buf, ll)
+        step = flag = send_step(send, buf, ll)
         if step is None:
             step = counter + 1  # Simple, or an LL send with no line captured: next step
         counter = step
@@ -269,7 +251,7 @@ def _ring_stream(s: StreamInfo, position: int, channel: int, sends: list[Send], 
         if step in by_step:
             anomalies.append({**where, "type": "step_seen_twice"})
             continue
-        by_step[step] = WireSend(step, send.size, make_extract(send, buf, ll, anomalies, where), where)
+        by_step[step] = WireSend(step, send.size, make_place(send, buf, ll, flag, anomalies, where), where)
     first = min(by_step) if by_step else 1
     last = max(by_step) if by_step else 0
     for gap in sorted(set(range(first, last + 1)) - set(by_step)):

@@ -356,6 +356,142 @@ def test_place_writes_only_whole_valid_segments_and_clips_to_the_send():
     assert not raw[:100].any() and raw[100:].tobytes() == whole[:1400].tobytes()
 
 
+def _rows(*rows: tuple[int, int, int]) -> np.ndarray:
+    """SEGMENT rows (offset in the buffer, msg_offset, length)."""
+    segs = np.zeros(len(rows), roce.SEGMENT)
+    for i, (offset, msg_offset, length) in enumerate(rows):
+        segs[i]["offset"], segs[i]["msg_offset"], segs[i]["length"] = offset, msg_offset, length
+    return segs
+
+
+def _merge_reference(buf, parts, flag, ll, data, copies):
+    """The merge as decode did it in Python before merge_send: place into a zeroed send buffer, whole-element
+    mask of each placed segment's byte range, first copy wins, later copies compared, copies saturate."""
+    from flowcheck import _mirror
+
+    isz, n = data.itemsize, len(data)
+    out = np.zeros(n * isz, np.uint8)
+    mask, unplaced = np.zeros(n, bool), []
+    for segs, shift in parts:
+        st = _mirror.place(buf, segs, out, shift, -1 if flag is None else flag, ll)
+        ok = st == 0
+        if ll:
+            unplaced += [(-1, int(segs["length"][i])) for i in np.flatnonzero(st == -1)]
+            unplaced += [(int(st[i]), 0) for i in np.flatnonzero(st > 0)]
+            lo = (segs["msg_offset"][ok] + shift) // 2
+            hi = np.minimum(lo + segs["length"][ok] // 16 * 8, out.nbytes)
+        else:
+            lo = segs["msg_offset"][ok] + shift
+            hi = np.minimum(lo + segs["length"][ok], out.nbytes)
+        for a, b in zip(lo.tolist(), hi.tolist()):
+            mask[-(-a // isz):min(b // isz, n)] = True
+    word = {2: np.uint16, 4: np.uint32}[isz]
+    new, old, have = out.view(word), data.view(word), copies > 0
+    differing = int(np.count_nonzero((old != new) & have & mask))
+    np.copyto(old, new, where=mask & ~have)
+    np.add(copies, 1, out=copies, where=mask & (copies < 255))
+    return int(mask.sum()), differing, unplaced
+
+
+def test_merge_send_counts_whole_elements_only():
+    buf = np.arange(64, dtype=np.uint8)
+    data, copies = np.zeros(4, np.float32), np.zeros(4, np.uint8)
+    # Simple, bytes [0, 6) and [6, 16): element 1 (bytes 4..8) is cut by both ranges, so it is not present
+    got = roce.merge_send(buf, [(_rows((0, 0, 6), (6, 6, 10)), 0)], None, False, data, copies)
+    assert got == (3, 0, []) and list(copies) == [1, 0, 1, 1]
+    assert data.view(np.uint8)[:4].tobytes() == bytes(range(4)) and data[1] == 0
+    assert data.view(np.uint8)[8:].tobytes() == bytes(range(8, 16))
+    # a shifted part covering bytes [2, 10) of the send: only element 1 whole
+    data, copies = np.zeros(4, np.float32), np.zeros(4, np.uint8)
+    assert roce.merge_send(buf, [(_rows((20, 0, 8), ), 2)], None, False, data, copies)[:2] == (1, 0)
+    assert list(copies) == [0, 1, 0, 0] and data.view(np.uint8)[4:8].tobytes() == bytes(range(22, 26))
+    # nothing placeable: a segment beyond the send, an empty one, no parts at all
+    assert roce.merge_send(buf, [(_rows((0, 16, 8), (0, 0, 0)), 0)], None, False, data, copies)[:2] == (0, 0)
+    assert roce.merge_send(buf, [], None, False, data, copies) == (0, 0, []) and list(copies) == [0, 1, 0, 0]
+
+
+def test_merge_send_ll_lines_conflicts_and_saturating_copies():
+    words = np.arange(128, dtype=np.uint32) + 1000
+    words[1::2] = 7  # 32 lines {data0, 7, data1, 7}: 64 data words
+    buf = words.view(np.uint8)
+    values = words[0::2]
+    data, copies = np.zeros(64, np.uint32), np.zeros(64, np.uint8)
+    parts = [(_rows((0, 0, 256)), 0), (_rows((256, 256, 256)), 0)]
+    assert roce.merge_send(buf, parts, 7, True, data, copies) == (64, 0, [])
+    assert (data == values).all() and (copies == 1).all()
+    # a second copy that differs in 2 elements: counted, the first copy stays
+    other = words.copy()
+    other[[0, 10]] += 1
+    assert roce.merge_send(other.view(np.uint8), parts, 7, True, data, copies) == (64, 2, [])
+    assert (data == values).all() and (copies == 2).all()
+    copies[:] = [254, 255] * 32
+    assert roce.merge_send(buf, parts, 7, True, data, copies)[:2] == (64, 0)
+    assert (copies == 255).all()
+    # bad flags and misaligned segments place nothing and are reported per part, misaligned first
+    data, copies = np.zeros(64, np.uint32), np.zeros(64, np.uint8)
+    bad = [(_rows((0, 0, 256), (0, 8, 256), (0, 256, 24)), 0), (_rows((256, 256, 256)), 0)]
+    got = roce.merge_send(buf, bad, 8, True, data, copies)
+    assert got == (0, 0, [(-1, 256), (-1, 24), (16, 0), (16, 0)]) and not copies.any() and not data.any()
+    assert roce.merge_send(buf, parts, None, True, data, copies) == (0, 0, [(16, 0), (16, 0)])  # no flag known
+    # bfloat16-sized elements; the send ends mid-line: the partial last line still places its whole elements
+    data, copies = np.zeros(61, np.uint16), np.zeros(61, np.uint8)
+    assert roce.merge_send(buf, parts, 7, True, data, copies)[:2] == (61, 0)
+    assert data.tobytes() == values.tobytes()[:122]
+
+
+def test_merge_send_rejects_bad_arguments():
+    buf = np.zeros(64, np.uint8)
+    segs = _rows((0, 0, 16))
+    data, copies = np.zeros(4, np.float32), np.zeros(4, np.uint8)
+    for parts in ([(segs,)], [[segs, 0]], [(b"x" * 40, 0)], [(np.zeros(3, np.int64), 0)], [(segs, "0")],
+                  [(segs, 2**64)], [(_rows((60, 0, 16)), 0)], [(_rows((-1, 0, 16)), 0)], [(_rows((0, 0, -1)), 0)],
+                  [(np.zeros(4, roce.SEGMENT)[::2], 0)], [(segs, None)]):
+        with pytest.raises(ValueError):
+            roce.merge_send(buf, parts, 1, True, data, copies)
+    for d, c in ((np.zeros(4, np.float32), np.zeros(3, np.uint8)), (np.zeros((2, 2), np.float32), np.zeros(4, np.uint8)),
+                 (np.zeros(4, np.float32), np.zeros(4, np.uint16)), (np.zeros(8, np.float32)[::2], np.zeros(4, np.uint8)),
+                 (np.zeros(4, "V3"), np.zeros(4, np.uint8))):
+        with pytest.raises(ValueError):
+            roce.merge_send(buf, [(segs, 0)], 1, True, d, c)
+    with pytest.raises(ValueError):
+        roce.merge_send(buf, [(segs, 0)], 2**64, True, data, copies)
+    # offsets that overflow 64 bits are nowhere in the send
+    assert roce.merge_send(buf, [(_rows((0, 2**62, 16)), 2**63 - 1)], 0, True, data, copies) == (0, 0, [])
+    assert roce.merge_send(buf, [(_rows((0, 2**62, 16)), 2**63 - 1)], 0, False, data, copies) == (0, 0, [])
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_merge_send_equals_the_reference_merge_on_random_sends(seed):
+    rng = np.random.default_rng(seed)
+    for case in range(60):
+        ll, isz = bool(rng.integers(2)), int(rng.choice([2, 4]))
+        flag = 5
+        words = rng.integers(0, 4, 1024, dtype=np.uint32)  # few values: copies often agree
+        if ll:
+            words[1::2] = flag
+            words[rng.integers(0, 1024, rng.integers(0, 4)) | 1] = 6  # a few torn lines
+        buf = words.view(np.uint8)
+        n = int(rng.integers(0, 400))
+        data = rng.integers(0, 4, n).astype(np.uint16 if isz == 2 else np.uint32)
+        copies = rng.choice(np.array([0, 0, 0, 1, 254, 255], np.uint8), n)
+        ref_data, ref_copies = data.copy(), copies.copy()
+        for _ in range(3):
+            parts = []
+            for _ in range(int(rng.integers(0, 4))):
+                rows = []
+                for _ in range(int(rng.integers(0, 5))):
+                    length = int(rng.choice([16 * rng.integers(0, 20), rng.integers(0, 300)]))
+                    offset = int(rng.integers(0, buf.nbytes - length + 1))
+                    msg_offset = int(rng.choice([16 * rng.integers(0, 120), rng.integers(0, 2000)]))
+                    rows.append((offset, msg_offset, length))
+                parts.append((_rows(*rows), int(rng.choice([0, 0, 16, -16, 8, 3, 5000, -5000]))))
+            f = None if rng.random() < 0.1 else flag
+            got = roce.merge_send(buf, parts, f, ll, data, copies)
+            want = _merge_reference(buf, parts, f, ll, ref_data, ref_copies)
+            assert tuple(got) == want, (seed, case)
+            assert data.tobytes() == ref_data.tobytes() and copies.tobytes() == ref_copies.tobytes(), (seed, case)
+
+
 def test_ll128_unpack_and_simple_copy():
     lines = np.random.default_rng(3).integers(0, 256, (16, 128), dtype=np.uint8)
     lines[:, 120:] = np.frombuffer(struct.pack("<Q", 77), dtype=np.uint8)

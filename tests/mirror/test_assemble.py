@@ -4,6 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from flowcheck.capture import roce
 from flowcheck.capture.assemble import Assembler, RingStream, WireSend, _runs
 from flowcheck.capture.job import job_from_dict
 from flowcheck.capture.ring import ring_sends
@@ -23,7 +24,7 @@ def _streams(job, vectors: list[np.ndarray], positions: list[int], *, lose=(), e
         for ch in range(job.channels):
             sends, step = {}, 1
             for _ in range(extra_before):  # another collective's send on the connection first
-                sends[step] = WireSend(step, 48, lambda o: [], {})
+                sends[step] = WireSend(step, 48, lambda d, c: (0, 0), {})
                 step += 1
             for k, vec in enumerate(vectors):
                 for s in ring_sends(len(vec), p, pos, ch):
@@ -36,12 +37,15 @@ def _streams(job, vectors: list[np.ndarray], positions: list[int], *, lose=(), e
 
 
 def _filler(data: np.ndarray, cut):
-    def extract(buf):
-        raw = data.view(np.uint8)
-        n = raw.nbytes if cut is None else min(raw.nbytes, cut)
-        buf[:n] = raw[:n]
-        return [(0, n)] if n else []
-    return extract
+    """WireSend.place of a send whose first ``cut`` data bytes arrived (Simple: one raw segment, merged natively)."""
+    raw = data.view(np.uint8)
+    n = raw.nbytes if cut is None else min(raw.nbytes, cut)
+    segs = np.zeros(1, roce.SEGMENT)
+    segs["length"] = n
+
+    def place(out, copies):
+        return roce.merge_send(raw, [(segs, 0)], None, False, out, copies)[:2]
+    return place
 
 
 @pytest.mark.parametrize("n,channels", [(2, 1), (2, 2), (3, 1), (4, 2), (8, 2)])
