@@ -873,6 +873,36 @@ py::dict reassemble(const py::buffer& packets, int32_t pmtu) {
 
 // ---------------------------------------------------------------- payload unpacking
 
+// LL lines {u32 data0, u32 flag, u32 data1, u32 flag}: how many of `lines` lines at p have a flag
+// word other than f, and the copy of their data words (8 bytes a line) to d.  SSE2 on x86-64.
+int64_t ll_bad_lines(const uint8_t* p, int64_t lines, uint32_t f) {
+#if defined(__x86_64__)
+    {  // the common case first: every flag word right (one OR of XORs a line), else count line by line
+        const __m128i fv = _mm_set1_epi32(int(f)), flags = _mm_setr_epi32(0, -1, 0, -1);
+        __m128i acc = _mm_setzero_si128();
+        const uint8_t* q = p;
+        for (int64_t k = 0; k < lines; ++k, q += 16) acc = _mm_or_si128(acc, _mm_xor_si128(_mm_loadu_si128((const __m128i*)q), fv));
+        if (_mm_movemask_epi8(_mm_cmpeq_epi32(_mm_and_si128(acc, flags), _mm_setzero_si128())) == 0xFFFF) return 0;
+    }
+#endif
+    int64_t good = 0;
+    for (int64_t k = 0; k < lines; ++k, p += 16) good += (le32(p + 4) == f) & (le32(p + 12) == f);
+    return lines - good;
+}
+
+void ll_copy(uint8_t* d, const uint8_t* p, int64_t lines) {
+    int64_t k = 0;
+#if defined(__x86_64__)
+    for (; k + 2 <= lines; k += 2, p += 32, d += 16) {
+        __m128i a = _mm_shuffle_epi32(_mm_loadu_si128((const __m128i*)p), _MM_SHUFFLE(3, 1, 2, 0));
+        __m128i b = _mm_shuffle_epi32(_mm_loadu_si128((const __m128i*)(p + 16)), _MM_SHUFFLE(3, 1, 2, 0));
+        _mm_storeu_si128((__m128i*)d, _mm_unpacklo_epi64(a, b));
+    }
+#endif
+    for (; k < lines; ++k, p += 16, d += 8) std::memcpy(d, p, 4), std::memcpy(d + 4, p + 8, 4);
+}
+
+
 struct Segments {
     const SegmentRow* rows;
     size_t n;
@@ -1005,14 +1035,15 @@ py::array_t<int32_t> place(const py::buffer& buf, const py::buffer& segments, py
             bad = lines;
         } else {
             const uint32_t f = uint32_t(flag);
-            for (int64_t k = 0; k < lines; ++k) bad += (le32(p + 16 * k + 4) != f) | (le32(p + 16 * k + 12) != f);
+            bad = ll_bad_lines(p, lines, f);
         }
         if (bad) { st[i] = int32_t(std::min<int64_t>(bad, INT32_MAX)); continue; }
         int64_t lo = pos / 2, fit = std::min<int64_t>(lines, (size - lo) / 8);
         if (lo >= size) { st[i] = -2; continue; }
         st[i] = 0;
         uint8_t* d = o.data + lo;
-        for (int64_t k = 0; k < fit; ++k, p += 16, d += 8) std::memcpy(d, p, 4), std::memcpy(d + 4, p + 8, 4);
+        ll_copy(d, p, fit);
+        p += 16 * fit, d += 8 * fit;
         int64_t tail = lo + fit * 8 < size && fit < lines ? size - (lo + fit * 8) : 0;  // a partial last line
         if (tail > 0) {
             uint8_t line[8];
@@ -1042,19 +1073,37 @@ int64_t as_int64(const py::handle& h, const char* what) {
     return int64_t(v);
 }
 
-// One element of `data` against the scratch copy: an element with no copy yet takes it, one with
-// copies is compared bitwise (returns 1 when it differs; the first copy stays); copies saturate at 255.
+// Merges elements [a, b) of the scratch copy `src` into `data`: an element with no copy yet takes it,
+// one with copies is compared bitwise (each difference counts; the first copy stays); its count goes
+// up, saturating at 255.  Returns the differences.  Whole-run fast paths for the common cases (the
+// first copy of every element, or a later copy of every element), one loop otherwise.
 template <class W>
 int64_t merge_run(uint8_t* data, uint8_t* copies, const uint8_t* src, int64_t a, int64_t b) {
+    constexpr int64_t w = sizeof(W);
+    uint8_t lo = 255, hi = 0;
+    for (int64_t e = a; e < b; ++e) lo = std::min(lo, copies[e]), hi = std::max(hi, copies[e]);
     int64_t bad = 0;
+    if (hi == 0) {  // nothing here yet
+        std::memcpy(data + a * w, src + a * w, size_t((b - a) * w));
+        std::memset(copies + a, 1, size_t(b - a));
+        return 0;
+    }
+    if (lo > 0) {  // every element has a copy: compare only
+        for (int64_t e = a; e < b; ++e) {
+            W old, got;
+            std::memcpy(&old, data + e * w, w), std::memcpy(&got, src + e * w, w);
+            bad += old != got;
+        }
+        for (int64_t e = a; e < b; ++e) copies[e] = uint8_t(copies[e] + (copies[e] != 255));
+        return bad;
+    }
     for (int64_t e = a; e < b; ++e) {
         W old, got;
-        std::memcpy(&old, data + e * int64_t(sizeof(W)), sizeof(W));
-        std::memcpy(&got, src + e * int64_t(sizeof(W)), sizeof(W));
+        std::memcpy(&old, data + e * w, w), std::memcpy(&got, src + e * w, w);
         const uint8_t c = copies[e];
         bad += (c != 0) & (old != got);
         W keep = c ? old : got;
-        std::memcpy(data + e * int64_t(sizeof(W)), &keep, sizeof(W));
+        std::memcpy(data + e * w, &keep, w);
         copies[e] = uint8_t(c + (c != 255));
     }
     return bad;
@@ -1137,14 +1186,15 @@ py::tuple merge_send(const py::buffer& buf, const py::list& parts, int64_t flag,
                         bad = lines;
                     } else {
                         const uint32_t f = uint32_t(flag);
-                        for (int64_t k = 0; k < lines; ++k) bad += (le32(p + 16 * k + 4) != f) | (le32(p + 16 * k + 12) != f);
+                        bad = ll_bad_lines(p, lines, f);
                     }
                     if (bad) { bad_lines.push_back(std::min<int64_t>(bad, INT32_MAX)); continue; }
                     lo = pos / 2;
                     if (lo >= size) continue;
                     int64_t fit = std::min<int64_t>(lines, (size - lo) / 8);
                     uint8_t* d = o + lo;
-                    for (int64_t k = 0; k < fit; ++k, p += 16, d += 8) std::memcpy(d, p, 4), std::memcpy(d + 4, p + 8, 4);
+                    ll_copy(d, p, fit);
+                    p += 16 * fit, d += 8 * fit;
                     hi = std::min<int64_t>(lo + lines * 8, size);
                     if (hi > lo + fit * 8) {  // a partial last line
                         uint8_t line[8];

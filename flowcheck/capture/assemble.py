@@ -23,7 +23,7 @@ from flowcheck.capture.ring import RingParams, Send, ring_sends
 NUMPY = {"float32": np.float32, "bfloat16": np.uint16, "int32": np.int32}
 
 
-@dataclass
+@dataclass(slots=True)  # one per send on every ring connection
 class WireSend:
     """One NCCL send seen on a connection (one step): what arrived of it."""
 

@@ -76,10 +76,32 @@ def _stream_infos(frames: Frames, packets, buf: np.ndarray, anomalies: list[dict
     r = roce.reassemble(frames, packets)
     seg_flags = segment_flags(buf, r.segments)
     m = r.messages
-    cols = {f: m[f].tolist() for f in ("first_psn", "last_psn", "va", "dma_len", "seg_start", "n_segs", "flags", "imm",
-                                       "has_imm", "pmtu", "complete", "first_frame", "last_frame")}
-    cols["t0"] = frames.ts_ns[m["first_frame"]].tolist() if len(m) else []
-    cols["flag"] = first_flags(seg_flags, m["seg_start"].astype(np.int64), m["n_segs"].astype(np.int64))
+    seg_start, n_segs = m["seg_start"].astype(np.int64), m["n_segs"].astype(np.int64)
+    dma_len, has_imm, imm, pmtu = m["dma_len"], m["has_imm"].astype(bool), m["imm"].astype(np.int64), m["pmtu"].astype(np.int64)
+    size = np.where(has_imm, imm, dma_len)  # the immediate, else the RETH length (< 0: neither known)
+    span = m["last_psn"] - m["first_psn"] + 1
+    # more packets than its size allows: the reassembler merged sends whose boundary packets were all lost
+    merged = (has_imm | (dma_len >= 0)) & (pmtu > 0) & (span > np.maximum(1, -(-size // np.maximum(pmtu, 1))))
+    length = np.where((dma_len >= 0) & ~merged, dma_len, -1)
+    # a message whose last packet was lost, or whose end was inferred (or cut), may have carried the
+    # immediate: close the send rather than merge on
+    closes = has_imm | ((m["flags"] & _OPEN_END) != 0) | merged
+    # LL flag changes between consecutive segments of one message: only such messages need split_by_flag
+    f = seg_flags
+    change = np.concatenate(([0], np.cumsum((f[:-1] >= 0) & (f[1:] >= 0) & (f[:-1] != f[1:])))) if len(f) else np.zeros(1, np.int64)
+    last_seg = np.clip(seg_start + np.maximum(n_segs, 1) - 1, 0, len(change) - 1)
+    uniform = (n_segs < 2) | (change[last_seg] == change[np.clip(seg_start, 0, len(change) - 1)])
+    cols = {
+        "first_psn": m["first_psn"].tolist(), "last_psn": m["last_psn"].tolist(),
+        "va": [v if v >= 0 else None for v in m["va"].tolist()],
+        "length": [v if v >= 0 else None for v in length.tolist()],
+        "imm": [v if keep else None for v, keep in zip(imm.tolist(), (has_imm & ~merged).tolist())],
+        "seg_start": seg_start.tolist(), "seg_end": (seg_start + n_segs).tolist(), "complete": m["complete"].tolist(),
+        "closes": closes.tolist(), "placeable": (~merged).tolist(), "uniform": uniform.tolist(),
+        "first_frame": m["first_frame"].tolist(), "last_frame": m["last_frame"].tolist(),
+        "t0": frames.ts_ns[m["first_frame"]].tolist() if len(m) else [],
+        "flag": first_flags(seg_flags, seg_start, n_segs),
+    }
     writes = np.flatnonzero(m["kind"] == roce.KIND_WRITE)
     writes = writes[np.lexsort((m["first_psn"][writes], m["stream"][writes]))]  # by stream, then PSN
     by_stream: dict[int, list[int]] = {}
@@ -95,39 +117,26 @@ def _stream_infos(frames: Frames, packets, buf: np.ndarray, anomalies: list[dict
             anomalies.append({"type": "psn_gap", "stream": name, "psn": [a, b], "packets": b - a})
         if int(s["n_duplicates"]):
             anomalies.append({"type": "duplicates", "stream": name, "packets": int(s["n_duplicates"])})
-        msgs = [_msg(cols, mid, r.segments, seg_flags, missing.get(mid, [])) for mid in by_stream.get(sid, [])]
+        msgs = [_msg(cols, mid, r.segments, seg_flags, missing.get(mid)) for mid in by_stream.get(sid, [])]
         out.append(StreamInfo(name=name, src_mac=_mac(s["src_mac"]), dst_mac=_mac(s["dst_mac"]), src_ip=_ip(s["src_ip"]),
                               dst_ip=_ip(s["dst_ip"]), qpn=int(s["dqpn"]), messages=msgs))
     return out
 
 
 def _msg(cols: dict[str, list], mid: int, segments: np.ndarray, seg_flags: np.ndarray,
-         missing: list[tuple[int, int]]) -> Msg:
-    """Message ``mid`` of the reassembler's table (``cols``: its columns as lists)."""
-    length = cols["dma_len"][mid] if cols["dma_len"][mid] >= 0 else None
-    first, n_segs = cols["seg_start"][mid], cols["n_segs"][mid]
-    flags = cols["flags"][mid]
-    imm = cols["imm"][mid] if cols["has_imm"][mid] else None
-    size = imm if imm is not None else length
-    span = cols["last_psn"][mid] - cols["first_psn"][mid] + 1
-    pmtu = cols["pmtu"][mid]
-    # more packets than its size allows: the reassembler merged sends whose boundary packets were all lost
-    merged = size is not None and pmtu > 0 and span > max(1, -(-size // pmtu))
-    if merged:
-        length, imm = None, None
+         missing: list[tuple[int, int]] | None) -> Msg:
+    """Message ``mid`` of the reassembler's table (``cols``: its columns as lists, computed for all at once)."""
+    a, b = cols["seg_start"][mid], cols["seg_end"][mid]
+    length, closes = cols["length"][mid], cols["closes"][mid]
+    if missing:
+        closes = closes or any(e < 0 or (length is not None and e >= length) for _, e in missing)
+        missing = [(s, e if e >= 0 else (length if length is not None else -1)) for s, e in missing]
     return Msg(
-        first_psn=cols["first_psn"][mid], last_psn=cols["last_psn"][mid],
-        va=cols["va"][mid] if cols["va"][mid] >= 0 else None, length=length,
-        imm=imm,
-        segments=segments[first:first + n_segs], flags=seg_flags[first:first + n_segs],
-        missing=[(a, b if b >= 0 else (length if length is not None else -1)) for a, b in missing],
-        complete=bool(cols["complete"][mid]),
-        # a message whose last packet was lost, or whose end was inferred (or cut), may have carried the
-        # immediate: close the send rather than merge on
-        closes=bool(cols["has_imm"][mid]) or bool(flags & _OPEN_END)
-        or merged or any(b < 0 or (length is not None and b >= length) for _, b in missing),
+        first_psn=cols["first_psn"][mid], last_psn=cols["last_psn"][mid], va=cols["va"][mid], length=length,
+        imm=cols["imm"][mid], segments=segments[a:b], flags=seg_flags[a:b], missing=missing or (),
+        complete=cols["complete"][mid], closes=closes,
         info={"frames": [cols["first_frame"][mid], cols["last_frame"][mid]], "t0": cols["t0"][mid]},
-        placeable=not merged, flag=cols["flag"][mid],
+        placeable=cols["placeable"][mid], flag=cols["flag"][mid], uniform=cols["uniform"][mid],
     )
 
 

@@ -23,7 +23,7 @@ from flowcheck.capture.assemble import RingStream, WireSend
 from flowcheck.capture.job import Job
 
 
-@dataclass
+@dataclass(slots=True)  # many of them: no per-object __dict__ for the garbage collector to walk
 class Msg:
     """One reassembled RDMA WRITE message (what the reassembler reports)."""
 
@@ -34,12 +34,13 @@ class Msg:
     imm: int | None  # immediate (the send size for NCCL); None when absent or lost with the LAST
     segments: np.ndarray  # roce.SEGMENT rows: offset into the capture buffer, length, msg_offset (byte offset in message)
     flags: np.ndarray  # per segment: the LL flag of its first line (int64; -1: shorter than a line)
-    missing: list[tuple[int, int]]  # byte ranges [start, end) inside the message not captured
+    missing: Sequence[tuple[int, int]]  # byte ranges [start, end) inside the message not captured
     complete: bool
     closes: bool  # the message ended with an immediate (LAST_IMM / ONLY_IMM) — or we cannot tell
     info: dict = field(default_factory=dict)
     placeable: bool = True  # False: where its bytes go inside the send is unknown (see split_by_flag)
     flag: int | None = None  # the LL flag of its first captured line (None: no whole line); see first_flags
+    uniform: bool = False  # True: no two consecutive segments carry different LL flags (split_by_flag: nothing to cut)
 
 
 def first_flags(flags: np.ndarray, starts: np.ndarray, counts: np.ndarray) -> list[int | None]:
@@ -72,7 +73,7 @@ class StreamInfo:
     ended: bool = True
 
 
-@dataclass
+@dataclass(slots=True)  # many of them: no per-object __dict__ for the garbage collector to walk
 class Send:
     """An NCCL send rebuilt from one or more messages."""
 
@@ -118,6 +119,8 @@ def split_by_flag(m: Msg, buf: np.ndarray) -> list[Msg]:
     the last keeps the immediate (the size of *its* send); where a later piece's bytes go inside its
     send is unknown, so they are never placed (missing, never misplaced).
     """
+    if m.uniform:
+        return [m]
     f = m.flags
     cuts = (np.flatnonzero((f[:-1] >= 0) & (f[1:] >= 0) & (f[:-1] != f[1:])) + 1).tolist()
     if not cuts:
@@ -161,31 +164,37 @@ def send_step(send: Send, buf: np.ndarray, ll: bool) -> int | None:
     return next((m.flag for m in send.parts if m.flag is not None), None)
 
 
-def make_place(send: Send, buf: np.ndarray, ll: bool, flag: int | None, anomalies: list[dict], where: dict):
-    """A function merging a send into its allreduce's ``data`` and ``copies`` slices (see ``WireSend.place``);
-    returns (elements seen, elements differing).
+class SendPlacer:
+    """``WireSend.place`` of one send: merges it into its allreduce's ``data`` and ``copies`` slices and returns
+    (elements seen, elements differing).
 
     Every placeable message of the send is one part, at its offset inside the send (its VA minus the send's
     base VA when the send has several).  LL: every line's two flags must equal the send's flag; a segment
     with a bad line is dropped whole (reported), so a corrupted packet can only make data missing, never
     wrong.  Placement, whole-element ranges and the merge are one native call (``roce.merge_send``).
+    A slotted object rather than a closure: one per send, and few objects for the garbage collector.
     """
-    def place(data: np.ndarray, copies: np.ndarray) -> tuple[int, int]:
+
+    __slots__ = ("send", "buf", "ll", "flag", "anomalies", "where")
+
+    def __init__(self, send: Send, buf: np.ndarray, ll: bool, flag: int | None, anomalies: list[dict], where: dict):
+        self.send, self.buf, self.ll, self.flag, self.anomalies, self.where = send, buf, ll, flag, anomalies, where
+
+    def __call__(self, data: np.ndarray, copies: np.ndarray) -> tuple[int, int]:
+        send = self.send
         multi = len(send.parts) > 1
         parts = []
         for m in send.parts:
             if not m.placeable or (m.va is None and multi) or not len(m.segments):
                 continue  # a piece whose place in the send is unknown: its bytes stay missing
             parts.append((m.segments, m.va - send.base_va if multi and send.base_va is not None else 0))
-        seen, differing, unplaced = roce.merge_send(buf, parts, flag, ll, data, copies)
+        seen, differing, unplaced = roce.merge_send(self.buf, parts, self.flag, self.ll, data, copies)
         for status, nbytes in unplaced:
             if status < 0:
-                anomalies.append({**where, "type": "ll_misaligned_segment", "bytes": nbytes})
+                self.anomalies.append({**self.where, "type": "ll_misaligned_segment", "bytes": nbytes})
             else:
-                anomalies.append({**where, "type": "ll_bad_flags", "lines": status})
+                self.anomalies.append({**self.where, "type": "ll_bad_flags", "lines": status})
         return seen, differing
-
-    return place
 
 
 def ring_streams(job: Job, streams: Sequence[StreamInfo], buf: np.ndarray, anomalies: list[dict]) -> tuple[list[RingStream], int, list[dict]]:
@@ -251,7 +260,7 @@ def _ring_stream(s: StreamInfo, position: int, channel: int, sends: list[Send], 
         if step in by_step:
             anomalies.append({**where, "type": "step_seen_twice"})
             continue
-        by_step[step] = WireSend(step, send.size, make_place(send, buf, ll, flag, anomalies, where), where)
+        by_step[step] = WireSend(step, send.size, SendPlacer(send, buf, ll, flag, anomalies, where), where)
     first = min(by_step) if by_step else 1
     last = max(by_step) if by_step else 0
     for gap in sorted(set(range(first, last + 1)) - set(by_step)):
