@@ -493,6 +493,20 @@ def test_merge_send_equals_the_reference_merge_on_random_sends(seed):
             assert data.tobytes() == ref_data.tobytes() and copies.tobytes() == ref_copies.tobytes(), (seed, case)
 
 
+def test_crc32_equals_zlib_at_every_length_and_start():
+    """The ICRC's CRC32: table-driven below 64 bytes, carry-less-multiply folding above (with a table tail)."""
+    import zlib
+
+    from flowcheck import _mirror
+
+    rng = np.random.default_rng(5)
+    data = rng.integers(0, 256, 5000, dtype=np.uint8).tobytes()
+    for n in [*range(0, 300), 511, 512, 513, 1023, 1024, 1040, 1060, 1088, 4099, 4996]:
+        for start in (0, 3):
+            chunk, value = data[start:start + n], int(rng.integers(0, 2**32))
+            assert _mirror.crc32(chunk, value) == zlib.crc32(chunk, value), (n, start)
+
+
 def test_ll128_unpack_and_simple_copy():
     lines = np.random.default_rng(3).integers(0, 256, (16, 128), dtype=np.uint8)
     lines[:, 120:] = np.frombuffer(struct.pack("<Q", 77), dtype=np.uint8)
