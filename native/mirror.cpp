@@ -1171,6 +1171,8 @@ py::tuple merge_send(const py::buffer& buf, const py::list& parts, int64_t flag,
             for (size_t i = 0; i < part.n; ++i) {
                 const SegmentRow& r = part.rows[i];
                 const uint8_t* p = b.data + r.offset;
+                if (i + 1 < part.n)  // the next segment is elsewhere in the capture: fetch it while this one is read
+                    for (int32_t k = 0; k < part.rows[i + 1].length; k += 64) __builtin_prefetch(b.data + part.rows[i + 1].offset + k);
                 int64_t pos, lo, hi;
                 if (__builtin_add_overflow(r.msg_offset, part.shift, &pos)) continue;  // nowhere in the send
                 if (!ll) {
