@@ -83,8 +83,22 @@ CHILD = textwrap.dedent('''
             ra = roce.reassemble(frames, packets)
             ra2 = roce.reassemble(frames, packets, pmtu=256)
             out = np.zeros(1 << 16, np.uint8)
+            wire = np.frombuffer(frames.buf, np.uint8)
+            roce.segment_flags(wire, ra.segments)
             for m in range(min(len(ra.messages), 64)):
                 segs = ra.segments_of(m)
+                # the decoder's merge of a final send: odd shifts, flags, element counts and dtypes
+                first = roce.segment_flags(wire, segs)
+                for ll, dtype, n, shift, flag in (
+                        (True, np.float32, 1024, 0, int(first[0]) if len(first) and first[0] >= 0 else None),
+                        (True, np.uint16, 7, -16, None), (False, np.int32, 4096, 8, None),
+                        (False, np.float32, 3, -(1 << 62), None), (True, np.float32, 1 << 14, (1 << 63) - 1, 1)):
+                    data, copies = np.zeros(n, dtype), np.full(n, rng.choice((0, 1, 254, 255)), np.uint8)
+                    try:
+                        roce.merge_send(wire, [(segs, shift), (segs, 0)], flag, ll, data, copies)
+                        counts["merges"] += 1
+                    except (ValueError, FlowcheckError):
+                        pass
                 for fn in (roce.ll_unpack, roce.ll128_unpack):
                     try:
                         fn(frames, segs, out)
@@ -99,7 +113,7 @@ CHILD = textwrap.dedent('''
         return "accepted"
 
     rng = random.Random(1234)
-    counts = {"accepted": 0, "rejected": 0}
+    counts = {"accepted": 0, "rejected": 0, "merges": 0}
     corpus = list(tf.SEED_CAPTURES)
     for p in sorted(glob.glob(str(tf.PCAPS / "*.pcapng"))):
         corpus.append(open(p, "rb").read())
@@ -144,7 +158,8 @@ CHILD = textwrap.dedent('''
             except (ValueError, TypeError):
                 pass
     os.close(fd)
-    print(f"ASAN-FUZZ inputs={runs} accepted={counts['accepted']} rejected={counts['rejected']} crashes=0")
+    print(f"ASAN-FUZZ inputs={runs} accepted={counts['accepted']} rejected={counts['rejected']} "
+          f"merges={counts['merges']} crashes=0")
 ''')
 
 
@@ -164,4 +179,5 @@ def test_native_packet_path_is_clean_under_address_and_ub_sanitizers(asan_build)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-2000:]}\n{report}"
     line = [x for x in proc.stdout.splitlines() if x.startswith("ASAN-FUZZ")]
     assert line, proc.stdout[-2000:]
+    assert int(line[0].split("merges=")[1].split()[0]) > 0, line[0]  # the decoder's native merge ran too
     print("\n" + line[0])
