@@ -34,6 +34,11 @@ def ll128_unpack(buf: Buffer, segments: Buffer, out: Buffer, expected_flag: int 
 def simple_copy(buf: Buffer, segments: Buffer, out: Buffer) -> int:
     """Copy raw payload to out[msg_offset:]; returns bytes copied."""
 
-def place(buf: Buffer, segments: Buffer, out: Buffer, shift: int, flag: int, ll: bool) -> np.ndarray:
-    """Place segments at out[(msg_offset + shift) (/2 for LL):], clipped; int32 per segment: 0 placed,
-    -1 misaligned (LL), > 0 lines with a wrong flag (LL, nothing written), -2 outside out."""
+
+def merge_send(buf: Buffer, parts: list[tuple[Buffer, int]], flag: int, ll: bool, data: Buffer,
+               copies: Buffer) -> tuple[int, int, list[tuple[int, int]]]:
+    """Place a final send's (segments, shift) parts into an allreduce's data/copies slices: first valid copy of
+    each whole element wins, later copies compared bitwise, copies saturate at 255; (seen, differing, unplaced)."""
+
+def segment_flags(buf: Buffer, segments: Buffer) -> np.ndarray:
+    """int64 per segment: the LL flag of its first line (bytes 4..8), -1 under 16 bytes."""

@@ -908,16 +908,25 @@ struct Segments {
     size_t n;
 };
 
-// Validates every segment against the capture buffer and the output size before the copy loop.
-// out_of(seg) gives the output byte range [a, b) the segment fills.
-template <class F>
-Segments checked(const Bytes& buf, const py::buffer& segments, size_t out_size, int64_t align, F out_of) {
+// The rows of a Reassembly.segments array, each checked to lie inside the capture buffer.
+Segments in_capture(const Bytes& buf, const py::buffer& segments, const std::string& where = "") {
     Bytes s = readable(segments, sizeof(SegmentRow));
     Segments seg{reinterpret_cast<const SegmentRow*>(s.data), s.size / sizeof(SegmentRow)};
     for (size_t i = 0; i < seg.n; ++i) {
         const SegmentRow& r = seg.rows[i];
         if (r.offset < 0 || r.length < 0 || uint64_t(r.offset) + uint64_t(r.length) > buf.size)
-            throw py::value_error("segment " + std::to_string(i) + " lies outside the capture buffer");
+            throw py::value_error(where + "segment " + std::to_string(i) + " lies outside the capture buffer");
+    }
+    return seg;
+}
+
+// Validates every segment against the capture buffer and the output size before the copy loop.
+// out_of(seg) gives the output byte range [a, b) the segment fills.
+template <class F>
+Segments checked(const Bytes& buf, const py::buffer& segments, size_t out_size, int64_t align, F out_of) {
+    Segments seg = in_capture(buf, segments);
+    for (size_t i = 0; i < seg.n; ++i) {
+        const SegmentRow& r = seg.rows[i];
         if (r.msg_offset < 0 || r.msg_offset % align)
             throw py::value_error("segment " + std::to_string(i) + " has message offset " + std::to_string(r.msg_offset) +
                                   ", expected a multiple of " + std::to_string(align));
@@ -998,62 +1007,6 @@ int64_t simple_copy(const py::buffer& buf, const py::buffer& segments, py::buffe
     return copied;
 }
 
-// The decoder's placement of one message's segments into a send's data buffer: segment i goes to
-// out at (msg_offset + shift) (LL: / 2), clipped to the buffer.  LL segments are checked whole:
-// one misaligned (length or position not a multiple of 16 -> -1) or with any line whose two flags
-// differ from `flag` (-> number of such lines; flag < 0: every line is bad) is not written at all,
-// so corrupted packets can only leave data missing, never wrong.  Returns per segment: 0 placed,
-// -1 misaligned, > 0 bad lines, -2 outside the buffer (nothing to place).
-py::array_t<int32_t> place(const py::buffer& buf, const py::buffer& segments, py::buffer& out, int64_t shift,
-                           int64_t flag, bool ll) {
-    Bytes b = readable(buf);
-    MutBytes o = writable(out);
-    Bytes s = readable(segments, sizeof(SegmentRow));
-    const SegmentRow* rows = reinterpret_cast<const SegmentRow*>(s.data);
-    size_t n = s.size / sizeof(SegmentRow);
-    for (size_t i = 0; i < n; ++i)
-        if (rows[i].offset < 0 || rows[i].length < 0 || uint64_t(rows[i].offset) + uint64_t(rows[i].length) > b.size)
-            throw py::value_error("segment " + std::to_string(i) + " lies outside the capture buffer");
-    py::array_t<int32_t> status{py::ssize_t(n)};
-    int32_t* st = status.mutable_data();
-    py::gil_scoped_release nogil;
-    const int64_t size = int64_t(o.size);
-    for (size_t i = 0; i < n; ++i) {
-        const SegmentRow& r = rows[i];
-        const uint8_t* p = b.data + r.offset;
-        int64_t pos = r.msg_offset + shift;
-        if (!ll) {
-            int64_t m = std::min<int64_t>(r.length, size - pos);
-            if (pos < 0 || m <= 0) { st[i] = -2; continue; }
-            std::memcpy(o.data + pos, p, size_t(m));
-            st[i] = 0;
-            continue;
-        }
-        if (r.length % 16 || pos % 16 || pos < 0) { st[i] = -1; continue; }
-        int64_t lines = r.length / 16, bad = 0;
-        if (flag < 0) {
-            bad = lines;
-        } else {
-            const uint32_t f = uint32_t(flag);
-            bad = ll_bad_lines(p, lines, f);
-        }
-        if (bad) { st[i] = int32_t(std::min<int64_t>(bad, INT32_MAX)); continue; }
-        int64_t lo = pos / 2, fit = std::min<int64_t>(lines, (size - lo) / 8);
-        if (lo >= size) { st[i] = -2; continue; }
-        st[i] = 0;
-        uint8_t* d = o.data + lo;
-        ll_copy(d, p, fit);
-        p += 16 * fit, d += 8 * fit;
-        int64_t tail = lo + fit * 8 < size && fit < lines ? size - (lo + fit * 8) : 0;  // a partial last line
-        if (tail > 0) {
-            uint8_t line[8];
-            std::memcpy(line, p, 4), std::memcpy(line + 4, p + 8, 4);
-            std::memcpy(d, line, size_t(tail));
-        }
-    }
-    return status;
-}
-
 // ---------------------------------------------------------------- merging final sends
 
 // An integer argument (anything with __index__) that fits int64, else ValueError.
@@ -1110,9 +1063,11 @@ int64_t merge_run(uint8_t* data, uint8_t* copies, const uint8_t* src, int64_t a,
 }
 
 // The decoder's merge of one final send into its allreduce.  `parts` is a list of (segments, shift):
-// each segment is placed exactly as `place` does (same checks, same clipping) into a scratch copy of
-// the send's `data.size` elements; the whole elements inside the byte range of a segment that placed
-// are present (an element cut by a range edge is not, even when the next range holds its rest).
+// each segment goes to the send's bytes at (msg_offset + shift) (LL: / 2, and only when the segment is
+// line-aligned and every line's two flags equal `flag`, so corrupted packets can only leave data missing,
+// never wrong), clipped, into a scratch copy of the send's `data.size` elements; the whole elements inside
+// the byte range of a segment that placed are present (an element cut by a range edge is not, even when
+// the next range holds its rest).
 // Then, per present element, in `data` (the send's slice of the allreduce vector, 1/2/4/8-byte items)
 // and `copies` (uint8, one per element): the first valid copy wins, an element that already has
 // copies is compared bitwise (a difference is counted, the first copy stays), and its count goes up
@@ -1146,12 +1101,8 @@ py::tuple merge_send(const py::buffer& buf, const py::list& parts, int64_t flag,
         py::tuple t = py::reinterpret_borrow<py::tuple>(item);
         if (!PyObject_CheckBuffer(t[0].ptr())) throw py::value_error("part " + std::to_string(k) + ": segments is not an array");
         py::buffer segs = py::reinterpret_borrow<py::buffer>(t[0]);
-        Bytes s = readable(segs, sizeof(SegmentRow));
-        Part p{reinterpret_cast<const SegmentRow*>(s.data), s.size / sizeof(SegmentRow), as_int64(t[1], "shift")};
-        for (size_t i = 0; i < p.n; ++i)
-            if (p.rows[i].offset < 0 || p.rows[i].length < 0 || uint64_t(p.rows[i].offset) + uint64_t(p.rows[i].length) > b.size)
-                throw py::value_error("part " + std::to_string(k) + ", segment " + std::to_string(i) +
-                                      " lies outside the capture buffer");
+        Segments rows = in_capture(b, segs, "part " + std::to_string(k) + ", ");
+        Part p{rows.rows, rows.n, as_int64(t[1], "shift")};
         keep.push_back(std::move(segs));
         ps.push_back(p);
     }
@@ -1231,12 +1182,7 @@ py::tuple merge_send(const py::buffer& buf, const py::list& parts, int64_t flag,
 // The LL flag of every segment's first line (u32 at bytes 4..8), -1 for segments under 16 bytes.
 py::array_t<int64_t> segment_flags(const py::buffer& buf, const py::buffer& segments) {
     Bytes b = readable(buf);
-    Bytes s = readable(segments, sizeof(SegmentRow));
-    const SegmentRow* rows = reinterpret_cast<const SegmentRow*>(s.data);
-    size_t n = s.size / sizeof(SegmentRow);
-    for (size_t i = 0; i < n; ++i)
-        if (rows[i].offset < 0 || rows[i].length < 0 || uint64_t(rows[i].offset) + uint64_t(rows[i].length) > b.size)
-            throw py::value_error("segment " + std::to_string(i) + " lies outside the capture buffer");
+    auto [rows, n] = in_capture(b, segments);
     py::array_t<int64_t> flags{py::ssize_t(n)};
     int64_t* f = flags.mutable_data();
     py::gil_scoped_release nogil;
@@ -1318,8 +1264,6 @@ PYBIND11_MODULE(_mirror, m) {
           "Copy LL data words of the segments into out; returns (flag, lines, bad_lines).");
     m.def("ll128_unpack", &ll128_unpack, py::arg("buf"), py::arg("segments"), py::arg("out"),
           py::arg("expected_flag") = -1, "Copy LL128 data of the segments into out; returns (flag, lines, bad_lines).");
-    m.def("place", &place, py::arg("buf"), py::arg("segments"), py::arg("out"), py::arg("shift"), py::arg("flag"),
-          py::arg("ll"), "Place a message's segments into a send's data buffer; per-segment status (see the source).");
     m.def("merge_send", &merge_send, py::arg("buf"), py::arg("parts"), py::arg("flag"), py::arg("ll"), py::arg("data"),
           py::arg("copies"), "Place a final send's parts into an allreduce's data/copies slices; (seen, differing, unplaced).");
     m.def("segment_flags", &segment_flags, py::arg("buf"), py::arg("segments"),

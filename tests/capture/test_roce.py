@@ -323,37 +323,40 @@ def test_ll_unpack_counts_lines_whose_flags_disagree():
         roce.ll_unpack(frames, r.segments_of(0), np.zeros(100, dtype=np.uint8))
 
 
-def test_place_writes_only_whole_valid_segments_and_clips_to_the_send():
-    from flowcheck import _mirror
-
+def test_merge_send_places_only_whole_valid_segments_of_real_frames_and_clips_to_the_send():
     frames = Frames.from_list(write(0, 2048, flag=4))  # two 1 KiB packets: 2 segments of 64 lines
     _, r = decode(frames)
     segs = np.ascontiguousarray(r.segments_of(0))
     buf = np.frombuffer(frames.buf, np.uint8)
     ref = np.zeros(1024, np.uint8)
     roce.ll_unpack(frames, segs, ref)
-    out = np.zeros(1024, np.uint8)
-    assert list(_mirror.place(buf, segs, out, 0, 4, True)) == [0, 0] and out.tobytes() == ref.tobytes()
-    out[:] = 0
-    assert list(_mirror.place(buf, segs, out, 0, 5, True)) == [64, 64] and not out.any()  # wrong flag: nothing written
-    assert list(_mirror.place(buf, segs, out, 0, -1, True)) == [64, 64]  # no flag known: every line is bad
-    assert list(_mirror.place(buf, segs, out, 8, 4, True)) == [-1, -1]  # not on a line boundary
-    short = np.zeros(700, np.uint8)  # the send ends inside the second segment, mid-line
-    assert list(_mirror.place(buf, segs, short, 0, 4, True)) == [0, 0] and short.tobytes() == ref[:700].tobytes()
-    assert list(_mirror.place(buf, segs, np.zeros(256, np.uint8), 1024, 4, True)) == [-2, -2]  # beyond the send
+
+    def merge(buf, shift, flag, ll, n):
+        out, copies = np.zeros(n, np.uint8), np.zeros(n, np.uint8)
+        got = roce.merge_send(buf, [(segs, shift)], flag, ll, out, copies)
+        return got, out, copies
+
+    got, out, copies = merge(buf, 0, 4, True, 1024)
+    assert got == (1024, 0, []) and out.tobytes() == ref.tobytes() and (copies == 1).all()
+    got, out, copies = merge(buf, 0, 5, True, 1024)  # wrong flag: nothing written, both segments reported
+    assert got[:2] == (0, 0) and [st for st, _ in got[2]] == [64, 64] and not out.any() and not copies.any()
+    assert [st for st, _ in merge(buf, 0, None, True, 1024)[0][2]] == [64, 64]  # no flag known: every line is bad
+    assert [st for st, _ in merge(buf, 8, 4, True, 1024)[0][2]] == [-1, -1]  # not on a line boundary
+    got, short, _ = merge(buf, 0, 4, True, 700)  # the send ends inside the second segment, mid-line
+    assert got[0] == 700 and short.tobytes() == ref[:700].tobytes()
+    assert merge(buf, 1024, 4, True, 256)[0] == (0, 0, [])  # beyond the send
     torn = bytearray(frames.frame(1))
     torn[62 + 28 + 16 * 3 + 12] ^= 1  # the second packet's line 3, second flag
     frames = Frames.from_list([frames.frame(0), reseal(torn)])
     _, r = decode(frames)
-    out[:] = 0
-    status = _mirror.place(np.frombuffer(frames.buf, np.uint8), np.ascontiguousarray(r.segments_of(0)), out, 0, 4, True)
-    assert list(status) == [0, 1] and out[:512].tobytes() == ref[:512].tobytes() and not out[512:].any()
+    segs = np.ascontiguousarray(r.segments_of(0))
+    got, out, copies = merge(np.frombuffer(frames.buf, np.uint8), 0, 4, True, 1024)
+    assert got[0] == 512 and [st for st, _ in got[2]] == [1] and out[:512].tobytes() == ref[:512].tobytes()
+    assert not out[512:].any() and not copies[512:].any()
     whole = np.zeros(2048, np.uint8)  # Simple: raw bytes at msg_offset + shift, clipped
     roce.simple_copy(frames, r.segments_of(0), whole)
-    raw = np.zeros(1500, np.uint8)
-    assert list(_mirror.place(np.frombuffer(frames.buf, np.uint8), np.ascontiguousarray(r.segments_of(0)), raw, 100,
-                              -1, False)) == [0, 0]
-    assert not raw[:100].any() and raw[100:].tobytes() == whole[:1400].tobytes()
+    got, raw, copies = merge(np.frombuffer(frames.buf, np.uint8), 100, None, False, 1500)
+    assert got[0] == 1400 and not raw[:100].any() and raw[100:].tobytes() == whole[:1400].tobytes()
 
 
 def _rows(*rows: tuple[int, int, int]) -> np.ndarray:
@@ -364,16 +367,46 @@ def _rows(*rows: tuple[int, int, int]) -> np.ndarray:
     return segs
 
 
+def _place_reference(buf, segs, out, shift, flag, ll) -> np.ndarray:
+    """Each segment's payload at out[msg_offset + shift] (LL: / 2, data words only), clipped; status per segment:
+    0 placed, -1 misaligned (LL), > 0 lines whose flags differ from ``flag`` (LL, nothing written), -2 outside."""
+    st = np.zeros(len(segs), np.int32)
+    for i, (off, msg_offset, length) in enumerate(zip(segs["offset"].tolist(), segs["msg_offset"].tolist(),
+                                                      segs["length"].tolist())):
+        payload, pos = buf[off:off + length], msg_offset + shift
+        if not ll:
+            if pos < 0 or pos >= out.nbytes or not length:
+                st[i] = -2
+                continue
+            m = min(length, out.nbytes - pos)
+            out[pos:pos + m] = payload[:m]
+            continue
+        if length % 16 or pos % 16 or pos < 0:
+            st[i] = -1
+            continue
+        words = payload.view("<u4").reshape(-1, 4)
+        bad = len(words) if flag is None else int(((words[:, 1] != flag) | (words[:, 3] != flag)).sum())
+        if bad:
+            st[i] = bad
+            continue
+        lo = pos // 2
+        if lo >= out.nbytes:
+            st[i] = -2
+            continue
+        data = words[:, [0, 2]].reshape(-1).view(np.uint8)
+        m = min(len(data), out.nbytes - lo)
+        out[lo:lo + m] = data[:m]
+    return st
+
+
 def _merge_reference(buf, parts, flag, ll, data, copies):
     """The merge as decode did it in Python before merge_send: place into a zeroed send buffer, whole-element
     mask of each placed segment's byte range, first copy wins, later copies compared, copies saturate."""
-    from flowcheck import _mirror
-
     isz, n = data.itemsize, len(data)
     out = np.zeros(n * isz, np.uint8)
     mask, unplaced = np.zeros(n, bool), []
     for segs, shift in parts:
-        st = _mirror.place(buf, segs, out, shift, -1 if flag is None else flag, ll)
+        st = _place_reference(buf, segs, out, shift, flag, ll)
         ok = st == 0
         if ll:
             unplaced += [(-1, int(segs["length"][i])) for i in np.flatnonzero(st == -1)]
