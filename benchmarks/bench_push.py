@@ -2,8 +2,9 @@
 
 Model: vocab 16384, width 512, 8 heads, ffn 2048, --layers 14 pre-LN torch TransformerEncoderLayers, learned positions,
 untied head; --batch x --seq random tokens; torch.set_num_threads(--threads), default 1: the other core is left to the
-checkpoint side threads and the node, as a GPU trainer leaves host cores free. --repeats rounds, alternatives interleaved;
-per round --warmup untimed iterations (the first save drained), then --iters timed ones. Alternatives: no checkpoint
+checkpoint side threads and the node, as a GPU trainer leaves host cores free. --repeats rounds, alternatives interleaved
+(ABBA: reversed every other round, so a drifting machine favours none); per round --warmup untimed iterations (the first
+save drained), then --iters timed ones; the hypervisor's steal time is recorded per round. Alternatives: no checkpoint
 (baseline); flowcheck Checkpointer(transport="shm" / "tcp") -> a `flowcheck serve` node process on this host; torch.save
 of model + optimizer state dicts to one file (overwritten, no fsync); DCP async_save(no_dist=True, default writer: fsync).
 Blocking per save = training-thread time in checkpoint calls / timed iterations: flowcheck ck.save() + the optimizer
@@ -37,6 +38,15 @@ import _common as c  # noqa: E402
 
 SCRIPT = "bench_push.py"
 VOCAB, WIDTH, HEADS, FFN = 16384, 512, 8, 2048
+
+
+def steal_s() -> float:
+    """CPU seconds the hypervisor gave to other guests, all cores (/proc/stat's steal column; 0 off Linux)."""
+    try:
+        with open("/proc/stat") as f:
+            return int(f.readline().split()[8]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
 
 
 def gpt(layers: int, seq: int):
@@ -203,7 +213,7 @@ def main(argv: list[str] | None = None) -> dict:
             if k == 1 - args.warmup and k <= 0:
                 alt.drain()  # the round's first save (new buffer; the node's first push) is not steady state
             if k == 0:  # timed from here
-                b0, cpu0, ncpu0 = blocked(), sum(me.cpu_times()[:4]), sum(node.ps.cpu_times()[:4])
+                b0, cpu0, ncpu0, steal0 = blocked(), sum(me.cpu_times()[:4]), sum(node.ps.cpu_times()[:4]), steal_s()
             if on_iter and k >= 0:
                 on_iter(k)
             alt.timed, t0 = k >= 0, time.perf_counter()
@@ -215,6 +225,7 @@ def main(argv: list[str] | None = None) -> dict:
                 t2, st = time.perf_counter(), alt.ck.stats if alt.fc else None
                 rec.append((t2 - t0, t2 - t1) + ((st.last_copy_s, st.last_send_s) if st else (None, None)))
         cpu, ncpu = (sum(me.cpu_times()[:4]) - cpu0) / iters, (sum(node.ps.cpu_times()[:4]) - ncpu0) / iters
+        steal = (steal_s() - steal0) / iters
         hook = blocked() - b0
         alt.drain()
         if alt.fc:
@@ -225,10 +236,11 @@ def main(argv: list[str] | None = None) -> dict:
         times, calls, copy, send = zip(*rec)
         r = {"iter_s": statistics.mean(times), "block_s": (sum(calls) + hook) / iters, "save_call_s": sum(calls) / iters,
              "hook_wait_s": hook / iters, "iter_times_s": times, "last_step": step[0], "cpu_s": cpu, "node_cpu_s": ncpu,
+             "steal_s": steal,
              **({"copy_s": statistics.median(copy), "send_s": statistics.median(send)} if alt.fc else {})}
         print(f"  {alt.name}: iteration {r['iter_s']:.3f} s, blocking {1e3 * r['block_s']:.1f} ms/save (save call "
               f"{1e3 * r['save_call_s']:.1f}, hook wait {1e3 * r['hook_wait_s']:.1f}); CPU/iteration trainer {cpu:.2f} s, "
-              f"node {ncpu:.2f} s" + (f"; copy {r['copy_s']:.3f} s, send {r['send_s']:.3f} s" if alt.fc else ""),
+              f"node {ncpu:.2f} s, stolen by the hypervisor {steal:.2f} s" + (f"; copy {r['copy_s']:.3f} s, send {r['send_s']:.3f} s" if alt.fc else ""),
               flush=True)
         return r
 
@@ -243,7 +255,7 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         for rnd in range(args.repeats):
             print(f"round {rnd + 1}/{args.repeats}", flush=True)
-            for alt in alts:
+            for alt in (alts if rnd % 2 == 0 else alts[::-1]):  # ABBA: a drifting machine favours no alternative
                 node.phase = "p4-push" if alt.fc else "p4-other"
                 try:
                     alt.rounds.append(run(alt, args.iters))

@@ -8,3 +8,9 @@ def copy_into(dst: Buffer, src: Buffer, threads: int = 4) -> None:
 
 def sync_filesystem(fd: int) -> None:
     """syncfs(fd): make every dirty page and inode of fd's filesystem durable."""
+
+def generation_load(buffer: Buffer, offset: int) -> int:
+    """Atomically read the 64-bit counter at offset (8-aligned), fenced on both sides."""
+
+def generation_store(buffer: Buffer, offset: int, value: int) -> None:
+    """Atomically write the 64-bit counter at offset (8-aligned), fenced on both sides."""

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdint>
 #include <cstring>
 #include <fcntl.h>
 #include <string>
@@ -126,6 +127,35 @@ void sync_filesystem(int fd) {
     }
 }
 
+// A sequence counter shared with another process through a mapped buffer (the
+// push transport's shared-memory generation): a 64-bit word at an 8-aligned
+// offset, read and written atomically with full fences on both sides, so every
+// data store before a store of the counter is visible before it and every data
+// load before a load of the counter happened before it (a seqlock on any CPU).
+uint64_t* generation_word(const py::buffer& b, py::ssize_t offset, bool write) {
+    py::buffer_info info = b.request(write);
+    py::ssize_t size = info.size * info.itemsize;
+    if (offset < 0 || offset % 8 != 0 || offset + 8 > size)
+        throw py::value_error("generation offset " + std::to_string(offset) + ": expected an 8-aligned offset "
+                              "with 8 bytes inside a buffer of " + std::to_string(size) + " bytes");
+    return reinterpret_cast<uint64_t*>(static_cast<char*>(info.ptr) + offset);
+}
+
+uint64_t generation_load(const py::buffer& b, py::ssize_t offset) {
+    uint64_t* word = generation_word(b, offset, false);
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    uint64_t value = __atomic_load_n(word, __ATOMIC_SEQ_CST);
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    return value;
+}
+
+void generation_store(const py::buffer& b, py::ssize_t offset, uint64_t value) {
+    uint64_t* word = generation_word(b, offset, true);
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    __atomic_store_n(word, value, __ATOMIC_SEQ_CST);
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_native, m) {
@@ -138,4 +168,8 @@ PYBIND11_MODULE(_native, m) {
           "syncfs(fd): make every dirty page and inode of fd's filesystem durable. Raises OSError.");
     m.def("copy_into", &copy_into, py::arg("dst"), py::arg("src"), py::arg("threads") = 4,
           "Copy src into the writable buffer dst (same byte size) with up to `threads` threads.");
+    m.def("generation_load", &generation_load, py::arg("buffer"), py::arg("offset"),
+          "Atomically read the 64-bit counter at offset (8-aligned), fenced on both sides.");
+    m.def("generation_store", &generation_store, py::arg("buffer"), py::arg("offset"), py::arg("value"),
+          "Atomically write the 64-bit counter at offset (8-aligned), fenced on both sides.");
 }

@@ -1,10 +1,12 @@
 """Push capture, node side: receive trainers' frames and apply each complete step to the memory tier.
 
 Every sender (trainer rank) sends its part of a step; a step becomes visible in RAM only when every
-part is in and every payload digest checks.  Once the memory tier holds a state of the same layout,
-parts are received straight into its arrays inside one ``update(step)`` (copy-on-write keeps a snapshot
-in flight intact), so the node holds the state about once; a part that fails or a sender that vanishes
-aborts the update, which marks the state stale — never a torn or unverified step.
+part is in and every payload checks: its xxh3-128 digest over TCP; through shared memory, the segment's
+generation counter, read before and after the copy (the only way a payload there goes bad is a rewrite).
+Once the memory tier holds a state of the same layout, parts are received straight into its arrays
+inside one ``update(step)`` (copy-on-write keeps a snapshot in flight intact), so the node holds the
+state about once; a part that fails or a sender that vanishes aborts the update, which marks the state
+stale — never a torn or unverified step.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from flowcheck import dtypes
+from flowcheck import _native, dtypes
 from flowcheck.capture.wire import WireError, recv_exact, recv_header, reply
 from flowcheck.errors import FlowcheckError
 from flowcheck.manifest import ParentRef
@@ -188,7 +190,7 @@ class PushReceiver:
         try:
             digest = self._read_payload(sock, header, refs, size, opened)
             want = header["payload"].get("digest")
-            if digest != want:
+            if want is not None and digest != want:
                 raise WireError(f"step {step} part {sender}: payload digest {digest} != header {want}")
         except BaseException as e:
             self._fail(opened, f"part {sender} of step {step}: {e}")
@@ -209,15 +211,20 @@ class PushReceiver:
             while left:
                 left -= len(recv_exact(sock, min(left, 1 << 20)))
 
-    def _read_payload(self, sock, header, refs: list[ShardRef], size: int, opened: _OpenStep) -> str:
-        """Copy the payload into the step's arrays, hashing on the way; the xxh3-128 of the whole payload."""
-        h = xxhash.xxh3_128()
-        shm_name = header["payload"].get("shm")
+    def _read_payload(self, sock, header, refs: list[ShardRef], size: int, opened: _OpenStep) -> str | None:
+        """Copy the payload into the step's arrays; the xxh3-128 of the whole payload when the header carries
+        one to check (always over TCP), else None (shared memory, guarded by its generation counter)."""
+        payload = header["payload"]
+        h = xxhash.xxh3_128() if payload.get("digest") is not None else None
+        shm_name = payload.get("shm")
         if shm_name:
             seg = self._segment(int(header.get("sender", 0)), shm_name)
+            guard = _generation_guard(payload, size, seg.size, shm_name)
             if seg.size < size:
                 raise WireError(f"shared memory {shm_name!r} holds {seg.size} bytes, the header says {size}")
-            self._copy_from_segment(seg, refs, opened, h)
+            self._copy_from_segment(seg, refs, opened, h, guard)
+        elif h is None:
+            raise WireError("push header: a payload sent over TCP needs its digest (payload.digest), found none")
         else:
             for ref in refs:
                 if ref.nbytes:
@@ -226,7 +233,7 @@ class PushReceiver:
                     h.update(view)
                 else:
                     self._destination(opened, ref)
-        return "xxh3-128:" + h.hexdigest()
+        return None if h is None else "xxh3-128:" + h.hexdigest()
 
     def _segment(self, sender: int, name: str) -> shared_memory.SharedMemory:
         """A sender's segment, attached once and kept while the sender reuses it (no re-mapping per frame);
@@ -241,7 +248,12 @@ class PushReceiver:
             _close_quietly(held[1])
         return seg
 
-    def _copy_from_segment(self, seg: shared_memory.SharedMemory, refs: list[ShardRef], opened: _OpenStep, h) -> None:
+    def _copy_from_segment(self, seg: shared_memory.SharedMemory, refs: list[ShardRef], opened: _OpenStep, h,
+                           guard: tuple[int, int] | None) -> None:
+        """Copy (and hash, if ``h``) the payload; with ``guard`` = (generation, offset) the segment's counter must
+        read that generation before the copy and still after it — else the trainer rewrote the buffer meanwhile."""
+        if guard is not None:
+            _check_generation(seg, *guard, "before the node read it")
         # every view of the segment dies with this frame, so the segment can be closed afterwards
         whole = np.frombuffer(seg.buf, np.uint8)
         try:
@@ -255,12 +267,15 @@ class PushReceiver:
                     stop = min(end, (pos // SHM_PIECE + 1) * SHM_PIECE)
                     src = whole[pos:stop]
                     np.copyto(dest[pos - ref.at:stop - ref.at], src)
-                    h.update(src)
+                    if h is not None:
+                        h.update(src)
                     del src
                     _unmap_pages(seg, pos, stop)
                     pos = stop
         finally:
             del whole
+        if guard is not None:
+            _check_generation(seg, *guard, "while the node read it (a torn copy)")
 
     def _destination(self, opened: _OpenStep, ref: ShardRef) -> np.ndarray:
         spec = opened.layout.spec(ref.shard.tensor)
@@ -396,6 +411,26 @@ def _unmap_pages(seg: shared_memory.SharedMemory, start: int, end: int) -> None:
     if hi > lo:
         with contextlib.suppress(OSError, ValueError):
             mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+
+
+def _generation_guard(payload: dict[str, Any], size: int, seg_size: int, name: str) -> tuple[int, int] | None:
+    """(generation, offset) of a shared-memory payload's counter, or None for a sender that hashes instead."""
+    gen, at = payload.get("generation"), payload.get("generation_at")
+    if gen is None and payload.get("digest") is not None:
+        return None
+    if not (isinstance(gen, int) and gen >= 0 and gen % 2 == 0 and isinstance(at, int) and at >= size and at % 8 == 0):
+        raise WireError(f"push header: a shared-memory payload needs an even generation and an 8-aligned "
+                        f"generation_at >= bytes ({size}) (or a digest), found {gen!r} at {at!r}")
+    if at + 8 > seg_size:
+        raise WireError(f"shared memory {name!r} holds {seg_size} bytes, no room for the generation at {at}")
+    return gen, at
+
+
+def _check_generation(seg: shared_memory.SharedMemory, want: int, at: int, when: str) -> None:
+    found = _native.generation_load(seg.buf, at)
+    if found != want:
+        raise WireError(f"shared memory {seg.name!r}: generation {found}, the header says {want}: "
+                        f"the trainer rewrote its buffer {when}")
 
 
 def _close_quietly(seg: shared_memory.SharedMemory) -> None:

@@ -2,9 +2,11 @@
 
 A frame is ``MAGIC | u32 header length | header JSON | u32 CRC32C of the header | payload``.  The
 header names the run, step, sender, its part of the step, every shard (canonical name, global shape,
-role, offsets, shape, byte offset in the payload) and the payload's xxh3-128 digest; the payload is the
-shards' bytes back to back — over the socket (``tcp://``), or left in a shared-memory segment the node
-reads in place (``shm`` payloads, same host: no copy through the socket).  The node answers every frame
+role, offsets, shape, byte offset in the payload) and how the payload is checked; the payload is the
+shards' bytes back to back — over the socket (``tcp://``, with the payload's xxh3-128 ``digest``), or left
+in a shared-memory segment the node reads in place (``shm`` payloads, same host: no copy through the
+socket; an even ``generation`` counter at ``generation_at`` in the segment, odd while the trainer writes,
+must read the same before and after the node's copy).  The node answers every frame
 with a small JSON reply frame (``ack`` or ``error``).  A damaged header or payload is refused, never
 stored.
 """

@@ -4,9 +4,13 @@ DataStates-LLM's recipe: one host buffer per rank, allocated once and reused (pi
 present; a shared-memory segment when the node is on the same host, so the node reads it in place);
 ``save(step)`` returns at once and a side thread copies every tensor into its slice of the buffer
 while forward/backward run; ``wait()`` — called by a hook right before ``optimizer.step()`` — is the
-only point that blocks; then the buffer streams to the node.  A save asked while the previous one is
-still in flight is coalesced (skipped) or waits (the only other point that may block, bounded by
-``timeout_s``); a slow or dead node is reported (``stats``, log) and training goes on.
+only point that blocks; then the buffer streams to the node.  Over TCP the payload carries its xxh3-128
+digest; through shared memory nothing can corrupt it on the way, only a rewrite while the node still
+copies (a push the trainer gave up on): a generation counter after the payload (odd while the side
+thread writes, even when done) tells the node exactly that, and nobody hashes 0.7 GB twice per save.
+A save asked while the previous one is still in flight is coalesced (skipped) or waits (the only other
+point that may block, bounded by ``timeout_s``); a slow or dead node is reported (``stats``, log) and
+training goes on.
 
 Data-parallel replicas are not sent N times: each DP rank sends a disjoint share of the tensors
 (FFTrainer's "Checkpoint Razor"), and the manifest's ``scalars.extra.push`` says so.
@@ -26,7 +30,7 @@ import numpy as np
 import torch
 import xxhash
 
-from flowcheck import dtypes
+from flowcheck import _native, dtypes
 from flowcheck.capture.wire import recv_header, send_frame
 from flowcheck.errors import ConfigError, FlowcheckError
 from flowcheck.state import ParallelLayout
@@ -153,6 +157,7 @@ class Checkpointer:
         self._signature: tuple | None = None
         self._buffer: torch.Tensor | None = None
         self._segment: shared_memory.SharedMemory | None = None
+        self._generation = 0  # the segment's counter: odd while the side thread writes the buffer
         self._sock: socket.socket | None = None
         self._job: _Job | None = None
         self._lock = threading.Lock()
@@ -338,7 +343,8 @@ class Checkpointer:
             self._segment.unlink()
             self._segment = None
         if self.shm:
-            self._segment = shared_memory.SharedMemory(create=True, size=max(nbytes, 1))
+            self._segment = shared_memory.SharedMemory(create=True, size=generation_at(nbytes) + 8)
+            self._generation = 0
             self._buffer = torch.frombuffer(self._segment.buf, dtype=torch.uint8, count=max(nbytes, 1))
         else:
             buf = torch.empty(max(nbytes, 1), dtype=torch.uint8)
@@ -384,6 +390,10 @@ class Checkpointer:
             job.done.set()
 
     def _copy(self) -> None:
+        seg = self._segment
+        if seg is not None:  # odd: a node still reading the previous frame sees its copy torn and refuses it
+            self._generation += 1 if self._generation % 2 == 0 else 2
+            _native.generation_store(seg.buf, generation_at(self.stats.buffer_bytes), self._generation)
         buf = self._buffer
         stream = torch.cuda.Stream() if torch.cuda.is_available() else None
         with torch.no_grad(), (torch.cuda.stream(stream) if stream is not None else _null()):
@@ -393,10 +403,17 @@ class Checkpointer:
                     buf[e.at:e.at + e.nbytes].copy_(src, non_blocking=stream is not None)
         if stream is not None:
             stream.synchronize()
+        if seg is not None:
+            self._generation += 1
+            _native.generation_store(seg.buf, generation_at(self.stats.buffer_bytes), self._generation)
 
     def _send(self, job: _Job) -> None:
         view = memoryview(self._buffer.numpy())[: self.stats.buffer_bytes]
-        digest = "xxh3-128:" + xxhash.xxh3_128_hexdigest(view)
+        if self._segment is not None:
+            payload = {"bytes": self.stats.buffer_bytes, "shm": self._segment.name, "generation": self._generation,
+                       "generation_at": generation_at(self.stats.buffer_bytes)}
+        else:
+            payload = {"bytes": self.stats.buffer_bytes, "digest": "xxh3-128:" + xxhash.xxh3_128_hexdigest(view)}
         c = self.coords
         header = {
             "kind": "push", "run": self.run, "step": job.step, "sender": c.sender, "senders": c.senders,
@@ -404,8 +421,7 @@ class Checkpointer:
             "shards": [{"tensor": e.name, "offsets": e.offsets, "shape": list(e.tensor.shape), "at": e.at}
                        for e in self._entries],
             "scalars": job.scalars, "parent": self.parent,
-            "payload": {"bytes": self.stats.buffer_bytes, "digest": digest,
-                        "shm": self._segment.name if self._segment is not None else None},
+            "payload": payload,
         }
         sock = self._connect()
         try:
@@ -433,6 +449,11 @@ class Checkpointer:
         self.stats.failures += 1
         self.stats.last_error = f"step {job.step}: {type(e).__name__}: {e}"
         log.warning("checkpoint push of step %d failed (%s); training continues", job.step, e)
+
+
+def generation_at(nbytes: int) -> int:
+    """Where a shared-memory segment holding an ``nbytes`` payload keeps its generation counter (8-aligned)."""
+    return (nbytes + 7) // 8 * 8
 
 
 class _null:

@@ -198,3 +198,86 @@ def test_sigterm_stops_the_node_cleanly(node):
 
     leftovers = [n for n in os.listdir(os.path.join(node.root, "local", "gpt")) if n.endswith(".tmp")]
     assert not leftovers
+
+
+def test_a_shared_memory_payload_is_checked_by_its_generation_not_hashed(node):
+    """Through shared memory the trainer sends no digest: the segment's generation counter guards the copy."""
+    from flowcheck import _native
+    from flowcheck.capture.wire import recv_header
+    from flowcheck.torch.checkpointer import generation_at
+
+    model, opt = _model()
+    ck = Checkpointer(model, opt, node=node.url, run="gpt", transport="shm")
+    gen = torch.Generator().manual_seed(8)
+    _train_step(model, opt, gen)
+    ck.save(1)
+    assert ck.flush(20), ck.stats.last_error
+    node.wait_step(1)
+    at = generation_at(ck.stats.buffer_bytes)
+    assert ck._generation == 2 and _native.generation_load(ck._segment.buf, at) == 2
+
+    def refused(payload: dict) -> str:
+        header = _header_like(ck, step=2)
+        header["payload"] = {"bytes": header["payload"]["bytes"], "shm": ck._segment.name, **payload}
+        with socket.create_connection(("127.0.0.1", node.push_port)) as s:
+            send_frame(s, header)
+            answer = recv_header(s)
+        assert answer["kind"] == "error", answer
+        return answer["message"]
+
+    # the trainer is writing the buffer again (odd): a frame naming the finished generation is refused
+    _native.generation_store(ck._segment.buf, at, 3)
+    assert "generation 3, the header says 2" in refused({"generation": 2, "generation_at": at})
+    _native.generation_store(ck._segment.buf, at, 2)
+    # neither a generation nor a digest, an odd generation, a counter outside the segment: refused, named
+    assert "needs an even generation" in refused({})
+    assert "needs an even generation" in refused({"generation": 3, "generation_at": at})
+    assert "no room for the generation" in refused({"generation": 2, "generation_at": ck._segment.size})
+    assert node.get("/status")["memory"]["step"] == 1
+    # the trainer's own next push still lands, bit for bit
+    _train_step(model, opt, gen)
+    ck.save(2)
+    assert ck.flush(20), ck.stats.last_error
+    node.wait_step(2)
+    want = _expected(model, opt)
+    got = _stored(node, 2)
+    assert all(np.array_equal(got[n], want[n]) for n in want)
+    ck.close()
+
+
+def test_a_buffer_rewritten_during_the_nodes_copy_is_refused_as_torn(tmp_path, monkeypatch):
+    """The trainer starts writing its segment while the node copies it (a push it gave up on): torn, refused."""
+    from flowcheck import _native
+    from flowcheck.capture import push
+    from flowcheck.torch.checkpointer import generation_at
+
+    store = open_store(NodeProcess(str(tmp_path)).config)
+    receiver = push.PushReceiver(store, part_timeout_s=10).start()
+    model, opt = _model()
+    ck = Checkpointer(model, opt, node=f"tcp://127.0.0.1:{receiver.address[1]}", run="gpt", transport="shm")
+    gen = torch.Generator().manual_seed(9)
+    unmap = push._unmap_pages
+
+    def trainer_writes_meanwhile(seg, start, end):
+        _native.generation_store(ck._segment.buf, generation_at(ck.stats.buffer_bytes), ck._generation + 1)
+        unmap(seg, start, end)
+
+    try:
+        _train_step(model, opt, gen)
+        ck.save(1)
+        assert ck.flush(20), ck.stats.last_error
+        assert store.memory.step == 1
+        monkeypatch.setattr(push, "_unmap_pages", trainer_writes_meanwhile)
+        _train_step(model, opt, gen)
+        ck.save(2)
+        assert not ck.flush(20)
+        assert "rewrote its buffer while the node read it" in ck.stats.last_error
+        assert store.memory.step == 1 and store.memory.stale
+        monkeypatch.setattr(push, "_unmap_pages", unmap)
+        _train_step(model, opt, gen)
+        ck.save(3)
+        assert ck.flush(20), ck.stats.last_error
+        assert store.memory.step == 3 and not store.memory.stale
+    finally:
+        ck.close()
+        receiver.close()
