@@ -9,6 +9,9 @@
 #include <cerrno>
 #include <cstdint>
 #include <cstring>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 #include <fcntl.h>
 #include <string>
 #include <thread>
@@ -24,17 +27,43 @@ struct View {
     size_t size;
 };
 
+// A strided view would be read or written out of order: every buffer here is C-contiguous.
+void require_contiguous(const py::buffer_info& info) {
+    for (py::ssize_t i = info.ndim - 1, expect = info.itemsize; i >= 0; --i) {
+        if (info.shape[i] > 1 && info.strides[i] != expect)
+            throw py::value_error("buffer must be C-contiguous");
+        expect *= info.shape[i];
+    }
+}
+
 View readable(const py::buffer& b) {
     py::buffer_info info = b.request(false);
-    if (info.ndim > 1) {
-        // a strided view would be written out of order
-        for (py::ssize_t i = info.ndim - 1, expect = info.itemsize; i >= 0; --i) {
-            if (info.shape[i] > 1 && info.strides[i] != expect)
-                throw py::value_error("buffer must be C-contiguous");
-            expect *= info.shape[i];
-        }
-    }
+    require_contiguous(info);
     return {static_cast<const char*>(info.ptr), static_cast<size_t>(info.size * info.itemsize)};
+}
+
+// memcpy with non-temporal stores: the destination goes to memory without first
+// being read into the cache (a plain store reads every line it writes) and
+// without evicting what the other core's training step keeps there.  For the
+// push path's copies, whose destination nobody reads soon.
+void stream_copy(char* dst, const char* src, size_t n) {
+#if defined(__SSE2__)
+    if (n >= (size_t(64) << 10)) {
+        size_t head = (16 - (reinterpret_cast<uintptr_t>(dst) & 15)) & 15;
+        std::memcpy(dst, src, head);
+        dst += head, src += head, n -= head;
+        for (; n >= 64; dst += 64, src += 64, n -= 64) {
+            const __m128i* in = reinterpret_cast<const __m128i*>(src);
+            __m128i a = _mm_loadu_si128(in), b = _mm_loadu_si128(in + 1), c = _mm_loadu_si128(in + 2),
+                    d = _mm_loadu_si128(in + 3);
+            __m128i* out = reinterpret_cast<__m128i*>(dst);
+            _mm_stream_si128(out, a), _mm_stream_si128(out + 1, b), _mm_stream_si128(out + 2, c),
+                _mm_stream_si128(out + 3, d);
+        }
+        _mm_sfence();  // streaming stores are weakly ordered: visible before anything stored after
+    }
+#endif
+    std::memcpy(dst, src, n);
 }
 
 
@@ -85,8 +114,9 @@ size_t pwrite_all(int fd, const py::buffer& b, long long offset, long long flush
 // Copies src into dst (same byte length) with up to `threads` threads: the
 // memory tier's copy-on-write of a pinned bucket is a multi-GB memcpy that one
 // core cannot saturate.
-void copy_into(py::buffer dst, const py::buffer& src, int threads) {
+void copy_into(py::buffer dst, const py::buffer& src, int threads, bool stream) {
     py::buffer_info d = dst.request(true);
+    require_contiguous(d);
     View s = readable(src);
     size_t dsize = static_cast<size_t>(d.size * d.itemsize);
     if (dsize != s.size)
@@ -97,8 +127,9 @@ void copy_into(py::buffer dst, const py::buffer& src, int threads) {
     size_t min_per_thread = size_t(16) << 20;
     size_t n = std::max<size_t>(1, std::min<size_t>(static_cast<size_t>(std::max(threads, 1)),
                                                     s.size / min_per_thread));
+    auto copy = stream ? stream_copy : [](char* o, const char* i, size_t k) { std::memcpy(o, i, k); };
     if (n == 1) {
-        std::memcpy(out, s.data, s.size);
+        copy(out, s.data, s.size);
         return;
     }
     size_t step = (s.size + n - 1) / n;
@@ -106,7 +137,7 @@ void copy_into(py::buffer dst, const py::buffer& src, int threads) {
     for (size_t i = 0; i < n; ++i) {
         size_t begin = i * step, end = std::min(s.size, begin + step);
         if (begin >= end) break;
-        pool.emplace_back([=] { std::memcpy(out + begin, s.data + begin, end - begin); });
+        pool.emplace_back([=] { copy(out + begin, s.data + begin, end - begin); });
     }
     for (auto& t : pool) t.join();
 }
@@ -166,8 +197,9 @@ PYBIND11_MODULE(_native, m) {
           "write-back every flush_every bytes. Returns bytes written; raises OSError.");
     m.def("sync_filesystem", &sync_filesystem, py::arg("fd"),
           "syncfs(fd): make every dirty page and inode of fd's filesystem durable. Raises OSError.");
-    m.def("copy_into", &copy_into, py::arg("dst"), py::arg("src"), py::arg("threads") = 4,
-          "Copy src into the writable buffer dst (same byte size) with up to `threads` threads.");
+    m.def("copy_into", &copy_into, py::arg("dst"), py::arg("src"), py::arg("threads") = 4, py::arg("stream") = false,
+          "Copy src into the writable buffer dst (same byte size) with up to `threads` threads; stream=True "
+          "writes around the cache (non-temporal stores), for copies nobody reads soon.");
     m.def("generation_load", &generation_load, py::arg("buffer"), py::arg("offset"),
           "Atomically read the 64-bit counter at offset (8-aligned), fenced on both sides.");
     m.def("generation_store", &generation_store, py::arg("buffer"), py::arg("offset"), py::arg("value"),

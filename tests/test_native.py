@@ -51,3 +51,23 @@ def test_copy_into_copies_exactly(n):
 def test_copy_into_checks_sizes():
     with pytest.raises(ValueError, match="bytes"):
         _native.copy_into(np.empty(3, np.uint8), np.empty(4, np.uint8))
+
+
+@pytest.mark.parametrize("n", [0, 15, 64, 65535, 65536, 65536 + 77, (1 << 20) + 13, 40 << 20])
+@pytest.mark.parametrize("shift", [0, 1, 8, 15])
+def test_streaming_copy_is_exact_at_any_size_and_alignment(n, shift):
+    """stream=True: non-temporal stores from the first 16-aligned destination byte, plain copies at both ends."""
+    rng = np.random.default_rng(n + shift)
+    src = rng.integers(0, 255, n + 3, dtype=np.uint8)[3:]
+    guard = rng.integers(0, 255, n + 64, dtype=np.uint8)
+    dst = guard.copy()
+    _native.copy_into(dst[shift:shift + n], src, threads=2, stream=True)
+    assert np.array_equal(dst[shift:shift + n], src)
+    assert np.array_equal(dst[:shift], guard[:shift]) and np.array_equal(dst[shift + n:], guard[shift + n:])
+
+
+def test_copy_into_refuses_a_strided_destination_or_source():
+    with pytest.raises(ValueError, match="contiguous"):
+        _native.copy_into(np.empty(200, np.uint8)[::2], np.empty(100, np.uint8), stream=True)
+    with pytest.raises(ValueError, match="contiguous"):
+        _native.copy_into(np.empty(100, np.uint8), np.empty(200, np.uint8)[::2])

@@ -259,14 +259,14 @@ class PushReceiver:
         try:
             for ref in refs:
                 dest = self._destination(opened, ref).reshape(-1).view(np.uint8)
-                # piece by piece: copy, hash while the piece is still in cache, drop its pages — the node never
-                # maps more than one piece of the trainer's segment (a 32 MiB embedding shard counted as RSS
-                # was 0.05x of the state in P7)
+                # piece by piece: copy with streaming stores (around the cache the trainer's core shares), hash it
+                # while in cache if the sender sent a digest, drop its pages — the node never maps more than one
+                # piece of the trainer's segment (a 32 MiB embedding shard counted as RSS was 0.05x of the state in P7)
                 pos, end = ref.at, ref.at + ref.nbytes
                 while pos < end:
                     stop = min(end, (pos // SHM_PIECE + 1) * SHM_PIECE)
                     src = whole[pos:stop]
-                    np.copyto(dest[pos - ref.at:stop - ref.at], src)
+                    _native.copy_into(dest[pos - ref.at:stop - ref.at], src, threads=1, stream=True)
                     if h is not None:
                         h.update(src)
                     del src

@@ -396,11 +396,15 @@ class Checkpointer:
             _native.generation_store(seg.buf, generation_at(self.stats.buffer_bytes), self._generation)
         buf = self._buffer
         stream = torch.cuda.Stream() if torch.cuda.is_available() else None
+        host = buf.numpy() if stream is None else None
         with torch.no_grad(), (torch.cuda.stream(stream) if stream is not None else _null()):
             for e in self._entries:
                 if e.nbytes:
                     src = e.tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-                    buf[e.at:e.at + e.nbytes].copy_(src, non_blocking=stream is not None)
+                    if src.is_cuda or host is None:
+                        buf[e.at:e.at + e.nbytes].copy_(src, non_blocking=stream is not None)
+                    else:  # around the cache: the training step on the other core keeps its lines
+                        _native.copy_into(host[e.at:e.at + e.nbytes], src.numpy(), threads=1, stream=True)
         if stream is not None:
             stream.synchronize()
         if seg is not None:
