@@ -165,20 +165,30 @@ def _header_like(ck: Checkpointer, step: int) -> dict:
             "tensors": specs, "shards": shards, "scalars": {}, "payload": {"bytes": at, "digest": "xxh3-128:" + "0" * 32}}
 
 
-def test_a_corrupted_payload_is_refused_and_reported(node):
+def _pushed_step_one(node: NodeProcess, transport: str, seed: int):
+    """A model and its Checkpointer whose step 1 the node holds: (model, opt, ck, generator)."""
     model, opt = _model()
-    ck = Checkpointer(model, opt, node=node.url, run="gpt", transport="tcp")
-    gen = torch.Generator().manual_seed(6)
+    ck = Checkpointer(model, opt, node=node.url, run="gpt", transport=transport)
+    gen = torch.Generator().manual_seed(seed)
     _train_step(model, opt, gen)
     ck.save(1)
-    assert ck.flush(20)
+    assert ck.flush(20), ck.stats.last_error
     node.wait_step(1)
-    header = _header_like(ck, step=2)
-    with socket.create_connection(("127.0.0.1", node.push_port)) as s:
-        send_frame(s, header, b"\1" * header["payload"]["bytes"])
-        from flowcheck.capture.wire import recv_header
+    return model, opt, ck, gen
 
-        answer = recv_header(s)
+
+def _answer(node: NodeProcess, header: dict, payload: bytes | None = None) -> dict:
+    from flowcheck.capture.wire import recv_header
+
+    with socket.create_connection(("127.0.0.1", node.push_port)) as s:
+        send_frame(s, header, payload)
+        return recv_header(s)
+
+
+def test_a_corrupted_payload_is_refused_and_reported(node):
+    _, _, ck, _ = _pushed_step_one(node, "tcp", seed=6)
+    header = _header_like(ck, step=2)
+    answer = _answer(node, header, b"\1" * header["payload"]["bytes"])
     assert answer["kind"] == "error" and "digest" in answer["message"]
     assert node.get("/status")["memory"]["step"] != 2
     ck.close()
@@ -203,25 +213,16 @@ def test_sigterm_stops_the_node_cleanly(node):
 def test_a_shared_memory_payload_is_checked_by_its_generation_not_hashed(node):
     """Through shared memory the trainer sends no digest: the segment's generation counter guards the copy."""
     from flowcheck import _native
-    from flowcheck.capture.wire import recv_header
     from flowcheck.torch.checkpointer import generation_at
 
-    model, opt = _model()
-    ck = Checkpointer(model, opt, node=node.url, run="gpt", transport="shm")
-    gen = torch.Generator().manual_seed(8)
-    _train_step(model, opt, gen)
-    ck.save(1)
-    assert ck.flush(20), ck.stats.last_error
-    node.wait_step(1)
+    model, opt, ck, gen = _pushed_step_one(node, "shm", seed=8)
     at = generation_at(ck.stats.buffer_bytes)
     assert ck._generation == 2 and _native.generation_load(ck._segment.buf, at) == 2
 
     def refused(payload: dict) -> str:
         header = _header_like(ck, step=2)
         header["payload"] = {"bytes": header["payload"]["bytes"], "shm": ck._segment.name, **payload}
-        with socket.create_connection(("127.0.0.1", node.push_port)) as s:
-            send_frame(s, header)
-            answer = recv_header(s)
+        answer = _answer(node, header)
         assert answer["kind"] == "error", answer
         return answer["message"]
 
