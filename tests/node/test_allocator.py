@@ -21,13 +21,18 @@ CHILD = textwrap.dedent("""
     big = [bytearray(40 << 20)]  # freeing an mmapped 40 MiB block raises glibc's dynamic mmap threshold
     del big
     start = proc.memory_info().rss
+    # all four threads alive at once, start to end: each gets its own arena, as the node's busy threads do
+    # (run one after the other, they would hand one arena on and the control would show little)
+    together = threading.Barrier(4)
     def churn():
+        together.wait()
         keep = []
         for i in range(32):
             keep.append(bytearray((2 << 20) + 4096 * i))
             held.append(bytearray(512))  # small live objects between the big ones block trimming
             if len(keep) > 8:
                 keep.pop(0)
+        together.wait()
     held = []
     threads = [threading.Thread(target=churn) for _ in range(4)]
     [t.start() for t in threads]
@@ -44,9 +49,14 @@ def _retained_mib(mode: str) -> int:
 
 
 def test_tuned_allocator_returns_freed_buffers_to_the_kernel():
-    untuned, tuned = _retained_mib("default"), _retained_mib("tuned")
-    assert untuned >= 32, f"control: glibc's defaults kept only {untuned} MiB; the churn no longer shows the problem"
-    assert tuned < 16, f"{tuned} MiB still held after every buffer was freed (defaults: {untuned} MiB)"
+    # the control: with glibc's defaults the churn keeps memory in most runs, not all (where the small live objects
+    # land varies: 0-81 MiB in six runs), so up to five tries must show it once
+    untuned = []
+    while len(untuned) < 5 and max(untuned, default=0) < 32:
+        untuned.append(_retained_mib("default"))
+    assert max(untuned) >= 32, f"control: glibc's defaults kept only {untuned} MiB; the churn shows no problem"
+    tuned = [_retained_mib("tuned") for _ in range(3)]
+    assert max(tuned) < 16, f"{tuned} MiB still held after every buffer was freed (defaults: {untuned} MiB)"
 
 
 def test_operator_environment_takes_precedence(monkeypatch):
