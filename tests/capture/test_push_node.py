@@ -273,6 +273,9 @@ def test_a_buffer_rewritten_during_the_nodes_copy_is_refused_as_torn(tmp_path, m
         ck.save(2)
         assert not ck.flush(20)
         assert "rewrote its buffer while the node read it" in ck.stats.last_error
+        deadline = time.monotonic() + 10  # the refusal reaches the trainer before the aborted update marks RAM stale
+        while not store.memory.stale and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert store.memory.step == 1 and store.memory.stale
         monkeypatch.setattr(push, "_unmap_pages", unmap)
         _train_step(model, opt, gen)
