@@ -259,6 +259,13 @@ def test_a_buffer_rewritten_during_the_nodes_copy_is_refused_as_torn(tmp_path, m
     gen = torch.Generator().manual_seed(9)
     unmap = push._unmap_pages
 
+    def until(done, timeout_s: float = 10.0) -> None:
+        """The node acks (or refuses) a part before its applier thread publishes (or aborts) the step."""
+        deadline = time.monotonic() + timeout_s
+        while not done() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert done()
+
     def trainer_writes_meanwhile(seg, start, end):
         _native.generation_store(ck._segment.buf, generation_at(ck.stats.buffer_bytes), ck._generation + 1)
         unmap(seg, start, end)
@@ -267,21 +274,19 @@ def test_a_buffer_rewritten_during_the_nodes_copy_is_refused_as_torn(tmp_path, m
         _train_step(model, opt, gen)
         ck.save(1)
         assert ck.flush(20), ck.stats.last_error
-        assert store.memory.step == 1
+        until(lambda: store.memory.step == 1)
         monkeypatch.setattr(push, "_unmap_pages", trainer_writes_meanwhile)
         _train_step(model, opt, gen)
         ck.save(2)
         assert not ck.flush(20)
         assert "rewrote its buffer while the node read it" in ck.stats.last_error
-        deadline = time.monotonic() + 10  # the refusal reaches the trainer before the aborted update marks RAM stale
-        while not store.memory.stale and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert store.memory.step == 1 and store.memory.stale
+        until(lambda: store.memory.stale)
+        assert store.memory.step == 1
         monkeypatch.setattr(push, "_unmap_pages", unmap)
         _train_step(model, opt, gen)
         ck.save(3)
         assert ck.flush(20), ck.stats.last_error
-        assert store.memory.step == 3 and not store.memory.stale
+        until(lambda: store.memory.step == 3 and not store.memory.stale)
     finally:
         ck.close()
         receiver.close()
