@@ -16,8 +16,9 @@ def crc32(data: Buffer, value: int = 0) -> int:
 def index_capture(file: Buffer) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, str]:
     """(offsets int64, lengths int32, ts_ns int64, linktypes int32, "pcap" | "pcapng"); ValueError when malformed."""
 
-def parse(buf: Buffer, offsets: Buffer, lengths: Buffer, out: Buffer, check_icrc: bool = True) -> None:
-    """Fill `out` (a packet-layout table, one row per frame) from the frames buf[offsets[i]:+lengths[i]]."""
+def parse(buf: Buffer, offsets: Buffer, lengths: Buffer, out: Buffer, check_icrc: bool = True) -> np.ndarray:
+    """Fill `out` (a packet-layout table, one row per frame) from the frames buf[offsets[i]:+lengths[i]];
+    returns int64 counts: frames per status (4), then frames with a BTH per opcode (256)."""
 
 def frame_icrc(frame: Buffer) -> int:
     """The ICRC a RoCEv2 frame should carry (its last 4 bytes, little-endian), or -1 if it is not one."""

@@ -99,12 +99,11 @@ def parse(frames: Frames, *, check_icrc: bool = True) -> Packets:
     """Parse every frame; never raises on frame contents (bad frames get a status)."""
     table = np.empty(len(frames), dtype=PACKET)
     try:
-        _mirror.parse(frames.buf, np.ascontiguousarray(frames.offsets, dtype=np.int64),
-                      np.ascontiguousarray(frames.lengths, dtype=np.int32), table, check_icrc)
+        counts = _mirror.parse(frames.buf, np.ascontiguousarray(frames.offsets, dtype=np.int64),
+                               np.ascontiguousarray(frames.lengths, dtype=np.int32), table, check_icrc)
     except ValueError as e:
         raise CaptureError(f"{frames.source}: {e}") from e
-    status = np.bincount(table["status"], minlength=len(Status))
-    ops = np.bincount(table["opcode"][table["bth_offset"] > 0], minlength=256)
+    status, ops = counts[:len(Status)], counts[len(Status):]
     return Packets(
         table,
         {s.name: int(status[s]) for s in Status},

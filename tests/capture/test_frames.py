@@ -136,6 +136,24 @@ def test_python_and_native_icrc_agree_and_match_every_genuine_frame(name):
         assert (ours == int.from_bytes(f[-4:], "little")) == genuine
 
 
+@pytest.mark.parametrize("ends", [(A4, B4), (A6, B6)], ids=["ipv4", "ipv6"])
+def test_native_icrc_folds_the_header_with_any_payload_length(ends):
+    """The native ICRC folds the masked header with the payload's first bytes when there are enough of them and
+    takes the tables otherwise: every length on both sides of that edge, with and without extension headers."""
+    src, dst = ends
+    built = []
+    for n in range(0, 321, 4):
+        data = bytes((k * 7 + n) & 0xFF for k in range(n))
+        built.append(roce_frame(src, dst, sport=7, opcode=Opcode.WRITE_ONLY, dqpn=5, psn=n, payload=data, va=64))
+        built.append(roce_frame(src, dst, sport=7, opcode=Opcode.WRITE_MIDDLE, dqpn=5, psn=n, payload=data))
+        built.append(roce_frame(src, dst, sport=7, opcode=Opcode.WRITE_LAST_IMM, dqpn=5, psn=n, payload=data, imm=n))
+    built.append(roce_frame(src, dst, sport=7, opcode=Opcode.ACK, dqpn=5, psn=1))
+    l3 = 18 if src.vlan is not None else 14
+    for f in built:
+        assert _mirror.frame_icrc(f) == icrc(f[l3:-4]) == int.from_bytes(f[-4:], "little")
+    assert (roce.parse(Frames.from_list(built))["status"] == roce.Status.OK).all()
+
+
 def test_icrc_ignores_variant_fields():
     frame = bytearray(write_frames(A4, B4, sport=9, dqpn=3, psn=1, va=0, data=b"abcd", imm=None, mtu=64)[0])
     frame[18 + 8] = 3  # TTL, a variant field: a router may change it, the ICRC must not
