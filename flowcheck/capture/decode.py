@@ -102,6 +102,11 @@ def _stream_infos(frames: Frames, packets, buf: np.ndarray, anomalies: list[dict
         "t0": frames.ts_ns[m["first_frame"]].tolist() if len(m) else [],
         "flag": first_flags(seg_flags, seg_start, n_segs),
     }
+    # what streams._role asks first: a write that carries data (or is empty by its RETH) and closes a send
+    # (_msg may also close a message with missing bytes at its end: such messages count as closing here)
+    gappy = np.zeros(len(m), bool)
+    gappy[r.missing["message"]] = True
+    closing = (closes | gappy) & ((n_segs > 0) | (length == 0))
     writes = np.flatnonzero(m["kind"] == roce.KIND_WRITE)
     writes = writes[np.lexsort((m["first_psn"][writes], m["stream"][writes]))]  # by stream, then PSN
     by_stream: dict[int, list[int]] = {}
@@ -117,9 +122,13 @@ def _stream_infos(frames: Frames, packets, buf: np.ndarray, anomalies: list[dict
             anomalies.append({"type": "psn_gap", "stream": name, "psn": [a, b], "packets": b - a})
         if int(s["n_duplicates"]):
             anomalies.append({"type": "duplicates", "stream": name, "packets": int(s["n_duplicates"])})
-        msgs = [_msg(cols, mid, r.segments, seg_flags, missing.get(mid)) for mid in by_stream.get(sid, [])]
+        mids = by_stream.get(sid, [])
+        if closing[mids].any():
+            msgs, count = [_msg(cols, mid, r.segments, seg_flags, missing.get(mid)) for mid in mids], None
+        else:  # no write closes a send (flow-control posts): it cannot be a ring connection, its messages are not needed
+            msgs, count = [], len(mids)
         out.append(StreamInfo(name=name, src_mac=_mac(s["src_mac"]), dst_mac=_mac(s["dst_mac"]), src_ip=_ip(s["src_ip"]),
-                              dst_ip=_ip(s["dst_ip"]), qpn=int(s["dqpn"]), messages=msgs))
+                              dst_ip=_ip(s["dst_ip"]), qpn=int(s["dqpn"]), messages=msgs, message_count=count))
     return out
 
 

@@ -71,6 +71,9 @@ class StreamInfo:
     qpn: int
     messages: list[Msg]
     ended: bool = True
+    # messages the stream holds when ``messages`` leaves them out: a stream none of whose writes closes a send
+    # (flow-control posts) can never be a ring connection, and decode does not build its messages
+    message_count: int | None = None
 
 
 @dataclass(slots=True)  # many of them: no per-object __dict__ for the garbage collector to walk
@@ -205,7 +208,8 @@ def ring_streams(job: Job, streams: Sequence[StreamInfo], buf: np.ndarray, anoma
     for s in streams:
         src, dst = job.position_of(s.src_mac, s.src_ip), job.position_of(s.dst_mac, s.dst_ip)
         role = _role(job, s, src, dst, buf, ll)
-        roles.append({"stream": s.name, "role": role, "messages": len(s.messages)})
+        roles.append({"stream": s.name, "role": role,
+                      "messages": len(s.messages) if s.message_count is None else s.message_count})
         if role == "ring":
             links.setdefault((src, dst), []).append((s, group_sends(s.messages, buf, ll)))
     if not links:
