@@ -6,7 +6,9 @@
     parser and reassembler are single-threaded, process CPU time / wall time is printed to show it) next to
     `np.copyto` of the same wire bytes. The split parse / reassemble / group+assemble comes from timing the two native
     calls inside that same decode; "group+assemble" is the rest (Msg objects, send grouping, matching, LL unpack, merge).
-    A diagnostic row runs the native `roce.ll_unpack` over every data message of the same capture.
+    A diagnostic row runs the native `roce.ll_unpack` over every data message of the same capture; three more give
+    the floor under any decoder that checks every ICRC: one CRC32 call over all the wire bytes, and the native parse
+    of every frame with and without its ICRC check.
 (b) updater: one iteration of --update-mparams GPT-like fp32 parameters, gradients in DDP-like buckets of
     --bucket-mb: `Replica.apply_bucket` per bucket + `finish_iteration` (one AdamW over all parameters, stepped per
     bucket, for each job optimizer.impl: single = foreach=False, foreach, fused) vs one `torch.optim.AdamW` over the
@@ -180,6 +182,7 @@ class DecodeRow:
 def part_decode(args, log) -> dict[str, Any]:
     import torch
 
+    from flowcheck import _mirror
     from flowcheck.capture import roce
 
     torch.set_num_threads(1)
@@ -237,6 +240,22 @@ def part_decode(args, log) -> dict[str, Any]:
             roce.ll_unpack(tr0.frames, s, o)
     rows.append((diag, unpack_all))
     del packets, reas
+    # floors: what any decoder that checks every ICRC pays before it does anything else
+    wire = np.frombuffer(tr0.frames.buf, np.uint8)
+    offsets = np.ascontiguousarray(tr0.frames.offsets, dtype=np.int64)
+    lengths = np.ascontiguousarray(tr0.frames.lengths, dtype=np.int32)
+    table = np.empty(len(tr0.frames), dtype=roce.PACKET)
+    table.fill(0)  # fault the pages in: the rows below time the parse itself
+    floors = [
+        ("diagnostic: CRC32 of all the wire bytes in one call (the cheapest possible ICRC pass)", wire.nbytes,
+         lambda: _mirror.crc32(wire), "one native call, no per-frame work"),
+        ("diagnostic: native parse of every frame with the ICRC check (decode's first pass)", wire.nbytes,
+         lambda: _mirror.parse(wire, offsets, lengths, table, True), "packet table pre-faulted"),
+        ("diagnostic: native parse of every frame without the ICRC check", wire.nbytes,
+         lambda: _mirror.parse(wire, offsets, lengths, table, False), "packet table pre-faulted"),
+    ]
+    for method, nbytes, fn, note in floors:
+        rows.append((DecodeRow(method, nbytes, 0, note=f"{len(tr0.frames)} frames; {note}"), fn))
 
     for r in range(args.repeats):
         for row, fn in rows:
