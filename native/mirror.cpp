@@ -132,9 +132,9 @@ __attribute__((target("pclmul,sse4.1"))) inline void fold64(__m128i& x1, __m128i
 // Carry-less-multiply folding (Intel "Fast CRC Computation for Generic Polynomials
 // Using PCLMULQDQ", the bit-reflected constants zlib/Chromium use).  A 1 KiB RoCE
 // payload is the hot path: the table loop would cap parsing near 1 GB/s.
-// Needs len >= 64 and a multiple of 16; takes and returns the raw state.
-// `pre` (pre_len bytes, a multiple of 64, may be 0) is folded first, then buf: the ICRC's masked header
-// goes through the same folding as its payload, without a reduction in between.
+// Takes and returns the raw state.  `pre` (pre_len bytes, a multiple of 64, may be 0) is folded first,
+// then buf: the ICRC's masked header goes through the same folding as its payload, without a reduction
+// in between.  Needs pre_len + len >= 64 and len a multiple of 16 (and len >= 64 when pre_len is 0).
 __attribute__((target("pclmul,sse4.1"))) uint32_t crc_update_clmul(uint32_t crc, const uint8_t* pre, size_t pre_len,
                                                                    const uint8_t* buf, size_t len) {
     alignas(16) static const uint64_t k1k2[] = {0x0154442bd4, 0x01c6e41596};
