@@ -34,6 +34,9 @@ class WireSend:
     # counts copies up (saturating at 255) and returns (elements seen, elements differing); see roce.merge_send
     place: Callable[[np.ndarray, np.ndarray], tuple[int, int]]
     info: dict = field(default_factory=dict)  # where it came from (stream, packets, psn) for reports
+    psn: int = -1  # the 24-bit PSN of its first packet seen (a streaming decode resumes a connection there)
+    frame: int = -1  # the capture frame of that packet
+    last_frame: int = -1  # the capture frame of its last packet seen
 
 
 @dataclass
@@ -97,9 +100,20 @@ class Schedule:
         self.job = job
 
     def __iter__(self) -> Iterator[tuple[int, int, int]]:
-        iteration = 1
+        return self.start_at(1)
+
+    def start_at(self, index: int) -> Iterator[tuple[int, int, int]]:
+        """The schedule from allreduce ``index`` on (every iteration after the first has the same plan)."""
+        first, later = len(self.job.plan(1)), len(self.job.plan(2))
+        if index <= first or not later:
+            iteration, skip = 1, index - 1
+        else:
+            iteration, skip = 2 + (index - 1 - first) // later, (index - 1 - first) % later
         while True:
             for b, bucket in enumerate(self.job.plan(iteration)):
+                if skip:
+                    skip -= 1
+                    continue
                 yield iteration, b, bucket.elements
             iteration += 1
 
@@ -142,12 +156,14 @@ class Assembler:
         self.matcher = Matcher(job, self.params)
         self.dtype = NUMPY[job.dtype]
         self.skipped: list[dict] = []  # sends that belong to no allreduce (other collectives)
+        self.cursors: dict[str, int] = {}  # per stream: the first step not taken by a yielded allreduce
 
-    def assemble(self, streams: list[RingStream]) -> Iterator[Allreduce]:
-        """Allreduces in capture order; each is yielded once every stream has moved past it or ended."""
-        cursors = {s.name: s.first_step for s in streams}
+    def assemble(self, streams: list[RingStream], start: int = 1) -> Iterator[Allreduce]:
+        """Allreduces in capture order from allreduce ``start`` (1-based: a streaming decode goes on where its last
+        window stopped); each is yielded once every stream has moved past it or ended."""
+        cursors = self.cursors = {s.name: s.first_step for s in streams}
         live = list(streams)
-        for index, (iteration, bucket, elements) in enumerate(Schedule(self.job), start=1):
+        for index, (iteration, bucket, elements) in enumerate(Schedule(self.job).start_at(start), start=start):
             ar = Allreduce(index, iteration, bucket, elements, self.job.dtype,
                            np.zeros(elements, self.dtype), np.zeros(elements, np.uint8))
             ats = {s.name: at for s in live if (at := self._find(s, cursors[s.name], elements)) is not None}

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from flowcheck.capture import roce
-from flowcheck.capture.assemble import Allreduce, Assembler
+from flowcheck.capture.assemble import Allreduce, Assembler, RingStream
 from flowcheck.capture.job import Job
 from flowcheck.capture.pcap import Frames, read_capture
 from flowcheck.capture.streams import Msg, StreamInfo, first_flags, ring_streams, segment_flags
@@ -36,22 +36,44 @@ def read_all(paths: Sequence[str]) -> Frames:
     if not paths:
         raise CaptureError("no capture given: pass --pcap FILE [FILE ...]")
     parts = [read_capture(p) for p in paths]
-    if len(parts) == 1:
-        return parts[0]
+    return parts[0] if len(parts) == 1 else concat_frames(parts, ",".join(os.path.basename(p) for p in paths))
+
+
+def concat_frames(parts: Sequence[Frames], source: str) -> Frames:
+    """The frames of ``parts`` in order, in one new buffer."""
     bufs = [np.frombuffer(f.buf, np.uint8) for f in parts]
     shifts = np.cumsum([0] + [b.nbytes for b in bufs[:-1]])
     return Frames(
-        buf=np.concatenate(bufs),
-        offsets=np.concatenate([f.offsets + s for f, s in zip(parts, shifts)]),
-        lengths=np.concatenate([f.lengths for f in parts]),
-        ts_ns=np.concatenate([f.ts_ns for f in parts]),
-        source=",".join(os.path.basename(p) for p in paths),
+        buf=np.concatenate(bufs) if bufs else np.zeros(0, np.uint8),
+        offsets=np.concatenate([f.offsets + s for f, s in zip(parts, shifts)]) if parts else np.zeros(0, np.int64),
+        lengths=np.concatenate([f.lengths for f in parts]) if parts else np.zeros(0, np.int32),
+        ts_ns=np.concatenate([f.ts_ns for f in parts]) if parts else np.zeros(0, np.int64),
+        source=source,
     )
 
 
 def decode(job: Job, frames: Frames, info: Decoded | None = None) -> Iterator[Allreduce]:
     """Allreduces in capture order (each settled: every stream has moved past it or ended)."""
     info = info if info is not None else Decoded()
+    window = decode_window(job, frames, info)
+    if window.assembler is None:
+        return
+    yield from window.assembler.assemble(window.rings)
+    info.skipped_sends = window.assembler.skipped
+
+
+@dataclass
+class Window:
+    """One capture (or a streaming decode's window) parsed and reassembled, its ring connections found."""
+
+    packets: roce.Packets
+    streams: list[StreamInfo]
+    rings: list[RingStream]
+    assembler: Assembler | None  # None: no ring connection in it
+
+
+def decode_window(job: Job, frames: Frames, info: Decoded, resume: dict[str, int] | None = None) -> Window:
+    """Parse, reassemble and find the ring connections of ``frames`` (``resume``: see ``ring_streams``)."""
     if job.protocol == "ll128":
         raise JobError("protocol ll128: the decoder does not place LL128 lines yet (the schedule and the native "
                        "unpack exist, the line-to-element mapping is unverified); capture with NCCL_PROTO=LL or Simple")
@@ -59,16 +81,25 @@ def decode(job: Job, frames: Frames, info: Decoded | None = None) -> Iterator[Al
     info.packets = {**packets.status_counts, "opcodes": packets.opcode_counts}
     buf = np.frombuffer(frames.buf, np.uint8)
     streams = _stream_infos(frames, packets, buf, info.anomalies)
-    rings, channels, roles = ring_streams(job, streams, buf, info.anomalies)
+    rings, channels, roles = ring_streams(job, streams, buf, info.anomalies, resume)
     info.channels, info.streams = channels, roles
     if not rings:
         info.anomalies.append({"type": "no_ring_connection",
                                "detail": "no stream between ring neighbours of the job carries NCCL sends; "
                                          "check the ring members' MAC/IP addresses and the protocol"})
-        return
-    assembler = Assembler(job, channels)
-    yield from assembler.assemble(rings)
-    info.skipped_sends = assembler.skipped
+        return Window(packets, streams, [], None)
+    return Window(packets, streams, rings, Assembler(job, channels))
+
+
+def packet_anomalies(r: roce.Reassembly, anomalies: list[dict], *, tails: bool = True) -> None:
+    """The reassembler's PSN gaps and duplicates, per stream, as anomalies (``tails``: with the gaps after a
+    stream's last packet up to the end its message must have)."""
+    for sid, s in enumerate(r.streams):
+        name = r.stream_name(sid)
+        for a, b in r.gaps_of(sid, None if tails else roce.GAP_HOLE):
+            anomalies.append({"type": "psn_gap", "stream": name, "psn": [a, b], "packets": b - a})
+        if int(s["n_duplicates"]):
+            anomalies.append({"type": "duplicates", "stream": name, "packets": int(s["n_duplicates"])})
 
 
 def _stream_infos(frames: Frames, packets, buf: np.ndarray, anomalies: list[dict]) -> list[StreamInfo]:
@@ -115,20 +146,18 @@ def _stream_infos(frames: Frames, packets, buf: np.ndarray, anomalies: list[dict
     missing: dict[int, list[tuple[int, int]]] = {}
     for mid, a, b in zip(r.missing["message"].tolist(), r.missing["start"].tolist(), r.missing["end"].tolist()):
         missing.setdefault(mid, []).append((a, b))
+    packet_anomalies(r, anomalies)
     out = []
     for sid, s in enumerate(r.streams):
         name = r.stream_name(sid)
-        for a, b in r.gaps_of(sid):
-            anomalies.append({"type": "psn_gap", "stream": name, "psn": [a, b], "packets": b - a})
-        if int(s["n_duplicates"]):
-            anomalies.append({"type": "duplicates", "stream": name, "packets": int(s["n_duplicates"])})
         mids = by_stream.get(sid, [])
         if closing[mids].any():
             msgs, count = [_msg(cols, mid, r.segments, seg_flags, missing.get(mid)) for mid in mids], None
         else:  # no write closes a send (flow-control posts): it cannot be a ring connection, its messages are not needed
             msgs, count = [], len(mids)
         out.append(StreamInfo(name=name, src_mac=_mac(s["src_mac"]), dst_mac=_mac(s["dst_mac"]), src_ip=_ip(s["src_ip"]),
-                              dst_ip=_ip(s["dst_ip"]), qpn=int(s["dqpn"]), messages=msgs, message_count=count))
+                              dst_ip=_ip(s["dst_ip"]), qpn=int(s["dqpn"]), messages=msgs, message_count=count,
+                              first_frame=int(s["first_frame"])))
     return out
 
 

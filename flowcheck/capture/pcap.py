@@ -35,6 +35,14 @@ class Frames:
     def __len__(self) -> int:
         return len(self.offsets)
 
+    def select(self, start: int, stop: int | None = None) -> Frames:
+        """Frames [start, stop) as a view (no copy): ``buf`` from the first one's start."""
+        offsets, lengths = self.offsets[start:stop], self.lengths[start:stop]
+        if not len(offsets):
+            return Frames(self.buf[:0], offsets, lengths, self.ts_ns[start:stop], self.source)
+        base, end = int(offsets.min()), int((offsets + lengths).max())
+        return Frames(self.buf[base:end], offsets - base, lengths, self.ts_ns[start:stop], self.source)
+
     def frame(self, i: int) -> bytes:
         start = int(self.offsets[i])
         return bytes(memoryview(self.buf)[start : start + int(self.lengths[i])])

@@ -74,6 +74,7 @@ class StreamInfo:
     # messages the stream holds when ``messages`` leaves them out: a stream none of whose writes closes a send
     # (flow-control posts) can never be a ring connection, and decode does not build its messages
     message_count: int | None = None
+    first_frame: int = -1  # the capture frame of its first packet
 
 
 @dataclass(slots=True)  # many of them: no per-object __dict__ for the garbage collector to walk
@@ -200,8 +201,13 @@ class SendPlacer:
         return seen, differing
 
 
-def ring_streams(job: Job, streams: Sequence[StreamInfo], buf: np.ndarray, anomalies: list[dict]) -> tuple[list[RingStream], int, list[dict]]:
-    """The job's ring connections among the streams: (ring streams, channels, what every stream was taken for)."""
+def ring_streams(job: Job, streams: Sequence[StreamInfo], buf: np.ndarray, anomalies: list[dict],
+                 resume: dict[str, int] | None = None) -> tuple[list[RingStream], int, list[dict]]:
+    """The job's ring connections among the streams: (ring streams, channels, what every stream was taken for).
+
+    ``resume`` (a streaming decode's next window): per stream name, the 24-bit PSN its first unused send starts
+    at; the sends before it were taken by allreduces already decoded and are left out.
+    """
     ll = job.protocol in ("ll", "ll128")
     links: dict[tuple[int, int], list[tuple[StreamInfo, list[Send]]]] = {}
     roles = []
@@ -223,8 +229,15 @@ def ring_streams(job: Job, streams: Sequence[StreamInfo], buf: np.ndarray, anoma
             anomalies.append({"type": "channel_count", "link": f"{src}->{(src + 1) % job.nranks}",
                               "data_connections": len(items), "channels": channels})
         for ch, (s, sends) in enumerate(items[:channels]):
+            if resume and s.name in resume:
+                sends = [x for x in sends if not _precedes(x.parts[0].first_psn, resume[s.name])]
             out.append(_ring_stream(s, src, ch, sends, buf, ll, anomalies))
     return out, channels, roles
+
+
+def _precedes(psn: int, mark: int) -> bool:
+    """PSN ``psn`` comes before ``mark`` (24-bit sequence numbers, compared across a wrap)."""
+    return 0 < (mark - psn) & 0xFFFFFF < 0x800000
 
 
 def _role(job: Job, s: StreamInfo, src: int | None, dst: int | None, buf: np.ndarray, ll: bool) -> str:
@@ -253,18 +266,23 @@ def _line_flags_vary(m: Msg, buf: np.ndarray) -> bool:
 def _ring_stream(s: StreamInfo, position: int, channel: int, sends: list[Send], buf: np.ndarray, ll: bool,
                  anomalies: list[dict]) -> RingStream:
     by_step: dict[int, WireSend] = {}
-    counter = 0
-    for send in sends:
-        step = flag = send_step(send, buf, ll)
-        if step is None:
-            step = counter + 1  # Simple, or an LL send with no line captured: next step
+    flags = [send_step(send, buf, ll) for send in sends]
+    # Simple, or an LL send with no line captured (an empty chunk's 0-byte send): the step after the previous
+    # send's; sends before the first that carries a flag count back from it (a capture, or a streaming
+    # decode's window, may begin with an empty send)
+    head = next((i for i, f in enumerate(flags) if f is not None), None)
+    counter = flags[head] - head - 1 if head is not None else 0
+    for send, flag in zip(sends, flags):
+        step = flag if flag is not None else counter + 1
         counter = step
         where = {"stream": s.name, "psn": [send.parts[0].first_psn, send.parts[-1].last_psn], "flag": step,
                  "t0": min((m.info["t0"] for m in send.parts if "t0" in m.info), default=None)}
         if step in by_step:
             anomalies.append({**where, "type": "step_seen_twice"})
             continue
-        by_step[step] = WireSend(step, send.size, SendPlacer(send, buf, ll, flag, anomalies, where), where)
+        by_step[step] = WireSend(step, send.size, SendPlacer(send, buf, ll, flag, anomalies, where), where,
+                                 psn=send.parts[0].first_psn & 0xFFFFFF, frame=min(m.info["frames"][0] for m in send.parts),
+                                 last_frame=max(m.info["frames"][1] for m in send.parts))
     first = min(by_step) if by_step else 1
     last = max(by_step) if by_step else 0
     for gap in sorted(set(range(first, last + 1)) - set(by_step)):

@@ -1,0 +1,91 @@
+"""Streaming decode (what a live capture runs): frames in arrival order, fed in batches, give exactly the
+allreduces that decoding the whole capture at once gives — data, copies, missing ranges — in a window that
+holds only what is still in flight."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from flowcheck.capture.decode import Decoded, decode, read_all
+from flowcheck.capture.job import load_job
+from flowcheck.capture.pcap import Frames
+from flowcheck.capture.streaming import StreamingDecoder
+from flowcheck.errors import CaptureError
+from flowcheck.simulate import SimOptions, simulate
+
+
+def arrival_order(paths) -> Frames:
+    """The frames of every mirror's capture merged by capture time into one buffer, as one socket delivers them."""
+    frames = read_all(sorted(paths))
+    order = np.argsort(frames.ts_ns, kind="stable")
+    return Frames.from_list([frames.frame(int(i)) for i in order], frames.ts_ns[order].tolist(), "merged")
+
+
+def _key(ar) -> tuple:
+    return (ar.index, ar.iteration, ar.bucket, ar.complete, ar.missing(), ar.data.tobytes(), ar.copies.tobytes(),
+            len(ar.conflicts))
+
+
+def _lost_and_duplicated(info: Decoded) -> tuple[int, int]:
+    return (sum(a["packets"] for a in info.anomalies if a["type"] == "psn_gap"),
+            sum(a["packets"] for a in info.anomalies if a["type"] == "duplicates"))
+
+
+def _batches(frames: Frames, size: int, decoder: StreamingDecoder, held: list[int]):
+    for i in range(0, len(frames), size):
+        held.append(decoder.held_frames)
+        yield frames.select(i, i + size)
+
+
+@pytest.mark.parametrize("dp,channels,proto,mirror,loss,dup,reorder", [
+    (4, 1, "ll", "0:out,1:out,2:out", 1e-3, 0.0, 0.0),
+    (8, 2, "ll", "0:out,3:out,5:both", 3e-3, 2e-3, 2e-3),
+    (4, 1, "simple", "0:out,1:out", 2e-3, 0.0, 0.0),
+])
+def test_streaming_decode_equals_the_whole_capture_decode(tmp_path, dp, channels, proto, mirror, loss, dup, reorder):
+    iters = 6
+    sim = simulate(SimOptions(out=str(tmp_path / "sim"), dp=dp, iters=iters, channels=channels, proto=proto,
+                              mirror=mirror, loss=loss, dup=dup, reorder=reorder, seed=dp + channels))
+    job, frames = load_job(sim.job_path), arrival_order(sim.pcaps.values())
+    whole_info = Decoded()
+    whole = [_key(a) for a in decode(job, frames, whole_info)]
+    assert len(whole) >= iters
+    settle = float(frames.ts_ns.max() - frames.ts_ns.min()) / 1e9 / iters  # an iteration of the capture's time
+    for size in (997, 128):
+        info, held = Decoded(), []
+        decoder = StreamingDecoder(job, info, settle_s=settle, min_frames=size)
+        streamed = [_key(a) for a in decoder.run(_batches(frames, size, decoder, held))]
+        assert streamed == whole, size
+        assert info.packets == whole_info.packets
+        assert _lost_and_duplicated(info) == _lost_and_duplicated(whole_info)
+        assert decoder.held_frames == 0 and decoder.next_index == len(whole) + 1
+        assert max(held) < len(frames) // 2, "the window keeps what is in flight, not the capture"
+
+
+def test_an_allreduce_is_handed_out_once_settled_and_never_before(tmp_path):
+    sim = simulate(SimOptions(out=str(tmp_path / "sim"), dp=4, iters=2, seed=1))
+    job, frames = load_job(sim.job_path), arrival_order(sim.pcaps.values())
+    whole = list(decode(job, frames, Decoded()))
+    now = [int(frames.ts_ns.max())]
+    decoder = StreamingDecoder(job, settle_s=3600, min_frames=1, clock=lambda: now[0])
+    assert decoder.feed(frames) == []  # the clock says nothing is an hour old yet
+    assert decoder.feed(frames.select(0, 0)) == []  # a quiet poll: still too early
+    now[0] += 3601 * 10**9
+    settled = decoder.feed(frames.select(0, 0))  # a quiet poll an hour later: all of them
+    assert [_key(a) for a in settled] == [_key(a) for a in whole]
+    assert decoder.finish() == [] and decoder.held_frames == 0
+
+
+def test_a_window_that_never_settles_stops_with_an_error(tmp_path):
+    sim = simulate(SimOptions(out=str(tmp_path / "sim"), dp=4, iters=2, seed=2))
+    job, frames = load_job(sim.job_path), arrival_order(sim.pcaps.values())
+    decoder = StreamingDecoder(job, settle_s=3600, min_frames=10**9, max_window_bytes=int(frames.lengths.sum()) // 2)
+    with pytest.raises(CaptureError, match="no allreduce settled"):
+        for i in range(0, len(frames), 256):
+            decoder.feed(frames.select(i, i + 256))
+
+
+def test_streaming_options_are_checked(tmp_path):
+    sim = simulate(SimOptions(out=str(tmp_path / "sim"), dp=2, iters=1, seed=3))
+    with pytest.raises(ValueError, match="settle_s >= 0"):
+        StreamingDecoder(load_job(sim.job_path), settle_s=-1)
