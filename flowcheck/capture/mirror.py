@@ -83,6 +83,11 @@ class Updater:
             self._end_iteration()
         self._iteration = ar.iteration
         self._buckets_seen += 1
+        self._apply(ar)
+        if ar.bucket == len(self.job.plan(ar.iteration)) - 1:
+            self._end_iteration()  # its last bucket: publish now, not when the next iteration's traffic starts
+
+    def _apply(self, ar: Allreduce) -> None:
         if self._stale or self._problem:
             return  # the iteration is lost already; its remaining buckets change nothing
         if not ar.complete:
