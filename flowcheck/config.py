@@ -157,6 +157,8 @@ class ServeConfig:
     part_timeout_s: float = 60.0  # a step whose senders do not all arrive in time is aborted (never half-applied)
     mirror_job: str | None = None  # mirror capture: the job description YAML (configs/mirror-job.yaml)
     mirror_pcaps: str | None = None  # mirror capture from files: a glob of pcap/pcapng files, replayed at start
+    mirror_interface: str | None = None  # mirror capture live: the mirror port's interface (needs CAP_NET_RAW)
+    mirror_settle_s: float = 0.1  # live: an allreduce is decoded once this much capture time passed since its last send
     mirror_init: str | None = None  # the replica's initial state: a .safetensors file or a committed step (default: the job's)
 
     def __post_init__(self) -> None:
@@ -166,8 +168,13 @@ class ServeConfig:
             if not host or not port.isdigit() or not 0 <= int(port) < 65536:
                 raise ConfigError(f"serve.{name}: expected HOST:PORT, found {value!r}")
         _positive("serve", "part_timeout_s", self.part_timeout_s)
-        if (self.mirror_job is None) != (self.mirror_pcaps is None):
-            raise ConfigError("serve.mirror_job and serve.mirror_pcaps: expected both (a job and its captures) or neither")
+        sources = [name for name in ("mirror_pcaps", "mirror_interface") if getattr(self, name) is not None]
+        if (self.mirror_job is None) != (not sources) or len(sources) > 1:
+            raise ConfigError("serve.mirror_job and serve.mirror_pcaps / serve.mirror_interface: expected a job and one "
+                              f"source of its frames (captures or a live interface), or neither; found job="
+                              f"{self.mirror_job!r}, sources {sources or 'none'}")
+        if self.mirror_settle_s < 0:
+            raise ConfigError(f"serve.mirror_settle_s: expected >= 0 seconds, found {self.mirror_settle_s!r}")
 
     @staticmethod
     def split(value: str) -> tuple[str, int]:

@@ -63,25 +63,51 @@ def _print_decode(out: dict) -> None:
         click.echo(f"  ... {len(out['anomalies']) - 20} more anomalies (--json for all)")
 
 
+def _live(job, info, interface: str, duration_s: float | None, max_frames: int | None, settle_s: float):
+    """Allreduces decoded from a live interface until the duration, the frame count or SIGINT/SIGTERM."""
+    import signal
+    import threading
+    import time
+
+    from flowcheck.capture.live import live_frames
+    from flowcheck.capture.streaming import StreamingDecoder
+
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    batches = live_frames(interface, duration_s=duration_s, max_frames=max_frames, stop=stop, idle=True,
+                          on_open=lambda: click.echo(f"capturing live on {interface}", err=True))
+    return StreamingDecoder(job, info, settle_s=settle_s, clock=time.time_ns).run(batches)
+
+
 @click.command("capture")
 @click.option("--config", "config_path", envvar="FLOWCHECK_CONFIG", type=click.Path(dir_okay=False),
               help="Store/policy YAML (default: $FLOWCHECK_CONFIG, else embedded defaults).")
 @click.option("--job", "job_path", required=True, type=click.Path(dir_okay=False), help="Job description YAML.")
-@click.option("--pcap", "pcaps", required=True, multiple=True, type=click.Path(dir_okay=False), help="pcap/pcapng file(s).")
+@click.option("--pcap", "pcaps", multiple=True, type=click.Path(dir_okay=False), help="pcap/pcapng file(s).")
 @click.argument("more", nargs=-1, type=click.Path(dir_okay=False))
+@click.option("--interface", default=None,
+              help="Capture live from this interface (the mirror port's NIC; needs CAP_NET_RAW) instead of files.")
+@click.option("--duration", "duration_s", type=click.FloatRange(min=0), default=None, help="Live: stop after this many seconds.")
+@click.option("--frames", "max_frames", type=click.IntRange(min=1), default=None, help="Live: stop after this many frames.")
+@click.option("--settle", "settle_s", type=click.FloatRange(min=0), default=0.1, show_default=True,
+              help="Live: an allreduce is decoded once this many seconds of capture time passed since its last send.")
 @click.option("--init", default=None, help="Initial state: a stored step number or a .safetensors file (default: the job's init).")
 @click.option("--resync", "resync_dir", default=None, type=click.Path(file_okay=False),
               help="Directory of full states step-<N>.safetensors used after an unrecoverable iteration (default: the job's resync).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def capture_command(config_path, job_path, pcaps, more, init, resync_dir, as_json):
-    """Replay mirrored captures into a RAM replica and commit steps per the policy.
+def capture_command(config_path, job_path, pcaps, more, interface, duration_s, max_frames, settle_s, init, resync_dir,
+                    as_json):
+    """Replay mirrored captures (or capture live) into a RAM replica and commit steps per the policy.
 
     An iteration that cannot be completed marks the state stale (never snapshotted) and
-    resyncs from --resync when it has the step.
+    resyncs from --resync when it has the step.  Live capture (--interface) decodes as frames
+    arrive and runs until --duration, --frames, or SIGINT/SIGTERM.
 
     \b
     Example:
       flowcheck capture --config flowcheck.yaml --job sim/job.yaml --pcap sim/*.pcap
+      flowcheck capture --config flowcheck.yaml --job job.yaml --interface ens1f1 --duration 3600
     """
     from flowcheck import config as config_mod
     from flowcheck import progress
@@ -90,6 +116,11 @@ def capture_command(config_path, job_path, pcaps, more, init, resync_dir, as_jso
     from flowcheck.policy import PolicyRunner
     from flowcheck.store import open_store
 
+    files = list(pcaps) + list(more)
+    if bool(files) == bool(interface):
+        raise click.UsageError("expected captures (--pcap FILE ...) or a live --interface, not both and not neither")
+    if not interface and (duration_s is not None or max_frames is not None):
+        raise click.UsageError("--duration and --frames apply to a live --interface capture")
     job = _load_job(job_path)
     store = open_store(config_mod.load(config_path))
     replica = initial_replica(job, init, store)
@@ -100,9 +131,13 @@ def capture_command(config_path, job_path, pcaps, more, init, resync_dir, as_jso
         updater = Updater(job, replica, publish=publish_to(store, store.config.run, runner.on_step),
                           on_stale=lambda it, why: store.memory.mark_stale(why),
                           resync=ResyncSource(resync_dir or job.resync))
-        with progress.activity("read captures"):
-            frames = read_all(list(pcaps) + list(more))
-        result = run_pipeline(progress.bar(decode(job, frames, info), desc="capture", unit="allreduce"), updater)
+        if interface:
+            allreduces = _live(job, info, interface, duration_s, max_frames, settle_s)
+        else:
+            with progress.activity("read captures"):
+                frames = read_all(files)
+            allreduces = decode(job, frames, info)
+        result = run_pipeline(progress.bar(allreduces, desc="capture", unit="allreduce"), updater)
         with progress.activity("flush: snapshot and upload the last step"):
             runner.flush()
     finally:

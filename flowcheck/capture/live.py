@@ -11,7 +11,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
@@ -26,6 +26,10 @@ TP_STATUS_VLAN_VALID, TP_STATUS_VLAN_TPID_VALID = 0x10, 0x40
 _ANCILLARY = socket.CMSG_SPACE(16) + socket.CMSG_SPACE(20)  # timespec + tpacket_auxdata
 _MAX_FRAME = 65536
 _POLL_S = 0.05  # how often a blocked read looks at `stop` and the deadline
+# The socket's receive buffer: it holds what arrives while the decoder works on a window (the kernel's
+# default, ~200 KiB, is a few hundred frames).  Root (CAP_NET_ADMIN) may exceed net.core.rmem_max.
+RCVBUF_BYTES = 256 << 20
+SO_RCVBUFFORCE = getattr(socket, "SO_RCVBUFFORCE", 33)
 
 
 def open_socket(interface: str) -> socket.socket:
@@ -40,6 +44,10 @@ def open_socket(interface: str) -> socket.socket:
         raise CaptureError(f"capturing on {interface!r} needs root or CAP_NET_RAW: {e}") from e
     try:
         sock.bind((interface, ETH_P_ALL))
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, RCVBUF_BYTES)
+        except OSError:  # no CAP_NET_ADMIN: as much as net.core.rmem_max allows
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RCVBUF_BYTES)
         sock.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
         sock.setsockopt(SOL_PACKET, PACKET_AUXDATA, 1)
         sock.settimeout(_POLL_S)
@@ -52,24 +60,30 @@ def open_socket(interface: str) -> socket.socket:
 
 
 def live_frames(interface: str, *, duration_s: float | None = None, max_frames: int | None = None,
-                stop: threading.Event | None = None, batch: int = 4096) -> Iterator[Frames]:
+                stop: threading.Event | None = None, batch: int = 4096, idle: bool = False,
+                on_open: Callable[[], None] | None = None) -> Iterator[Frames]:
     """Yield batches of frames received on ``interface`` until the duration, frame count or
     ``stop`` says to end.  A batch is yielded when full or after a quiet poll interval, so a
-    slow link still delivers promptly.  Frames this host sent are skipped (mirror ports only receive).
+    slow link still delivers promptly; with ``idle``, a quiet poll with nothing received yields an
+    empty batch (a streaming decoder can then settle by the clock).  Frames this host sent are
+    skipped (mirror ports only receive).  ``on_open`` is called once the socket is bound (frames
+    from then on are captured).
     """
     if batch < 1:
         raise ValueError(f"batch must be >= 1, got {batch}")
     deadline = None if duration_s is None else time.monotonic() + duration_s
     total = 0
     with open_socket(interface) as sock:
+        if on_open is not None:
+            on_open()
         reader = _BatchReader(sock, batch)
         while (max_frames is None or total < max_frames) and not (stop is not None and stop.is_set()):
             if deadline is not None and time.monotonic() >= deadline:
                 break
             limit = batch if max_frames is None else min(batch, max_frames - total)
-            frames = reader.read(limit, deadline, stop)
+            frames = reader.read(limit, deadline, stop, idle)
             total += len(frames)
-            if len(frames):
+            if len(frames) or idle:
                 yield frames
 
 
@@ -80,7 +94,7 @@ class _BatchReader:
         self.sock, self.batch = sock, batch
         self.source = f"live:{sock.getsockname()[0]}"
 
-    def read(self, limit: int, deadline: float | None, stop: threading.Event | None) -> Frames:
+    def read(self, limit: int, deadline: float | None, stop: threading.Event | None, idle: bool = False) -> Frames:
         buf = np.empty(limit * 2048, dtype=np.uint8)  # grows for jumbo frames
         offsets, lengths, ts = [], [], []
         used = 0
@@ -89,7 +103,7 @@ class _BatchReader:
                 buf = np.concatenate([buf[:used], np.empty(max(len(buf), _MAX_FRAME + 4), dtype=np.uint8)])
             got = self._recv(buf, used)
             if got is None:  # quiet: hand over what we have
-                if offsets or (stop is not None and stop.is_set()):
+                if offsets or idle or (stop is not None and stop.is_set()):
                     break
                 if deadline is not None and time.monotonic() >= deadline:
                     break

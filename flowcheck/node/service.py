@@ -105,7 +105,7 @@ class Node:
         return self
 
     def _replay_mirror(self) -> None:
-        """Mirror capture from the configured files: decode -> replica -> RAM, snapshots by the policy."""
+        """Mirror capture from the configured files or live interface: decode -> replica -> RAM, snapshots by the policy."""
         import glob
 
         from flowcheck.capture.decode import Decoded, decode, read_all
@@ -117,21 +117,42 @@ class Node:
         self.mirror = {"state": "running", "job": serve.mirror_job}
         try:
             job = load_job(serve.mirror_job)
-            pcaps = sorted(glob.glob(serve.mirror_pcaps))
+            pcaps = sorted(glob.glob(serve.mirror_pcaps)) if serve.mirror_pcaps else []
             replica = initial_replica(job, serve.mirror_init, self.store)
             self.store.push(replica.snapshot(self.config.run))
             updater = Updater(job, replica, publish=publish_to(self.store, self.config.run, self._on_step),
                               on_stale=lambda it, why: self.request_resync(f"mirror capture, iteration {it}: {why}"),
                               resync=ResyncSource(job.resync))
             self.mirror_report = updater.report
-            frames, info = read_all(pcaps), Decoded()
-            self.mirror_stats.read(frames)
-            report = run_pipeline(counted(decode(job, frames, info), self.mirror_stats, info), updater)
-            self.mirror.update(state="done", pcaps=len(pcaps), iterations=report.iterations, stale=len(report.stale),
+            info = Decoded()
+            if serve.mirror_interface:
+                self.mirror["interface"] = serve.mirror_interface
+                allreduces = self._live_mirror(job, info)
+            else:
+                frames = read_all(pcaps)
+                self.mirror_stats.read(frames)
+                allreduces = decode(job, frames, info)
+            report = run_pipeline(counted(allreduces, self.mirror_stats, info), updater)
+            self.mirror.update(state="done", iterations=report.iterations, stale=len(report.stale),
                                resyncs=report.resyncs, step=report.steps[-1] if report.steps else None)
+            if not serve.mirror_interface:
+                self.mirror["pcaps"] = len(pcaps)
         except Exception as e:  # noqa: BLE001 - reported on /status; the node keeps serving pushes
             log.exception("node: mirror capture failed")
             self.mirror.update(state="failed", error=f"{type(e).__name__}: {e}")
+
+    def _live_mirror(self, job, info):
+        """Allreduces decoded as the mirror port's frames arrive, until the node stops."""
+        from flowcheck.capture.live import live_frames
+        from flowcheck.capture.streaming import StreamingDecoder
+
+        def read():
+            for frames in live_frames(self.config.serve.mirror_interface, stop=self._stopped, idle=True):
+                self.mirror_stats.read(frames)
+                yield frames
+
+        decoder = StreamingDecoder(job, info, settle_s=self.config.serve.mirror_settle_s, clock=time.time_ns)
+        return decoder.run(read())
 
     def stop(self) -> None:
         if self._stopped.is_set():
