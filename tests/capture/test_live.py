@@ -173,21 +173,36 @@ def test_capture_without_privileges_is_a_capture_error():
         next(live_frames("lo"))
 
 
+def simulated_frames(tmp_path, iters: int, seed: int):
+    """A simulated training (N=4) and its mirrored frames merged in capture order, as the mirror NIC gets them."""
+    import numpy as np
+
+    from flowcheck.capture.decode import read_all
+    from flowcheck.simulate import SimOptions, simulate
+
+    sim = simulate(SimOptions(out=str(tmp_path / "sim"), dp=4, iters=iters, seed=seed))
+    merged = read_all(sorted(sim.pcaps.values()))
+    return sim, [merged.frame(int(i)) for i in np.argsort(merged.ts_ns, kind="stable")]
+
+
+def send_paced(interface: str, frames: list[bytes]) -> None:
+    """Send the frames in order; a veth has no flow control, so the reader gets its turn every 64."""
+    with socket.socket(socket.AF_PACKET, socket.SOCK_RAW) as s:
+        s.bind((interface, 0))
+        for k, f in enumerate(frames):
+            s.send(f)
+            if k % 64 == 63:
+                time.sleep(0.002)
+
+
 def test_capture_command_decodes_a_live_interface_into_the_trainers_state(veth, tmp_path):
     """`flowcheck capture --interface` in the receiving namespace, a simulated training's mirrored frames sent on
     the veth in capture order, then SIGTERM: the replica reaches the last step bit for bit, no iteration stale."""
     import json
     import sys
 
-    import numpy as np
-
-    from flowcheck.capture.decode import read_all
-    from flowcheck.simulate import SimOptions, simulate
-
     rx, tx = veth
-    sim = simulate(SimOptions(out=str(tmp_path / "sim"), dp=4, iters=4, seed=11))
-    merged = read_all(sorted(sim.pcaps.values()))
-    frames = [merged.frame(int(i)) for i in np.argsort(merged.ts_ns, kind="stable")]
+    sim, frames = simulated_frames(tmp_path, iters=4, seed=11)
     cfg = tmp_path / "flowcheck.yaml"
     cfg.write_text("run: live\ntiers: {local: {root: ./local}, object: {url: file://./object}}\n"
                    "policy: {local: {every_steps: 1, keep_last: 10}, object: {every_seconds: 3600}}\n")
@@ -200,15 +215,7 @@ def test_capture_command_decodes_a_live_interface_into_the_trainers_state(veth, 
             line = proc.stderr.readline()
             assert line or proc.poll() is None, f"capture exited early: {proc.stderr.read()}"
 
-        def pace() -> None:
-            with socket.socket(socket.AF_PACKET, socket.SOCK_RAW) as s:
-                s.bind(("fctx0", 0))
-                for k, f in enumerate(frames):
-                    s.send(f)
-                    if k % 64 == 63:
-                        time.sleep(0.002)  # a veth has no flow control: give the reader its turn
-
-        InNetns(tx, pace).result(60)
+        InNetns(tx, send_paced, "fctx0", frames).result(60)
         time.sleep(1)  # the last frames reach the reader
         proc.send_signal(signal.SIGTERM)  # stops the capture; what it holds is decoded as the end
         out, err = proc.communicate(timeout=90)
@@ -226,17 +233,11 @@ def test_capture_command_decodes_a_live_interface_into_the_trainers_state(veth, 
 def test_node_captures_its_mirror_interface_live(veth, tmp_path):
     """`flowcheck serve` with serve.mirror_interface (the node started inside the receiving namespace, so its
     capture thread is there too): the steps reach RAM as the frames arrive, none stale, and are snapshotted."""
-    import numpy as np
-
     from flowcheck import config as config_mod
-    from flowcheck.capture.decode import read_all
     from flowcheck.node.service import Node
-    from flowcheck.simulate import SimOptions, simulate
 
     rx, tx = veth
-    sim = simulate(SimOptions(out=str(tmp_path / "sim"), dp=4, iters=3, seed=12))
-    merged = read_all(sorted(sim.pcaps.values()))
-    frames = [merged.frame(int(i)) for i in np.argsort(merged.ts_ns, kind="stable")]
+    sim, frames = simulated_frames(tmp_path, iters=3, seed=12)
     path = tmp_path / "node.yaml"
     path.write_text("run: live\ntiers: {local: {root: ./local}, object: {url: file://./object}}\n"
                     "policy: {local: {every_steps: 1, keep_last: 10}, object: {every_seconds: 3600}}\n"
@@ -250,15 +251,7 @@ def test_node_captures_its_mirror_interface_live(veth, tmp_path):
             InNetns(tx, send_one, "fctx0").result()
             time.sleep(0.1)
 
-        def pace() -> None:
-            with socket.socket(socket.AF_PACKET, socket.SOCK_RAW) as s:
-                s.bind(("fctx0", 0))
-                for k, f in enumerate(frames):
-                    s.send(f)
-                    if k % 64 == 63:
-                        time.sleep(0.002)
-
-        InNetns(tx, pace).result(60)
+        InNetns(tx, send_paced, "fctx0", frames).result(60)
         deadline = time.time() + 30
         while node.store.memory.step != 3 and time.time() < deadline:  # settled by the clock, link quiet
             time.sleep(0.1)
