@@ -31,6 +31,9 @@ from flowcheck.capture.pcap import Frames
 from flowcheck.errors import CaptureError
 
 _PACKET_LEVEL = ("psn_gap", "duplicates")
+# With no ring connection in the window (before the job's traffic, or other traffic on the mirror port) only
+# this much of the latest capture time is kept: no send takes longer, so a ring connection's first one is in it.
+_NO_RING_KEEP_NS = 1_000_000_000
 
 
 class StreamingDecoder:
@@ -67,18 +70,20 @@ class StreamingDecoder:
             self._pending.append(frames)
             self._new += len(frames)
         held = len(self._window) if self._window is not None else 0
-        if self._held_bytes() >= self.max_window_bytes:
+        full = self._held_bytes() >= self.max_window_bytes
+        quiet = (not len(frames) and self.clock is not None and self.held_frames
+                 and self.clock() - self._last_try >= self.settle_ns)
+        if self._new < max(self.min_frames, held // 2) and not quiet and not full:
+            return []
+        out = self._decode(final=False)
+        if not out and self._held_bytes() >= self.max_window_bytes:
             # Decoding it as the end of the capture would hand out the allreduce in flight as incomplete, and
             # the next window could not tell where the next one starts: stop instead of guessing.
             raise CaptureError(f"streaming decode: {self._held_bytes()} bytes of frames held and no allreduce "
                                f"settled (max_window_bytes {self.max_window_bytes}): a mirrored stream stopped "
                                "mid-allreduce, or the job does not match the traffic; restart the capture (the "
                                "replica resumes from a full state push)")
-        quiet = (not len(frames) and self.clock is not None and self.held_frames
-                 and self.clock() - self._last_try >= self.settle_ns)
-        if self._new < max(self.min_frames, held // 2) and not quiet:
-            return []
-        return self._decode(final=False)
+        return out
 
     def finish(self) -> list[Allreduce]:
         """The end of the capture: everything still held is decoded and handed out."""
@@ -105,7 +110,7 @@ class StreamingDecoder:
         local = Decoded()
         w = decode_window(self.job, window, local, self.resume)
         out, cursors = self._settled(w, window, local, final)
-        cut = len(window) if final else self._advance(w, cursors)
+        cut = len(window) if final else self._advance(w, window, cursors)
         self._account(window, w, local, cut, cursors, final)
         self._window = window.select(cut) if cut < len(window) else None
         if out:
@@ -135,7 +140,7 @@ class StreamingDecoder:
             cursors = dict(w.assembler.cursors)
         return out, cursors
 
-    def _advance(self, w: Window, cursors: dict[str, int]) -> int:
+    def _advance(self, w: Window, window: Frames, cursors: dict[str, int]) -> int:
         """Move each connection's resume PSN past its used sends; returns the first frame still needed.
 
         Needed: every ring connection's first unused send; with none pending, whatever came after the last
@@ -153,8 +158,9 @@ class StreamingDecoder:
                 last = ring.sends[max(ring.sends)]
                 self.resume[ring.name] = (last.info["psn"][1] + 1) & 0xFFFFFF
                 done = max(done, last.last_frame + 1)
-        if not w.rings:
-            return 0  # nothing recognised yet: keep it all (max_window_bytes bounds it)
+        if not w.rings:  # nothing recognised (yet, or any more): keep what a send still in progress could need
+            recent = np.flatnonzero(window.ts_ns >= window.ts_ns.max() - max(self.settle_ns, _NO_RING_KEEP_NS))
+            return int(recent[0]) if len(recent) else 0
         cut = done if cut is None else cut
         names = {r.name for r in w.rings}
         for s in w.streams:

@@ -89,3 +89,19 @@ def test_streaming_options_are_checked(tmp_path):
     sim = simulate(SimOptions(out=str(tmp_path / "sim"), dp=2, iters=1, seed=3))
     with pytest.raises(ValueError, match="settle_s >= 0"):
         StreamingDecoder(load_job(sim.job_path), settle_s=-1)
+
+
+def test_traffic_without_ring_connections_is_not_held(tmp_path):
+    """Frames that never form a ring connection (other traffic on the mirror port) leave the window after a
+    second of capture time instead of filling it."""
+    from flowcheck.capture.frames import Endpoint, ud_frame
+
+    sim = simulate(SimOptions(out=str(tmp_path / "sim"), dp=2, iters=1, seed=4))
+    a, b = Endpoint("02:00:00:00:00:0a", "fe80::a"), Endpoint("02:00:00:00:00:0b", "fe80::b")
+    noise = [ud_frame(a, b, sport=5000 + k % 7) for k in range(3000)]
+    frames = Frames.from_list(noise, [k * 10_000_000 for k in range(3000)])  # 30 s of management datagrams
+    decoder = StreamingDecoder(load_job(sim.job_path), min_frames=100, max_window_bytes=200 * len(noise[0]))
+    for i in range(0, len(frames), 100):
+        assert decoder.feed(frames.select(i, i + 100)) == []
+    assert decoder.held_frames <= 200 and decoder.finish() == []
+    assert decoder.info.packets["OK"] == 3000
