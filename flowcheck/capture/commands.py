@@ -63,8 +63,10 @@ def _print_decode(out: dict) -> None:
         click.echo(f"  ... {len(out['anomalies']) - 20} more anomalies (--json for all)")
 
 
-def _live(job, info, interface: str, duration_s: float | None, max_frames: int | None, settle_s: float):
-    """Allreduces decoded from a live interface until the duration, the frame count or SIGINT/SIGTERM."""
+def _live(job, info, interface: str, duration_s: float | None, max_frames: int | None, settle_s: float,
+          drops: list[int]):
+    """Allreduces decoded from a live interface until the duration, the frame count or SIGINT/SIGTERM;
+    ``drops[0]`` counts the frames the kernel dropped because the capture fell behind."""
     import signal
     import threading
     import time
@@ -76,7 +78,8 @@ def _live(job, info, interface: str, duration_s: float | None, max_frames: int |
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     batches = live_frames(interface, duration_s=duration_s, max_frames=max_frames, stop=stop, idle=True,
-                          on_open=lambda: click.echo(f"capturing live on {interface}", err=True))
+                          on_open=lambda: click.echo(f"capturing live on {interface}", err=True),
+                          on_drops=lambda n: drops.__setitem__(0, drops[0] + n))
     return StreamingDecoder(job, info, settle_s=settle_s, clock=time.time_ns).run(batches)
 
 
@@ -131,8 +134,9 @@ def capture_command(config_path, job_path, pcaps, more, interface, duration_s, m
         updater = Updater(job, replica, publish=publish_to(store, store.config.run, runner.on_step),
                           on_stale=lambda it, why: store.memory.mark_stale(why),
                           resync=ResyncSource(resync_dir or job.resync))
+        drops = [0]
         if interface:
-            allreduces = _live(job, info, interface, duration_s, max_frames, settle_s)
+            allreduces = _live(job, info, interface, duration_s, max_frames, settle_s, drops)
         else:
             with progress.activity("read captures"):
                 frames = read_all(files)
@@ -147,6 +151,8 @@ def capture_command(config_path, job_path, pcaps, more, interface, duration_s, m
            "resyncs": result.resyncs, "final_step": result.steps[-1] if result.steps else replica.step,
            "stale_at_end": store.memory.stale, "local_steps": committed, "anomalies": len(info.anomalies),
            "policy_errors": runner.stats.errors}
+    if interface:
+        out["kernel_drops"] = drops[0]
     if as_json:
         click.echo(json.dumps(out, indent=1))
     else:
@@ -155,4 +161,6 @@ def capture_command(config_path, job_path, pcaps, more, interface, duration_s, m
                    f"{' (STALE: not snapshotted)' if store.memory.stale else ''}; local steps {committed}")
         for s in result.stale:
             click.echo(f"  stale: iteration {s['iteration']}: {s['reason']}")
+        if out.get("kernel_drops"):
+            click.echo(f"  the kernel dropped {out['kernel_drops']} frames: the capture fell behind the link")
     sys.exit(0 if not runner.stats.errors else 1)

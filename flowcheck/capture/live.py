@@ -21,7 +21,7 @@ from flowcheck.errors import CaptureError
 ETH_P_ALL = 0x0003
 PACKET_OUTGOING = 4  # sockaddr_ll.sll_pkttype of frames this host sent
 SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35)
-SOL_PACKET, PACKET_AUXDATA = 263, 8  # linux/if_packet.h
+SOL_PACKET, PACKET_STATISTICS, PACKET_AUXDATA = 263, 6, 8  # linux/if_packet.h
 TP_STATUS_VLAN_VALID, TP_STATUS_VLAN_TPID_VALID = 0x10, 0x40
 _ANCILLARY = socket.CMSG_SPACE(16) + socket.CMSG_SPACE(20)  # timespec + tpacket_auxdata
 _MAX_FRAME = 65536
@@ -61,13 +61,15 @@ def open_socket(interface: str) -> socket.socket:
 
 def live_frames(interface: str, *, duration_s: float | None = None, max_frames: int | None = None,
                 stop: threading.Event | None = None, batch: int = 4096, idle: bool = False,
-                on_open: Callable[[], None] | None = None) -> Iterator[Frames]:
+                on_open: Callable[[], None] | None = None,
+                on_drops: Callable[[int], None] | None = None) -> Iterator[Frames]:
     """Yield batches of frames received on ``interface`` until the duration, frame count or
     ``stop`` says to end.  A batch is yielded when full or after a quiet poll interval, so a
     slow link still delivers promptly; with ``idle``, a quiet poll with nothing received yields an
     empty batch (a streaming decoder can then settle by the clock).  Frames this host sent are
     skipped (mirror ports only receive).  ``on_open`` is called once the socket is bound (frames
-    from then on are captured).
+    from then on are captured); ``on_drops(n)`` after a batch when the kernel dropped n frames since the
+    last one because the socket's buffer was full (the reader fell behind).
     """
     if batch < 1:
         raise ValueError(f"batch must be >= 1, got {batch}")
@@ -82,6 +84,8 @@ def live_frames(interface: str, *, duration_s: float | None = None, max_frames: 
                 break
             limit = batch if max_frames is None else min(batch, max_frames - total)
             frames = reader.read(limit, deadline, stop, idle)
+            if on_drops is not None and (dropped := reader.dropped()):
+                on_drops(dropped)
             total += len(frames)
             if len(frames) or idle:
                 yield frames
@@ -113,6 +117,14 @@ class _BatchReader:
             used = start + n
         return Frames(buf[:used], np.array(offsets, dtype=np.int64), np.array(lengths, dtype=np.int32),
                       np.array(ts, dtype=np.int64), self.source)
+
+    def dropped(self) -> int:
+        """Frames the kernel dropped since the last call (PACKET_STATISTICS: reading it resets it)."""
+        try:
+            _packets, drops = struct.unpack("II", self.sock.getsockopt(SOL_PACKET, PACKET_STATISTICS, 8))
+        except OSError:
+            return 0
+        return drops
 
     def _recv(self, buf: np.ndarray, at: int) -> tuple[int, int, int] | None:
         """One frame into buf[at + 4:] -> (start, length, ts_ns); None after a quiet poll.

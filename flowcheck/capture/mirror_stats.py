@@ -23,6 +23,7 @@ class CaptureStats:
 
     frames: int = 0  # frames read from the captures
     bytes: int = 0  # their wire bytes
+    frames_dropped: int = 0  # live: frames the kernel dropped because the capture fell behind (socket buffer full)
     packets: dict[str, int] = field(default_factory=dict)  # by parse status: OK, BAD_ICRC, MALFORMED, NOT_ROCE
     packets_missing: int = 0  # PSN gaps: packets a mirrored stream never delivered
     packets_duplicate: int = 0

@@ -101,6 +101,8 @@ class _NodeCollector:
             rep.iterations, len(rep.stale), rep.skipped, len(rep.resyncs))
         yield _counter("flowcheck_mirror_frames", "Frames read by the mirror-capture source.", st.frames)
         yield _counter("flowcheck_mirror_bytes", "Wire bytes read by the mirror-capture source.", st.bytes)
+        yield _counter("flowcheck_mirror_frames_dropped", "Frames the kernel dropped before the live mirror capture "
+                       "read them (its socket buffer was full: capture fell behind).", st.frames_dropped)
         packets = CounterMetricFamily("flowcheck_mirror_packets", "Mirrored frames parsed, by status "
                                       "(OK, BAD_ICRC, MALFORMED, NOT_ROCE).", labels=["status"])
         for status, n in sorted(st.packets.items()):

@@ -147,7 +147,12 @@ class Node:
         from flowcheck.capture.streaming import StreamingDecoder
 
         def read():
-            for frames in live_frames(self.config.serve.mirror_interface, stop=self._stopped, idle=True):
+            def dropped(n: int) -> None:
+                self.mirror_stats.frames_dropped += n
+                log.warning("node: the kernel dropped %d mirrored frames (the capture fell behind)", n)
+
+            for frames in live_frames(self.config.serve.mirror_interface, stop=self._stopped, idle=True,
+                                      on_drops=dropped):
                 self.mirror_stats.read(frames)
                 yield frames
 

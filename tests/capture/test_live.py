@@ -225,6 +225,7 @@ def test_capture_command_decodes_a_live_interface_into_the_trainers_state(veth, 
     assert proc.returncode == 0, err
     report = json.loads(out)
     assert report["stale"] == [] and report["iterations_applied"] == 4 and report["final_step"] == 4, report
+    assert report["kernel_drops"] == 0
     diff = subprocess.run([sys.executable, "-m", "flowcheck", "diff", "--config", str(cfg), "--step", "4", "--against",
                            str(tmp_path / "sim" / "truth" / "step-4.safetensors")], capture_output=True, text=True)
     assert diff.returncode == 0, diff.stdout + diff.stderr
@@ -269,3 +270,31 @@ def send_one(interface: str) -> None:
     with socket.socket(socket.AF_PACKET, socket.SOCK_RAW) as s:
         s.bind((interface, 0))
         s.send(bytes(12) + b"\x88\xb5" + b"flowcheck probe")
+
+
+def test_live_reader_reports_the_frames_the_kernel_dropped(veth, monkeypatch):
+    """A reader that falls behind a small socket buffer: the kernel's drops are reported, and with what was read
+    they account for every frame sent."""
+    from flowcheck.capture import live
+
+    rx, tx = veth
+    monkeypatch.setattr(live, "RCVBUF_BYTES", 4096)
+    opened, sent, drops = threading.Event(), threading.Event(), []
+    marker = b"\x88\xb6"  # local experimental EtherType 2
+
+    def on_open() -> None:  # bound, but not reading until everything was sent
+        opened.set()
+        sent.wait(20)
+
+    def receive() -> int:
+        got = 0
+        for batch in live_frames("fcrx0", duration_s=2, idle=True, on_open=on_open, on_drops=drops.append):
+            got += sum(batch.frame(i)[12:14] == marker for i in range(len(batch)))
+        return got
+
+    reader = InNetns(rx, receive)
+    assert opened.wait(20)
+    InNetns(tx, send_paced, "fctx0", [bytes(12) + marker + bytes(1000)] * 500).result(60)
+    sent.set()
+    got = reader.result()
+    assert got < 500 and sum(drops) > 0 and got + sum(drops) >= 500, (got, drops)
