@@ -39,6 +39,8 @@ class TierPolicy:
     keep_hourly: int = 0  # plus the newest step of each of the last N hours that have one
     keep_daily: int = 0  # plus the newest step of each of the last N days that have one
     tmp_grace_seconds: float = 3600.0  # abandoned .tmp dirs / multipart uploads older than this are cleaned
+    # states of a branch that is no longer current (a rollback left it) are kept this long after its last commit
+    keep_abandoned_hours: float = 24.0
 
     def __post_init__(self) -> None:
         _positive("policy", "every_steps", self.every_steps, allow_none=True)
@@ -50,6 +52,9 @@ class TierPolicy:
         if self.keep_last < 1:
             raise ConfigError("policy.keep_last: expected >= 1 (the newest committed step is never deleted)")
         _positive("policy", "tmp_grace_seconds", self.tmp_grace_seconds)
+        v = self.keep_abandoned_hours
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
+            raise ConfigError(f"policy.keep_abandoned_hours: expected a number of hours >= 0, found {v!r}")
 
 
 @dataclass(frozen=True)

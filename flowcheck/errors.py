@@ -35,6 +35,10 @@ class StepNotFoundError(FlowcheckError, FileNotFoundError):
     """
 
 
+class AmbiguousStepError(StepNotFoundError):
+    """A step reference matches several states (a digest prefix on two branches); the message lists them."""
+
+
 class TensorNotFoundError(FlowcheckError, KeyError):
     """A step has no tensor of that name."""
 

@@ -170,9 +170,9 @@ class PolicyRunner:
 
     def _snapshot_any(self) -> tuple[Manifest, bool]:
         """The RAM step to the local tier (the API's snapshot: errors propagate, no GC)."""
-        had = set(self.store.local.steps())
+        before = {s.digest for s in self.store.history(["local"]).states}
         m = self.store.snapshot()
-        return m, m.step not in had
+        return m, m.digest() not in before
 
     def _snapshot_local(self) -> tuple[Manifest | None, bool]:
         if self.store.memory.step is None:
@@ -184,12 +184,16 @@ class PolicyRunner:
         return m, wrote
 
     def _promote(self) -> tuple[Manifest | None, bool]:
-        newest = self.store.local.latest()
         obj = self.store.object
-        if newest is None or obj is None:
+        if obj is None:
             return None, False
-        latest_obj = obj.latest()
-        if latest_obj is not None and latest_obj >= newest:
+        hist = self.store.history()
+        path = hist.path(hist.current())
+        local = {(s.step, s.branch) for s in hist.states if s.tier == "local"}
+        uploaded = {(s.step, s.branch) for s in hist.states if s.tier == "object"}
+        newest = max((n for n, b in path.items() if (n, b) in local), default=None)
+        # the newest local state of the current branch, unless object holds it or a later state of that branch
+        if newest is None or any(n >= newest and (n, b) in uploaded for n, b in path.items()):
             return None, False
         m = self.store.promote(newest)
         _keep(self.stats.promotions, m.step)
@@ -201,8 +205,9 @@ class PolicyRunner:
         for tier, steps in report.deleted.items():
             if steps:
                 self.stats.gc_deleted[tier] = self.stats.gc_deleted.get(tier, 0) + len(steps)
-                log.info("policy: gc deleted %s steps %s", tier, steps,
-                         extra={"event": "gc", "tier": tier, "steps": steps})
+                names = [str(k) for k in steps]
+                log.info("policy: gc deleted %s steps %s", tier, names,
+                         extra={"event": "gc", "tier": tier, "steps": names})
 
     def drain(self, timeout: float | None = None) -> None:
         """Wait for running jobs to finish."""

@@ -1,8 +1,10 @@
 """The store: one run's tiers together — snapshot RAM to local, promote local to object, read, GC.
 
 Rules kept here, once: the lineage parent of a new step is what the RAM state
-descends from; "latest" and GC only follow a durable commit; GC never deletes
-the newest committed step of a tier, nor anything it cannot classify.
+descends from; a new state goes to the branch its parent continues, or starts a
+branch (flowcheck/branches.py) — never dropped, never overwriting; "latest" and
+GC follow the current branch and only a durable commit; GC never deletes the
+current head, nor anything it cannot classify.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from flowcheck import config as config_mod
+from flowcheck.branches import MAIN, BranchRecord, History, Located, StateInfo, check_branch, parse_time
 from flowcheck.config import Config
 from flowcheck.errors import FlowcheckError, StepNotFoundError, TierError
 from flowcheck.manifest import Manifest, ParentRef, signing_key
@@ -32,8 +35,9 @@ TIER_NAMES = ("memory", "local", "object")
 
 @dataclass
 class GcReport:
-    deleted: dict[str, list[int]] = field(default_factory=dict)
-    kept: dict[str, dict[int, str]] = field(default_factory=dict)
+    deleted: dict[str, list[Located]] = field(default_factory=dict)
+    kept: dict[str, dict[Located, str]] = field(default_factory=dict)
+    why: dict[str, dict[Located, str]] = field(default_factory=dict)  # deleted state -> the rule that let it go
     cleaned: dict[str, list[str]] = field(default_factory=dict)
     dry_run: bool = False
 
@@ -49,9 +53,10 @@ class Store:
         self.memory = MemoryTier(config.tiers.memory, config.run, **self._tier_kw)
         self.local = LocalTier(config.tiers.local, config.run, **self._tier_kw)
         self._object: Tier | None = None
+        self._branch_tiers: dict[tuple[str, str], Tier] = {}
         # one writer per target tier: a slow upload never holds up local snapshots
         self._locks = {name: threading.RLock() for name in TIER_NAMES}
-        self._in_use: set[tuple[str, int]] = set()  # (tier, step) being read by a promotion: GC skips them
+        self._in_use: set[tuple[str, Located]] = set()  # (tier, step) being read by a promotion: GC skips them
 
     @property
     def object(self) -> Tier | None:
@@ -66,18 +71,50 @@ class Store:
         return self._object
 
     def tiers(self, include_memory: bool = True) -> list[Tier]:
-        """Present tiers, fastest first."""
+        """Present tiers (their main-branch view), fastest first."""
         out: list[Tier] = [self.memory] if include_memory else []
         out.append(self.local)
         if self.object is not None:
             out.append(self.object)
         return out
 
-    def tier(self, name: str) -> Tier:
+    def tier(self, name: str, branch: str = MAIN) -> Tier:
+        """A tier by name, opened at a branch (``main``: the run root)."""
         for t in self.tiers():
             if t.name == name:
-                return t
+                if branch == MAIN or t is self.memory:
+                    return t
+                key = (name, check_branch(branch))
+                if key not in self._branch_tiers:
+                    self._branch_tiers[key] = t.at_branch(branch)
+                return self._branch_tiers[key]
         raise ValueError(f"unknown or disabled tier {name!r}; expected one of {[t.name for t in self.tiers()]}")
+
+    def branch_tiers(self, name: str) -> list[Tier]:
+        """Every branch of one persistent tier: main first."""
+        main = self.tier(name)
+        return [main] + [self.tier(name, b) for b in main.branch_names()]
+
+    # ---- history -------------------------------------------------------------------
+    def history(self, tiers: list[str] | None = None) -> History:
+        """Every committed state of the run in the persistent tiers (or those named), with its branch."""
+        states: list[StateInfo] = []
+        records: dict[str, BranchRecord] = {}
+        for t in self.tiers(include_memory=False):
+            if tiers is not None and t.name not in tiers:
+                continue
+            for bt in self.branch_tiers(t.name):
+                if bt.branch != MAIN and bt.branch not in records:
+                    try:
+                        rec = bt.branch_record()
+                    except FlowcheckError as e:
+                        log.warning("%s", e)
+                        rec = None
+                    if rec is not None:
+                        records[bt.branch] = rec
+                for step in bt.steps():
+                    states.append(_state_info(bt, step))
+        return History(self.config.run, states, records)
 
     # ---- writing ---------------------------------------------------------------
     def push(self, snapshot: Snapshot) -> Manifest:
@@ -89,9 +126,7 @@ class Store:
         with self._locks["local"]:
             snap = self.memory.pin()
             try:
-                if snap.step in self.local.steps():
-                    return self.local.manifest(snap.step)
-                m = self.local.write(snap, self.memory.head)
+                m = self.commit(snap, "local", self.memory.head)
             finally:
                 self.memory.release(snap)
             self.memory.head = m.parent_ref()  # the RAM state now descends from this committed step
@@ -99,104 +134,203 @@ class Store:
 
     def write(self, snapshot: Snapshot, tier: str = "local", parent: ParentRef | None = None, *, root: bool = False,
               progress: Progress | None = None) -> Manifest:
-        """Commit a snapshot directly to a tier; the parent defaults to the newest earlier committed step
-        (``root=True``: no parent, e.g. an imported checkpoint starts its own lineage); ``progress`` counts bytes."""
+        """Commit a snapshot directly to a tier; without ``parent`` it continues the current branch
+        (its head, when that is an earlier step; ``root=True``: no parent, e.g. an imported checkpoint
+        starts its own lineage); ``progress`` counts bytes."""
         with self._locks[tier]:
             if parent is None and snapshot.origin is None and not root:
-                parent = self._newest_before(snapshot.step)
-            return self.tier(tier).write(snapshot, parent, progress=progress)
+                parent = self._current_head_before(snapshot.step)
+            return self.commit(snapshot, tier, parent, progress=progress)
 
-    def promote(self, step: int | None = None, src: str = "local", dst: str = "object", *,
-                progress: Progress | None = None) -> Manifest:
-        """Copy a committed step from one tier to another (default: the newest local step to object);
-        ``progress`` counts the bytes written (left at zero when the target holds the step already)."""
-        source, target = self.tier(src), self.tier(dst)
+    def commit(self, snapshot: Snapshot, tier: str, parent: ParentRef | None, *,
+               progress: Progress | None = None) -> Manifest:
+        """Commit a state to the branch it belongs on (flowcheck/branches.py).
+
+        The same state already committed at its step is a no-op (retries, promotions); a different state
+        at an existing step is never dropped or overwritten: it goes to a new branch.
+        """
+        with self._locks[tier]:
+            hist = self.history()
+            if snapshot.origin is not None:  # a stored state copied between tiers keeps its branch
+                branch, record = self._origin_branch(hist, snapshot.origin)
+            else:
+                same = self._same_state(hist, snapshot)
+                if same is not None:
+                    held = self.tier(tier, same.branch)
+                    if same.step in held.steps():
+                        log.info("%s tier: step %s is already committed with this state", tier, same)
+                        return held.manifest(same.step)
+                    branch, record = same.branch, hist.records.get(same.branch)
+                else:
+                    branch, record = hist.place(snapshot.step, parent)
+            target = self.tier(tier, branch)
+            if record is not None:
+                target.put_branch_record(record)
+            if branch != MAIN and record is None and branch not in hist.records:
+                log.warning("%s tier: branch %s has no fork record", tier, branch)
+            if branch != MAIN and (record is None or record.name not in hist.records):
+                log.info("%s tier: step %d starts branch %s", tier, snapshot.step, branch)
+            return target.write(snapshot, parent, progress=progress)
+
+    def _origin_branch(self, hist: History, origin: Manifest) -> tuple[str, BranchRecord | None]:
+        held = hist.by_digest(origin.digest())
+        if held:
+            return held[0].branch, hist.records.get(held[0].branch)
+        return hist.place(origin.step, origin.parent)  # read from elsewhere (another store, an export)
+
+    def _same_state(self, hist: History, snapshot: Snapshot) -> Located | None:
+        """A committed state at the snapshot's step holding the same data and scalars, if any."""
+        candidates = [s for s in hist.states if s.step == snapshot.step and s.digest is not None]
+        if not candidates:
+            return None
+        from flowcheck.digest import data_digest
+
+        ours = {(sh.tensor, sh.offsets, sh.shape, data_digest(snapshot.array(sh))) for sh in snapshot.shards()}
+        scalars = snapshot.scalars.to_json()
+        for c in candidates:
+            m = self.tier(c.tier, c.branch).manifest(c.step, check_signature=False)
+            theirs = {(name, e.offsets, e.shape, e.digest) for name, t in m.tensors.items() for e in t.shards}
+            if theirs == ours and dict(m.scalars) == scalars and m.layout_digest == snapshot.layout.digest():
+                return Located(c.step, c.branch)
+        return None
+
+    def _current_head_before(self, step: int) -> ParentRef | None:
+        """The current branch's newest state before ``step`` (a plain write continues it)."""
+        hist = self.history()
+        path = hist.path(hist.current())
+        earlier = [s for s in path if s < step]
+        if not earlier:
+            return None
+        at = Located(max(earlier), path[max(earlier)])
+        info = next(s for s in hist.states if s.step == at.step and s.branch == at.branch)
+        if info.digest is None:
+            return None
+        return ParentRef(at.step, info.digest)
+
+    def promote(self, step: int | str | None = None, src: str = "local", dst: str = "object", *,
+                branch: str | None = None, progress: Progress | None = None) -> Manifest:
+        """Copy a committed state from one tier to another (default: the newest local state of the current
+        branch to object); ``progress`` counts the bytes written (left at zero when the target holds it)."""
         with self._locks[src]:
-            if step is None:
-                step = source.latest()
-                if step is None:
-                    raise StepNotFoundError(f"{src} tier has no committed step to promote")
-            snap = source.load(step)  # raises StepNotFoundError before anything is written
-            self._in_use.add((src, step))
+            hist = self.history()
+            at = hist.resolve("latest" if step is None else step, branch)
+            source = self.tier(src, at.branch)
+            if at.step not in source.steps():
+                raise StepNotFoundError(f"{src} tier has no committed step {at} of run {self.config.run!r} to promote")
+            snap = source.load(at.step)  # raises StepNotFoundError before anything is written
+            self._in_use.add((src, at))
         try:
             with self._locks[dst]:
+                target = self.tier(dst, at.branch)
                 try:
-                    present = step in target.steps()
+                    present = at.step in target.steps()
                 except TierError as e:
-                    raise TierError(f"{dst} tier: step {step} was not promoted (nothing of it was written): {e}") from e
+                    raise TierError(f"{dst} tier: step {at} was not promoted (nothing of it was written): {e}") from e
                 if present:
-                    return target.manifest(step)
-                return target.write(snap, progress=progress)
+                    return target.manifest(at.step)
+                return self.commit(snap, dst, snap.origin.parent if snap.origin else None, progress=progress)
         finally:
-            self._in_use.discard((src, step))
-
-    def _newest_before(self, step: int) -> ParentRef | None:
-        best: Manifest | None = None
-        for t in self.tiers(include_memory=False):
-            earlier = [s for s in t.steps() if s < step]
-            if earlier and (best is None or earlier[-1] > best.step):
-                # the link records what the parent *is*; whether it is trusted is audit's finding
-                best = t.manifest(earlier[-1], check_signature=False)
-        return best.parent_ref() if best else None
+            self._in_use.discard((src, at))
 
     # ---- reading ---------------------------------------------------------------
-    def find(self, step: int | str, prefer: str = "auto") -> Tier:
-        """The fastest tier that holds a committed step ('latest' = the newest anywhere)."""
+    def locate(self, step: int | str, prefer: str = "auto", branch: str | None = None) -> tuple[Tier, int]:
+        """The fastest tier holding a state, opened at its branch, and its step number.
+
+        ``step``: a number or ``latest`` (on ``branch``, default the current branch: see flowcheck/branches.py)
+        or a ``sha256:`` manifest-digest prefix."""
         tiers = self.tiers() if prefer == "auto" else [self.tier(prefer)]
-        if step == "latest":
-            step = max((s for t in tiers for s in t.steps()), default=None)
-            if step is None:
-                raise StepNotFoundError("no committed step in any tier; run `flowcheck snapshot` or the demo first")
+        hist = self.history()
+        mem = self.memory
+        if self.memory in tiers and mem.step is not None and mem.head is not None and branch is None and step == "latest":
+            path = hist.path(hist.current())
+            if not path or (mem.step > max(path) and any(s.digest == mem.head.manifest_digest for s in hist.states)):
+                return mem, mem.step
+        if not hist.states:
+            what = "any step" if step == "latest" else f"step {step}"
+            raise StepNotFoundError(f"run {self.config.run!r} has no committed step in any tier (asked for {what}); "
+                                    "run `flowcheck snapshot` or the demo first")
+        at = hist.resolve(step, branch)
         for t in tiers:
-            if int(step) in t.steps():
-                return t
-        where = ", ".join(f"{t.name}: {t.steps()[-5:]}" for t in tiers)
-        raise StepNotFoundError(f"step {step} is not committed in {prefer if prefer != 'auto' else 'any tier'} ({where})")
+            if t is mem:
+                if mem.step == at.step and mem.head is not None and any(
+                        s.digest == mem.head.manifest_digest and Located(s.step, s.branch) == at for s in hist.states):
+                    return mem, at.step
+                continue
+            bt = self.tier(t.name, at.branch)
+            if at.step in bt.steps():
+                return bt, at.step
+        holders = sorted({s.tier for s in hist.states if Located(s.step, s.branch) == at})
+        raise StepNotFoundError(
+            f"step {at} of run {self.config.run!r} is not committed in {prefer if prefer != 'auto' else 'any tier'}"
+            f"{' (held by: ' + ', '.join(holders) + ')' if holders else ''}")
 
-    def manifest(self, step: int | str, prefer: str = "auto") -> Manifest:
-        t = self.find(step, prefer)
-        return t.manifest(t.latest() if step == "latest" else int(step))
+    def find(self, step: int | str, prefer: str = "auto", branch: str | None = None) -> Tier:
+        """The fastest tier (opened at the state's branch) that holds a committed state; see ``locate``."""
+        return self.locate(step, prefer, branch)[0]
 
-    def read(self, step: int, tensor: str, region: Any = None, prefer: str = "auto") -> np.ndarray:
-        return self.find(step, prefer).read(step, tensor, region)
+    def manifest(self, step: int | str, prefer: str = "auto", branch: str | None = None) -> Manifest:
+        t, n = self.locate(step, prefer, branch)
+        return t.manifest(n)
 
-    def load(self, step: int, prefer: str = "auto") -> Snapshot:
-        t = self.find(step, prefer)
+    def read(self, step: int | str, tensor: str, region: Any = None, prefer: str = "auto",
+             branch: str | None = None) -> np.ndarray:
+        t, n = self.locate(step, prefer, branch)
+        return t.read(n, tensor, region)
+
+    def load(self, step: int | str, prefer: str = "auto", branch: str | None = None) -> Snapshot:
+        t, n = self.locate(step, prefer, branch)
         if t is self.memory:
-            t = self.find(step, "local") if step in self.local.steps() else self.object
-        return t.load(step)
+            t, n = self.locate(n, "local" if prefer == "auto" else prefer, branch)
+        return t.load(n)
 
     # ---- retention ---------------------------------------------------------------
     def gc(self, dry_run: bool = False, tiers: list[str] | None = None, *, progress: Progress | None = None) -> GcReport:
-        """Apply each tier's retention policy; clean abandoned partial writes.
+        """Apply each tier's retention policy along the current branch; clean abandoned partial writes.
 
-        ``progress`` counts committed steps (listed first, for the total) as each is kept or deleted."""
+        ``progress`` counts committed states (listed first, for the total) as each is kept or deleted."""
         report = GcReport(dry_run=dry_run)
         chosen = [t for t in self.tiers(include_memory=False) if tiers is None or t.name in tiers]
-        done = counter(progress, sum(len(t.steps()) for t in chosen) if progress is not None else 0)
+        hist = self.history()
+        done = counter(progress, sum(1 for s in hist.states if s.tier in {t.name for t in chosen})
+                       if progress is not None else 0)
+        current = hist.current()
+        on_path = {Located(n, b) for n, b in hist.path(current).items()}
+        abandoned_at: dict[str, Any] = {}
+        for s in hist.states:
+            if Located(s.step, s.branch) not in on_path and s.created_at is not None:
+                abandoned_at[s.branch] = max(abandoned_at.get(s.branch, s.created_at), s.created_at)
         for t in chosen:
             with self._locks[t.name]:
                 policy = getattr(self.config.policy, t.name)
-                infos = []
-                for s in t.steps():
-                    try:
-                        infos.append(retention.StepInfo(s, retention.parse_time(t.manifest(s).created_at)))
-                    except FlowcheckError as e:
-                        log.warning("gc: %s tier step %d is unclassifiable (%s); keeping it", t.name, s, e)
-                        infos.append(retention.StepInfo(s, None))
+                infos = [retention.StepInfo(s.step, s.created_at, s.branch, Located(s.step, s.branch) in on_path,
+                                            abandoned_at.get(s.branch))
+                         for s in hist.states if s.tier == t.name]
                 plan = retention.plan(infos, policy)
                 report.kept[t.name] = plan.keep
-                report.deleted[t.name] = [s for s in plan.delete if (t.name, s) not in self._in_use]
+                report.deleted[t.name] = [k for k in plan.delete if (t.name, k) not in self._in_use]
+                report.why[t.name] = {k: plan.why_deleted[k] for k in report.deleted[t.name]}
                 done(len(infos) - len(report.deleted[t.name]))
-                for s in report.deleted[t.name]:
+                for k in report.deleted[t.name]:
                     try:
                         if not dry_run:
-                            t.delete(s)
+                            self.tier(t.name, k.branch).delete(k.step)
                     except StepNotFoundError:  # a shared object store: another node's GC was first
-                        log.info("gc: %s tier step %d was already deleted", t.name, s)
+                        log.info("gc: %s tier step %s was already deleted", t.name, k)
                     done(1)
-                report.cleaned[t.name] = t.clean_incomplete(policy.tmp_grace_seconds, dry_run=dry_run)
+                report.cleaned[t.name] = [
+                    p for bt in self.branch_tiers(t.name) for p in bt.clean_incomplete(policy.tmp_grace_seconds,
+                                                                                       dry_run=dry_run)]
         return report
+
+
+def _state_info(tier: Tier, step: int) -> StateInfo:
+    try:
+        m = tier.manifest(step, check_signature=False)
+    except FlowcheckError as e:
+        log.warning("%s tier %s step %d: manifest unreadable (%s); kept, never guessed at", tier.name, tier.branch,
+                    step, e)
+        return StateInfo(tier.name, tier.branch, step, None, None, None)
+    return StateInfo(tier.name, tier.branch, step, m.digest(), m.parent, parse_time(m.created_at))
 
 
 def open_store(cfg: Config | str | None = None, *, progress: bool = False) -> Store:

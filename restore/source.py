@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from flowcheck.errors import FormatError
+from flowcheck.errors import FormatError, StepNotFoundError
 from flowcheck.manifest import Manifest
 from flowcheck.restore.arch import ModelArch
 from flowcheck.restore.assemble import assemble_tensor
@@ -37,8 +37,9 @@ class StepReader:
     arch: ModelArch
 
     @classmethod
-    def open(cls, store: Any, step: int | str, prefer: str = "auto", arch: ModelArch | None = None) -> StepReader:
-        tier, manifest = open_step(store, step, prefer)
+    def open(cls, store: Any, step: int | str, prefer: str = "auto", arch: ModelArch | None = None,
+             branch: str | None = None) -> StepReader:
+        tier, manifest = open_step(store, step, prefer, branch)
         return cls(tier, manifest, arch or arch_of(manifest))
 
     @property
@@ -94,17 +95,16 @@ class StepReader:
         return t if dtype is None or t.dtype == dtype else t.to(dtype)
 
 
-def open_step(store: Any, step: int | str, prefer: str = "auto") -> tuple[Tier, Manifest]:
-    """The fastest persistent tier holding ``step`` ('latest' = the newest anywhere) and its manifest."""
-    tier = store.find(step, prefer)
+def open_step(store: Any, step: int | str, prefer: str = "auto", branch: str | None = None) -> tuple[Tier, Manifest]:
+    """The fastest persistent tier holding ``step`` (a number or 'latest' on ``branch``, default the current
+    branch; or a ``sha256:`` digest prefix), opened at the state's branch, and its manifest."""
+    tier, number = store.locate(step, prefer, branch)
     if tier is store.memory:  # the in-process memory tier only exists inside a node
-        tier = store.find(step, "local") if _has(store.local, step) else store.find(step, "object")
-    number = max(tier.steps()) if step == "latest" else int(step)
+        try:
+            tier, number = store.locate(number, "local", branch)
+        except StepNotFoundError:
+            tier, number = store.locate(number, "object", branch)
     return tier, tier.manifest(number)
-
-
-def _has(tier: Tier | None, step: int | str) -> bool:
-    return tier is not None and (step == "latest" and bool(tier.steps()) or step != "latest" and int(step) in tier.steps())
 
 
 def arch_of(manifest: Manifest) -> ModelArch:

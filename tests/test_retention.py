@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta, timezone
 
+from flowcheck.branches import Located
 from flowcheck.config import TierPolicy
 from flowcheck.tiers.retention import StepInfo, plan
 
@@ -15,7 +16,7 @@ def _every(minutes: int, count: int) -> list[StepInfo]:
 
 def test_keep_last_n_deletes_the_rest():
     p = plan(_every(1, 10), TierPolicy(keep_last=3))
-    assert sorted(p.keep) == [7, 8, 9] and p.delete == tuple(range(7))
+    assert sorted(k.step for k in p.keep) == [7, 8, 9] and p.delete == tuple(Located(i) for i in range(7))
 
 
 def test_hourly_and_daily_buckets_keep_newest_step_of_each():
@@ -24,7 +25,7 @@ def test_hourly_and_daily_buckets_keep_newest_step_of_each():
     hourly = [k for k, why in p.keep.items() if why.startswith("hourly")]
     daily = [k for k, why in p.keep.items() if why.startswith("daily")]
     assert len(hourly) == 23 and len(daily) == 6  # the newest hour's/day's step is kept as "newest committed"
-    assert all(steps[k].created_at.minute == 40 for k in hourly)  # last step of each hour
+    assert all(steps[k.step].created_at.minute == 40 for k in hourly)  # last step of each hour
     assert len(p.keep) == 1 + 23 + 6
 
 
@@ -32,9 +33,11 @@ def test_never_deletes_newest_or_unclassifiable():
     steps = _every(1, 5) + [StepInfo(2_000, None)] + [StepInfo(3, None)]
     steps = [s for s in steps if s.step != 3] + [StepInfo(3, None)]
     p = plan(steps, TierPolicy(keep_last=1))
-    assert 2_000 in p.keep and 3 in p.keep
-    assert "unclassifiable" in p.keep[3]
-    assert set(p.delete) == {0, 1, 2, 4}
+    assert Located(2_000) in p.keep and Located(3) in p.keep
+    assert "unclassifiable" in p.keep[Located(3)]
+    # the newest *readable* step is the head: unreadable manifests never push every readable state out
+    assert "head" in p.keep[Located(4)]
+    assert set(p.delete) == {Located(0), Located(1), Located(2)}
 
 
 def test_empty_tier_plans_nothing():

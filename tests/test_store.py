@@ -7,6 +7,8 @@ import time
 import numpy as np
 import pytest
 
+from flowcheck.branches import Located
+
 from flowcheck.config import Config, LocalConfig, ObjectConfig, PolicyConfig, TierPolicy, TiersConfig
 from flowcheck.errors import StepNotFoundError
 from flowcheck.state import Scalars
@@ -65,7 +67,7 @@ def test_gc_never_deletes_newest_committed_step_and_leaves_pruning_records(tmp_p
             advance(store, step)
         store.snapshot()
     report = store.gc()
-    assert report.deleted["local"] == [1, 2, 3] and store.local.steps() == [4]
+    assert report.deleted["local"] == [Located(1), Located(2), Located(3)] and store.local.steps() == [4]
     assert set(store.local.pruned()) == {1, 2, 3}
     assert store.gc().deleted["local"] == []  # idempotent; 4 is the newest
 
@@ -78,7 +80,7 @@ def test_gc_keeps_what_it_cannot_classify(tmp_path):
     with open(manifest, "r+b") as f:
         f.write(b"garbage")
     report = store.gc()
-    assert 1 in report.kept["local"] and report.deleted["local"] == [2]
+    assert Located(1) in report.kept["local"] and report.deleted["local"] == [Located(2)]
     assert store.local.steps() == [1, 3]
 
 

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from flowcheck import __version__, dtypes
+from flowcheck.branches import MAIN, RECORD, BranchRecord, branch_root, check_branch
 from flowcheck.digest import data_digest
 from flowcheck.errors import FlowcheckError, IntegrityError, ManifestError, StepNotFoundError, TensorNotFoundError
 from flowcheck.manifest import (
@@ -157,8 +158,11 @@ class Tier(ABC):
     name: str = "tier"
     verifies_reads: bool = True  # read() checks every whole shard it reads against the manifest's digest
 
-    def __init__(self, run: str, *, node: str = "", signing_key: bytes | None = None, require_signature: bool = False):
+    def __init__(self, run: str, *, node: str = "", signing_key: bytes | None = None, require_signature: bool = False,
+                 branch: str = MAIN):
         self.run = run
+        self.branch = branch
+        self.rel = branch_root(run, branch)  # this branch's folder under the tier root: <run>[/branches/<name>]
         self.node = node
         self.signing_key = signing_key
         self.require_signature = require_signature
@@ -225,14 +229,14 @@ class Tier(ABC):
         if token is not None and cached is not None and cached[0] == token:
             m = cached[1]
         else:
-            m = parse(self._manifest_bytes(step), f"{self.name} tier {self.run}/{step_dir(step)}/manifest.json")
+            m = parse(self._manifest_bytes(step), f"{self.name} tier {self.rel}/{step_dir(step)}/manifest.json")
             if token is not None:
                 self._manifest_cache[step] = (token, m)
         if check_signature:
             self._check_signature(m)
         if m.step != step or m.run != self.run:
             raise ManifestError(
-                f"{self.name} tier {self.run}/{step_dir(step)}/manifest.json: field 'step'/'run': expected "
+                f"{self.name} tier {self.rel}/{step_dir(step)}/manifest.json: field 'step'/'run': expected "
                 f"{self.run}/{step}, found {m.run}/{m.step}"
             )
         return m
@@ -306,13 +310,17 @@ class Tier(ABC):
         """Delete a committed step, leaving a pruning record so audit knows the gap is deliberate."""
         if step not in self.steps():
             raise StepNotFoundError(f"{self.name} tier: step {step} is not committed; nothing to delete")
+        digest, parent = None, None  # unreadable manifest: the record still says the step went on purpose
         try:
-            digest = self.manifest(step, check_signature=False).digest()
+            m = self.manifest(step, check_signature=False)
+            digest = m.digest()
+            parent = None if m.parent is None else {"step": m.parent.step, "manifest_digest": m.parent.manifest_digest}
         except FlowcheckError:
-            digest = None  # unreadable manifest: the record still says the step went on purpose
+            pass
         import json
 
-        self._put_record(f"pruned/{step_dir(step)}.json", json.dumps({"step": step, "manifest_digest": digest}).encode())
+        record = {"step": step, "manifest_digest": digest, "branch": self.branch, "parent": parent}
+        self._put_record(f"pruned/{step_dir(step)}.json", json.dumps(record).encode())
         self._manifest_cache.pop(step, None)
         self._delete(step)
 
@@ -329,6 +337,34 @@ class Tier(ABC):
             except (ValueError, KeyError, TypeError):
                 log.warning("%s tier: unreadable pruning record %s", self.name, name)
         return out
+
+    # ---- branches (records under the run root; see flowcheck/branches.py) ----------
+    def at_branch(self, branch: str) -> Tier:
+        """This tier opened at another branch of the same run (a tier object per branch root)."""
+        raise NotImplementedError(f"the {self.name} tier holds one state and has no branches")
+
+    def _same_kw(self) -> dict[str, Any]:
+        return dict(node=self.node, signing_key=self.signing_key, require_signature=self.require_signature)
+
+    def branch_names(self) -> list[str]:
+        """The branches other than main this tier holds a folder for (called on the main-branch tier)."""
+        out = []
+        for name in self._list_records("branches"):
+            try:
+                out.append(check_branch(name))
+            except FlowcheckError:
+                log.warning("%s tier: ignoring %s/branches/%s (not a branch name)", self.name, self.rel, name)
+        return out
+
+    def branch_record(self) -> BranchRecord | None:
+        """This branch's fork record (None on main, or before the branch's first write)."""
+        raw = self._get_record(RECORD)
+        return None if raw is None else BranchRecord.parse(raw, f"{self.name} tier {self.rel}/{RECORD}")
+
+    def put_branch_record(self, record: BranchRecord) -> None:
+        """Write the fork record before the branch's first state (data first, commit last holds for it too)."""
+        if self._get_record(RECORD) is None:
+            self._put_record(RECORD, record.to_bytes())
 
     def latest(self) -> int | None:
         steps = self.steps()
@@ -368,7 +404,7 @@ class Tier(ABC):
         return m.signed(self.signing_key) if self.signing_key else m
 
     def _check_signature(self, m: Manifest) -> None:
-        where = f"{self.name} tier {self.run}/{step_dir(m.step)}/manifest.json"
+        where = f"{self.name} tier {self.rel}/{step_dir(m.step)}/manifest.json"
         if m.signature is not None and self.signing_key is not None and not m.signature_valid(self.signing_key):
             raise ManifestError(f"{where}: field 'signature': HMAC does not match; the manifest was forged or altered")
         if self.require_signature and (m.signature is None or self.signing_key is None):

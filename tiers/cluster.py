@@ -222,9 +222,20 @@ def _read_part(tier: ObjectTier, step: int, node: str) -> Manifest | None:
 
 
 def _parent(tier: ObjectTier, step: int) -> ParentRef | None:
-    """The step chain: a step's parent is the newest committed step before it in this tier."""
+    """The step chain: a step's parent is the newest committed step before it on its branch in this tier,
+    or, for a branch's first step, this tier's state at the branch's fork point."""
     earlier = [s for s in tier.steps() if s < step]
-    return tier.manifest(earlier[-1], check_signature=False).parent_ref() if earlier else None
+    if earlier:
+        return tier.manifest(earlier[-1], check_signature=False).parent_ref()
+    record = tier.branch_record()
+    if record is None or record.fork is None:
+        return None
+    fork = record.fork
+    if fork.branch is not None:
+        holder = tier if fork.branch == tier.branch else tier.at_branch(fork.branch)
+        if fork.step in holder.steps():
+            return holder.manifest(fork.step, check_signature=False).parent_ref()
+    return ParentRef(fork.step, fork.manifest_digest)
 
 
 def _body(m: Manifest) -> dict:

@@ -65,8 +65,11 @@ class LocalTier(Tier):
     def __init__(self, config: LocalConfig, run: str, **kw) -> None:
         super().__init__(run, **kw)
         self.config = config
-        self.root = os.path.join(config.root, run)
+        self.root = os.path.join(config.root, self.rel)
         self._chunks_by_manifest: OrderedDict[int, tuple[Manifest, dict[str, list[str]]]] = OrderedDict()
+
+    def at_branch(self, branch: str) -> LocalTier:
+        return LocalTier(self.config, self.run, branch=branch, **self._same_kw())
 
     # ---- listing / manifests ---------------------------------------------
     def _committed_steps(self) -> list[int]:

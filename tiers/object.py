@@ -107,7 +107,7 @@ class ObjectTier(Tier):
         self.fs, base = filesystem(config)
         self._endpoint, self._region = aws_endpoint_region(config)
         self.protocol = self.fs.protocol if isinstance(self.fs.protocol, str) else self.fs.protocol[0]
-        self.root = f"{base}/{run}"
+        self.root = f"{base}/{self.rel}"
         self.staging_dir = staging_dir
         self.progress = progress
         self._headers: OrderedDict[str, st.Header] = OrderedDict()
@@ -117,9 +117,13 @@ class ObjectTier(Tier):
         # local disks do not heal by trying again; a network store's transient faults do
         self._retry = RetryPolicy(0 if self.protocol == "file" else config.retries, config.retry_deadline_s)
 
+    def at_branch(self, branch: str) -> ObjectTier:
+        return ObjectTier(self.config, self.run, staging_dir=self.staging_dir, progress=self.progress,
+                          cluster=self.cluster, branch=branch, **self._same_kw())
+
     @property
     def url(self) -> str:
-        return self.config.url.rstrip("/") + "/" + self.run
+        return self.config.url.rstrip("/") + "/" + self.rel
 
     def _p(self, rel: str) -> str:
         return f"{self.root}/{rel}"

@@ -1,59 +1,92 @@
-"""Retention: which committed steps a tier keeps (keep-last-N plus hourly and daily buckets).
+"""Retention: which committed states a tier keeps (keep-last-N and time buckets along the current branch).
 
-A pure function of (step, created_at) pairs and a TierPolicy, so the rules are
-tested without any storage.  A step whose time cannot be read is kept: GC never
-deletes what it cannot classify, and never the newest committed step.
+A pure function of the tier's states and a TierPolicy, so the rules are tested
+without any storage.  Keep-last-N and the hourly/daily buckets count along the
+current branch's path (flowcheck/branches.py); the current head and anything
+committed after it are never deleted; a state of an abandoned branch (one a
+rollback left) is kept ``keep_abandoned_hours`` after that branch's last commit.
+A state whose time cannot be read is kept: GC never deletes what it cannot classify.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta, timezone
 
+from flowcheck.branches import MAIN, Located, parse_time
 from flowcheck.config import TierPolicy
+
+__all__ = ["StepInfo", "RetentionPlan", "plan", "parse_time"]
 
 
 @dataclass(frozen=True)
 class StepInfo:
     step: int
     created_at: datetime | None  # None: the manifest could not be read
+    branch: str = MAIN
+    on_path: bool = True  # on the current branch's path; False: a state of an abandoned branch
+    abandoned_at: datetime | None = None  # off the path: the last commit of its branch off the path
+
+    @property
+    def key(self) -> Located:
+        return Located(self.step, self.branch)
 
 
 @dataclass(frozen=True)
 class RetentionPlan:
-    keep: dict[int, str]  # step -> why it is kept
-    delete: tuple[int, ...]
+    keep: dict[Located, str]  # state -> why it is kept
+    delete: tuple[Located, ...]
+    why_deleted: dict[Located, str]
 
 
-def parse_time(raw: str) -> datetime | None:
-    try:
-        return datetime.fromisoformat(raw.replace("Z", "+00:00"))
-    except (ValueError, AttributeError):
-        return None
-
-
-def plan(steps: list[StepInfo], policy: TierPolicy) -> RetentionPlan:
-    ordered = sorted(steps, key=lambda s: s.step)
-    keep: dict[int, str] = {}
-    for s in ordered:
+def plan(steps: list[StepInfo], policy: TierPolicy, now: datetime | None = None) -> RetentionPlan:
+    now = now or datetime.now(timezone.utc)
+    keep: dict[Located, str] = {}
+    for s in steps:
         if s.created_at is None:
-            keep[s.step] = "unclassifiable (manifest unreadable)"
-    if ordered:
-        keep.setdefault(ordered[-1].step, "newest committed")
-    for s in ordered[-policy.keep_last:]:
-        keep.setdefault(s.step, f"last {policy.keep_last}")
-    timed = [s for s in ordered if s.created_at is not None]
+            keep[s.key] = "unclassifiable (manifest unreadable)"
+    # unreadable states are kept above, and count neither as the head nor toward keep-last-N: a damaged
+    # manifest must not push every readable state out
+    path = sorted((s for s in steps if s.on_path and s.created_at is not None), key=lambda s: s.step)
+    if path:
+        keep.setdefault(path[-1].key, "head of the current branch")
+        head_time = path[-1].created_at
+        for s in steps:
+            if head_time is not None and s.created_at is not None and s.created_at > head_time:
+                keep.setdefault(s.key, "committed after the current head")
+    timed_all = [s for s in steps if s.created_at is not None]
+    if timed_all:
+        keep.setdefault(max(timed_all, key=lambda s: (s.created_at, s.step)).key, "newest committed")
+    for s in path[-policy.keep_last:]:
+        keep.setdefault(s.key, f"last {policy.keep_last}")
+    timed = path
     _bucket(timed, policy.keep_hourly, "%Y-%m-%dT%H", "hourly", keep)
     _bucket(timed, policy.keep_daily, "%Y-%m-%d", "daily", keep)
-    return RetentionPlan(keep, tuple(s.step for s in ordered if s.step not in keep))
+    why_deleted: dict[Located, str] = {}
+    grace = timedelta(hours=policy.keep_abandoned_hours)
+    for s in steps:
+        if s.key in keep:
+            continue
+        if s.on_path:
+            why_deleted[s.key] = "superseded on the current branch"
+            continue
+        since = s.abandoned_at or s.created_at
+        if since is None or now - since < grace:
+            until = "" if since is None else f" until {(since + grace).strftime('%Y-%m-%dT%H:%M:%SZ')}"
+            keep[s.key] = f"abandoned branch {s.branch}{until}"
+        else:
+            why_deleted[s.key] = f"abandoned branch {s.branch} (no commit for {policy.keep_abandoned_hours:g} h)"
+    delete = tuple(sorted(why_deleted, key=lambda k: (k.step, k.branch)))
+    return RetentionPlan(keep, delete, why_deleted)
 
 
-def _bucket(timed: list[StepInfo], count: int, fmt: str, label: str, keep: dict[int, str]) -> None:
+def _bucket(timed: list[StepInfo], count: int, fmt: str, label: str, keep: dict[Located, str]) -> None:
     """Keep the newest step of each of the ``count`` most recent time buckets that hold a step."""
     if count <= 0:
         return
-    newest: dict[str, int] = {}
+    newest: dict[str, StepInfo] = {}
     for s in timed:
-        key = s.created_at.strftime(fmt)
-        newest[key] = max(newest.get(key, -1), s.step)
-    for key in sorted(newest, reverse=True)[:count]:
-        keep.setdefault(newest[key], f"{label} {key}")
+        k = s.created_at.strftime(fmt)
+        if k not in newest or s.step > newest[k].step:
+            newest[k] = s
+    for k in sorted(newest, reverse=True)[:count]:
+        keep.setdefault(newest[k].key, f"{label} {k}")

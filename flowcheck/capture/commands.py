@@ -146,8 +146,10 @@ def capture_command(config_path, job_path, pcaps, more, interface, duration_s, m
             runner.flush()
     finally:
         runner.stop()
-    committed = store.local.steps()
-    out = {"iterations_applied": result.iterations, "allreduces": result.allreduces, "stale": result.stale,
+    hist = store.history(["local"])
+    branch = hist.current()
+    committed = sorted(n for n, b in hist.path(branch).items())
+    out = {"branch": branch, "iterations_applied": result.iterations, "allreduces": result.allreduces, "stale": result.stale,
            "resyncs": result.resyncs, "final_step": result.steps[-1] if result.steps else replica.step,
            "stale_at_end": store.memory.stale, "local_steps": committed, "anomalies": len(info.anomalies),
            "policy_errors": runner.stats.errors}
@@ -158,7 +160,8 @@ def capture_command(config_path, job_path, pcaps, more, interface, duration_s, m
     else:
         click.echo(f"applied {result.iterations} iterations from {result.allreduces} allreduces; "
                    f"{len(result.stale)} stale, resynced at {result.resyncs}; RAM at step {out['final_step']}"
-                   f"{' (STALE: not snapshotted)' if store.memory.stale else ''}; local steps {committed}")
+                   f"{' (STALE: not snapshotted)' if store.memory.stale else ''}; local steps {committed}"
+                   f"{'' if branch == 'main' else f' on branch {branch}'}")
         for s in result.stale:
             click.echo(f"  stale: iteration {s['iteration']}: {s['reason']}")
         if out.get("kernel_drops"):

@@ -69,6 +69,7 @@ class _NodeCollector:
         yield from self._push()
         yield from self._mirror()
         yield from self._tiers()
+        yield from self._branches()
         yield from self._policy()
 
     def _info(self):
@@ -153,6 +154,22 @@ class _NodeCollector:
             held.add_metric([tier.name], nbytes)
             count.add_metric([tier.name], len(steps))
         yield from (last, held, count)
+
+    def _branches(self):
+        """Each branch's head step; ``current`` says which one "latest", restore and GC follow."""
+        try:
+            lineage = self.node.branches()
+        except Exception as e:  # noqa: BLE001 - an unreachable object store must not break the scrape
+            log.warning("metrics: branches unreadable: %s", e)
+            return
+        heads = GaugeMetricFamily("flowcheck_branch_head_step", "Newest committed step of each branch of the run "
+                                  "(current=1: the branch latest and GC follow).", labels=["branch", "current"])
+        for name, b in lineage["branches"].items():
+            if b["head"] is not None:
+                heads.add_metric([name, "1" if name == lineage["current"] else "0"], b["head"])
+        yield heads
+        yield _gauge("flowcheck_branches", "Branches of the run (1 + rollbacks/restarts from an older step).",
+                     len(lineage["branches"]))
 
     def _bytes(self, tier, steps: list[int]) -> int:
         present = {(tier.name, s) for s in steps}

@@ -12,6 +12,7 @@ import threading
 import time
 from typing import Any
 
+from flowcheck.errors import FlowcheckError
 from flowcheck.capture.mirror_stats import CaptureStats
 from flowcheck.capture.push import PushReceiver
 from flowcheck.config import Config, ServeConfig
@@ -73,15 +74,18 @@ class Node:
         self.policy.listeners.append(self._metrics.observe)
 
     def _recover(self) -> None:
-        """The newest committed step in any persistent tier is what the next snapshot descends from."""
-        best = None
-        for tier in self.store.tiers(include_memory=False):
-            steps = tier.steps()
-            if steps and (best is None or steps[-1] > best.step):
-                best = tier.manifest(steps[-1], check_signature=False)
-        if best is not None:
-            self.store.memory.head = best.parent_ref()
-            log.info("node: recovered; newest committed step %d (%s)", best.step, best.digest()[:19])
+        """The head of the current branch (flowcheck/branches.py) is what the next snapshot descends from."""
+        hist = self.store.history()
+        if not hist.states:
+            return
+        try:
+            tier, step = self.store.locate("latest")
+            best = tier.manifest(step, check_signature=False)
+        except FlowcheckError as e:
+            log.warning("node: recovered without a parent for the next snapshot: %s", e)
+            return
+        self.store.memory.head = best.parent_ref()
+        log.info("node: recovered; head of branch %s is step %d (%s)", tier.branch, best.step, best.digest()[:19])
 
     def _on_push(self, step: int) -> None:
         log.info("node: push of step %d applied to RAM", step,
@@ -191,6 +195,16 @@ class Node:
         out["memory"] = [] if mem is None else [mem]
         return out
 
+    def branches(self) -> dict[str, Any]:
+        """The run's branches: which is current, each one's head and fork point (flowcheck/branches.py)."""
+        hist = self.store.history()
+        out = {}
+        for b in hist.branches():
+            fork = hist.fork(b)
+            out[b] = {"head": hist.head(b), "steps": hist.own_steps(b),
+                      "fork": None if fork is None else {"branch": fork.branch, "step": fork.step}}
+        return {"current": hist.current(), "branches": out}
+
     def status(self) -> dict[str, Any]:
         mem = self.store.memory
         ps, rs = self.policy.stats, self.receiver.stats
@@ -198,6 +212,7 @@ class Node:
             "run": self.config.run, "node": self.config.node, "pid": os.getpid(), "uptime_s": time.time() - self.started,
             "memory": {"step": mem.step, "stale": mem.stale, "parent": None if mem.head is None else mem.head.step},
             "tiers": {name: (steps[-1] if steps else None) for name, steps in self.steps().items()},
+            "lineage": self.branches(),
             "push": {"frames": rs.frames, "bytes": rs.bytes, "steps": rs.steps, "rejected": rs.rejected,
                      "aborted_steps": rs.aborted_steps, "last_step": rs.last_step, "errors": rs.errors[-5:]},
             "policy": {"local_snapshots": ps.local_snapshots[-5:], "promotions": ps.promotions[-5:],

@@ -151,7 +151,8 @@ class Checkpointer:
         self.on_busy, self.timeout_s = on_busy, timeout_s
         self.shm = transport == "shm" or (transport == "auto" and url.hostname in ("127.0.0.1", "localhost", "::1"))
         self.stats = CheckpointerStats()
-        self.parent: dict[str, Any] | None = None  # set by load(): the next pushes descend from that step
+        # set by load(): the first push accepted after it tells the node the state descends from that step
+        self.parent: dict[str, Any] | None = None
         self._entries: list[_Entry] = []
         self._specs: list[dict[str, Any]] = []
         self._signature: tuple | None = None
@@ -436,6 +437,10 @@ class Checkpointer:
             raise
         if answer.get("kind") != "ack":
             raise FlowcheckError(f"node refused step {job.step}: {answer.get('message')}")
+        if header["parent"] is not None and header["parent"] is self.parent:
+            # the node now knows where this run resumed from; later steps descend from what it commits
+            # next (sending the resume point with every push re-parented each snapshot onto it)
+            self.parent = None
 
     def _connect(self) -> socket.socket:
         if self._sock is None:
