@@ -244,6 +244,9 @@ class History:
         return self._new(f"b{parent.step}-{step}", Fork(pb if held else None, parent.step, parent.manifest_digest))
 
     def _new(self, base: str, fork: Fork | None) -> tuple[str, BranchRecord]:
+        for name, rec in self.records.items():  # a first commit that crashed after writing the record: reuse it
+            if rec.fork == fork and not self._own.get(name) and (name == base or name.startswith(base + ".")):
+                return name, rec
         name, n = base, 1
         while name in self.records or name in self._own:
             n += 1

@@ -221,7 +221,8 @@ def run_demo(workdir: str, *, steps: int = 300, object_url: str | None = None, l
         f.write("# written by `flowcheck demo`: the store the demo used (every command takes --config this-file)\n")
         f.write(cfg.to_yaml())
     store = Store(cfg, progress=False)
-    start = max([s for t in store.tiers(include_memory=False) for s in t.steps()], default=0)
+    hist = store.history()
+    start = max(hist.path(hist.current()), default=0)  # a re-run continues the current branch
     first, last = start + 1, start + steps
     kill_at = first + max(1, (steps * 3) // 5)
 

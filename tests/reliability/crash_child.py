@@ -73,6 +73,11 @@ def state(step: int, big_mib: float) -> Snapshot:
     return Snapshot(RUN, step, layout(big_mib), arrays(step, big_mib), Scalars(optimizer_step=step))
 
 
+def collided(step: int, big_mib: float) -> Snapshot:
+    """A second, different state at ``step`` (a rolled-back run reaching the same step number again)."""
+    return Snapshot(RUN, step, layout(big_mib), arrays(step + 10_000, big_mib), Scalars(optimizer_step=step))
+
+
 def config(root: str, object_url: str, *, keep_local: int = 3, keep_object: int = 3, max_file_mib: int = 1) -> Config:
     return Config(
         run=RUN,
@@ -93,6 +98,8 @@ def run_op(store: Store, req: dict) -> None:
     op = req["op"]
     if op == "snapshot":
         store.write(state(req["step"], req["big_mib"]), "local")
+    elif op == "collide":
+        store.write(collided(req["step"], req["big_mib"]), "local")
     elif op == "promote":
         store.promote(req["step"], "local", "object")
     elif op == "gc":

@@ -188,7 +188,7 @@ class Scenario:
         out = {}
         for t in self.persistent(store):
             infos = [retention.StepInfo(s, retention.parse_time(t.manifest(s).created_at)) for s in t.steps()]
-            out[t.name] = set(retention.plan(infos, getattr(store.config.policy, t.name)).delete)
+            out[t.name] = {k.step for k in retention.plan(infos, getattr(store.config.policy, t.name)).delete}
         return out
 
     def recover(self, req: dict) -> dict[str, set[int]]:
@@ -353,3 +353,57 @@ def test_kill_9_at_any_event_loses_nothing_committed_and_shows_nothing_uncommitt
             failures.append(f"kill point {k - attempt} ({answer}): " + "; ".join(bad[:3]))
     tally.record(case, len(events), ks, killed_at, survived)
     assert not failures, f"{len(failures)} of {points} kill points failed:\n" + "\n".join(failures[:10])
+
+
+def test_kill_9_while_committing_a_colliding_step_keeps_both_branches(tmp_path, zygote):
+    """A rollback's different state at an existing step, killed at every I/O event of its commit: the
+    committed state at that step stays bit-exact on main; the new one is absent or complete on its
+    branch; recovery (GC, then the commit again) leaves both, and no leftovers."""
+    cfg = dict(root=str(tmp_path), object_url=f"file://{tmp_path / 'object'}", keep_local=5, keep_object=5)
+    store = Store(cc.config(**cfg))
+    for step in (1, 2, 3):
+        store.write(cc.state(step, 1.5), "local")
+    want_old = {(s.tensor, s.offsets): a.tobytes() for s, a in cc.arrays(2, 1.5).items()}
+    want_new = {(s.tensor, s.offsets): a.tobytes() for s, a in cc.collided(2, 1.5).data.items()}
+    result = str(tmp_path / "child.json")
+    req = dict(op="collide", step=2, big_mib=1.5, config=cfg, env={}, tier="local", out="")
+
+    def branches() -> dict[str, object]:
+        s = Store(cc.config(**cfg))
+        return {bt.branch: bt for bt in s.branch_tiers("local") if 2 in bt.steps()}
+
+    def check(bts, clean: bool) -> list[str]:
+        bad = []
+        main = bts.get("main")
+        if main is None or {(n, e.offsets): main.read_shard(main.manifest(2), n, e).tobytes()
+                            for n, t in main.manifest(2).tensors.items() for e in t.shards} != want_old:
+            bad.append("main step 2 lost or changed")
+        for name, bt in bts.items():
+            if name != "main" and {(n, e.offsets): bt.read_shard(bt.manifest(2), n, e).tobytes()
+                                   for n, t in bt.manifest(2).tensors.items() for e in t.shards} != want_new:
+                bad.append(f"branch {name} step 2 is not the colliding state")
+        if clean and len(bts) != 2:
+            bad.append(f"after recovery expected main and one branch at step 2, found {sorted(bts)}")
+        return bad
+
+    answer = zygote.run({**req, "kill_at": 0, "result": result})
+    with open(result) as f:
+        events = json.load(f)["events"]
+    assert answer == {"signal": 0, "exit": 0} and events
+    failures = []
+    for k in range(1, len(events) + 1):
+        for bt in list(branches().values()):  # back to main alone: each point commits the branch afresh
+            if bt.branch != "main":
+                shutil.rmtree(os.path.dirname(bt.root + "/"), ignore_errors=True)
+        answer = zygote.run({**req, "kill_at": k, "torn": 0.5, "result": result})
+        bad = check(branches(), clean=False)
+        recovered = Store(cc.config(**cfg))
+        recovered.gc()
+        recovered.write(cc.collided(2, 1.5), "local")
+        bad += [f"after recovery: {b}" for b in check(branches(), clean=True)]
+        leftovers = [p for bt in recovered.branch_tiers("local") for p in bt.incomplete()]
+        if leftovers:
+            bad.append(f"leftovers after GC: {leftovers}")
+        if bad:
+            failures.append(f"kill point {k} ({answer}): {'; '.join(bad)}")
+    assert not failures, "\n".join(failures[:10])
