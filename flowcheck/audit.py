@@ -1,30 +1,35 @@
-"""Audit and lineage: verify every stored step and walk the hash chain across tiers.
+"""Audit: verify every stored state of every branch and walk the hash chain across tiers and branches.
 
-Every manifest in every persistent tier is loaded (integrity, signature),
-every file's size and digest and every shard's data digest checked, and every
-``parent`` link resolved against the manifests of all tiers and the pruning
-records GC leaves.  Findings are Problems; any error makes the audit fail.
+Every manifest of every branch in every persistent tier is loaded (integrity,
+signature), every file's size and digest and every shard's data digest
+checked, and every ``parent`` link resolved against the manifests of all
+branches and tiers and the pruning records GC leaves.  Findings are Problems;
+any error makes the audit fail.  Forks (a rollback or restore starting a
+branch) and further root lineages are information, not findings.
 """
 from __future__ import annotations
 
-import json
-import os
-import shutil
-import subprocess
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, replace
 
+from flowcheck.branches import MAIN, RECORD, History, Located
 from flowcheck.errors import FlowcheckError, ManifestError, StepNotFoundError
 from flowcheck.manifest import Manifest
 from flowcheck.progress import Progress, counter
 from flowcheck.store import Store
-from flowcheck.tiers.base import Problem, verify_bytes
+from flowcheck.tiers.base import Problem, Tier, verify_bytes
+
+Manifests = dict[tuple[str, Located], Manifest]  # (tier name, state) -> its manifest in that tier
+
+
+def place(kind: str, branch: str) -> str:
+    """Where a finding is filed: ``local`` on main, ``local@b250-260`` on another branch (also ``lineage``)."""
+    return kind if branch == MAIN else f"{kind}@{branch}"
 
 
 @dataclass
 class Node:
-    """One distinct step state (by manifest digest) and the tiers holding it."""
+    """One distinct state (by manifest digest), its branch and the tiers holding it."""
 
     step: int
     digest: str
@@ -33,13 +38,30 @@ class Node:
     created_at: str
     tiers: list[str] = field(default_factory=list)
     ok: bool = True
+    branch: str = MAIN
+    places: list[str] = field(default_factory=list)  # place() of each tier holding it: findings filed there are its
+
+    @property
+    def at(self) -> Located:
+        return Located(self.step, self.branch)
+
+
+@dataclass(frozen=True)
+class ForkPoint:
+    """A state with several children: the lineage splits there (a restore or rollback started a branch)."""
+
+    step: int
+    branch: str | None  # None: the parent state is no longer stored (pruned by GC)
+    digest: str
+    children: tuple[Located, ...]
 
 
 @dataclass
 class AuditReport:
     problems: list[Problem] = field(default_factory=list)
     nodes: dict[str, Node] = field(default_factory=dict)  # manifest digest -> node
-    forks: list[tuple[int, list[int]]] = field(default_factory=list)  # parent step -> child steps
+    fork_points: list[ForkPoint] = field(default_factory=list)
+    roots: list[Located] = field(default_factory=list)  # states without a parent: the first is the run's own
     checked_steps: int = 0
     verified: bool = False  # files were checked (audit), not only manifests and links (lineage)
 
@@ -47,39 +69,85 @@ class AuditReport:
     def ok(self) -> bool:
         return not any(p.severity == "error" for p in self.problems)
 
+    @property
+    def forks(self) -> list[tuple[int, list[int]]]:
+        """(parent step, child steps) per fork point."""
+        return [(f.step, sorted(c.step for c in f.children)) for f in self.fork_points]
+
+
+def branch_tiers(store: Store) -> list[Tier]:
+    """Every branch of every persistent tier, main first within each tier."""
+    return [bt for t in store.tiers(include_memory=False) for bt in store.branch_tiers(t.name)]
+
+
+def pruned_states(store: Store) -> dict[int, set[str | None]]:
+    """Step -> digests GC deleted on purpose, over every branch (None: a record whose manifest was unreadable)."""
+    out: dict[int, set[str | None]] = {}
+    for tier in branch_tiers(store):
+        for step, digest in tier.pruned().items():
+            out.setdefault(step, set()).add(digest)
+    return out
+
 
 def collect(store: Store, report: AuditReport, *, verify: bool, data: bool,
-            on_bytes: Callable[[int], None] | None = None) -> dict[tuple[str, int], Manifest]:
-    manifests: dict[tuple[str, int], Manifest] = {}
-    for tier in store.tiers(include_memory=False):
+            on_bytes: Callable[[int], None] | None = None) -> Manifests:
+    manifests: Manifests = {}
+    for tier in branch_tiers(store):
+        where = place(tier.name, tier.branch)
         for name in tier.incomplete():
-            report.problems.append(Problem(tier.name, None, "incomplete write (not visible; GC removes it)", name, "warning"))
+            report.problems.append(Problem(where, None, "incomplete write (not visible; GC removes it)", name, "warning"))
+        if tier.branch != MAIN:
+            _check_record(tier, report)
         for step in tier.steps():
-            report.checked_steps += 1
-            try:
-                m = tier.manifest(step)
-            except (ManifestError, StepNotFoundError) as e:
-                report.problems.append(Problem(tier.name, step, str(e), "manifest.json"))
+            m = _checked(tier, step, report, verify=verify, data=data, on_bytes=on_bytes)
+            if m is None:
                 continue
-            manifests[(tier.name, step)] = m
-            if m.signature is None and tier.signing_key is not None:
-                # accepted (signing.required is off) but worth a look: a stripped signature reads like this
-                report.problems.append(Problem(tier.name, step, "unsigned manifest while a signing key is set; "
-                                               "set signing.required: true to refuse unsigned steps", "manifest.json", "warning"))
-            if verify:
-                report.problems.extend(tier.verify(step, data=data, on_bytes=on_bytes))
+            manifests[(tier.name, Located(step, tier.branch))] = m
             node = report.nodes.setdefault(m.digest(), Node(
                 step, m.digest(), (m.parent.step, m.parent.manifest_digest) if m.parent else None,
-                m.producer.source, m.created_at))
+                m.producer.source, m.created_at, branch=tier.branch))
             node.tiers.append(tier.name)
+            node.places.append(where)
     for p in report.problems:
         for node in report.nodes.values():
-            if p.severity == "error" and p.step == node.step and p.tier in node.tiers:
+            if p.severity == "error" and p.step == node.step and p.tier in node.places:
                 node.ok = False
     return manifests
 
 
-def part_aliases(manifests: dict[tuple[str, int], Manifest]) -> dict[str, str]:
+def _check_record(tier: Tier, report: AuditReport) -> None:
+    """A branch's fork record: damaged is an error; missing (its states committed anyway) a warning."""
+    where = place(tier.name, tier.branch)
+    try:
+        record = tier.branch_record()
+    except FlowcheckError as e:
+        report.problems.append(Problem(where, None, str(e), RECORD))
+        return
+    if record is None and tier.steps():
+        report.problems.append(Problem(where, None, "expected a fork record written before the branch's first state, "
+                                       "found none; its states' parent links still name the fork point", RECORD, "warning"))
+
+
+def _checked(tier: Tier, step: int, report: AuditReport, *, verify: bool, data: bool,
+             on_bytes: Callable[[int], None] | None) -> Manifest | None:
+    """One stored state's manifest (None when it does not load), its findings added to the report."""
+    where = place(tier.name, tier.branch)
+    report.checked_steps += 1
+    try:
+        m = tier.manifest(step)
+    except (ManifestError, StepNotFoundError) as e:
+        report.problems.append(Problem(where, step, str(e), "manifest.json"))
+        return None
+    if m.signature is None and tier.signing_key is not None:
+        # accepted (signing.required is off) but worth a look: a stripped signature reads like this
+        report.problems.append(Problem(where, step, "unsigned manifest while a signing key is set; "
+                                       "set signing.required: true to refuse unsigned steps", "manifest.json", "warning"))
+    if verify:
+        report.problems.extend(replace(p, tier=where) for p in tier.verify(step, data=data, on_bytes=on_bytes))
+    return m
+
+
+def part_aliases(manifests: Manifests) -> dict[str, str]:
     """Node part digest -> the digest of the multi-node step that lists it.
 
     A node's local tier holds only its own part of a multi-node step (promoted with its digest kept):
@@ -94,49 +162,80 @@ def merge_parts(report: AuditReport, aliases: dict[str, str]) -> None:
         part = report.nodes.pop(digest)
         whole = report.nodes[aliases[digest]]
         whole.tiers.extend(t for t in part.tiers if t not in whole.tiers)
+        whole.places.extend(p for p in part.places if p not in whole.places)
         whole.ok = whole.ok and part.ok
 
 
-def check_chain(store: Store, manifests: dict[tuple[str, int], Manifest], report: AuditReport) -> None:
+def check_chain(store: Store, manifests: Manifests, report: AuditReport) -> None:
     aliases = part_aliases(manifests)
-    digests_at: dict[int, set[str]] = {}
-    for (_tier, step), m in manifests.items():
-        digests_at.setdefault(step, set()).add(aliases.get(m.digest(), m.digest()))
-    known_at = {step: set(d) for step, d in digests_at.items()}  # parent links may name a part (a node's own chain)
-    for (_tier, step), m in manifests.items():
-        known_at[step].update(ref.manifest_digest for ref in m.nodes)
-    pruned: dict[int, set[str | None]] = {}
-    for tier in store.tiers(include_memory=False):
-        for step, digest in tier.pruned().items():
-            pruned.setdefault(step, set()).add(digest)
-    for step, digests in sorted(digests_at.items()):
+    states: dict[Located, set[str]] = {}
+    for (_tier, at), m in manifests.items():
+        states.setdefault(at, set()).add(aliases.get(m.digest(), m.digest()))
+    # parent links may name a part (a node's own chain) as well as a whole state
+    known = {(at.step, d) for at, digests in states.items() for d in digests}
+    known |= {(at.step, ref.manifest_digest) for (_tier, at), m in manifests.items() for ref in m.nodes}
+    for at, digests in sorted(states.items()):
         if len(digests) > 1:
-            holders = sorted(t for (t, s) in manifests if s == step)
-            report.problems.append(Problem("lineage", step, f"tiers {holders} hold different states under one step number"))
-    for (tier, step), m in sorted(manifests.items(), key=lambda kv: kv[0][1]):
-        if m.parent is None:
-            continue
-        ps, pd = m.parent.step, m.parent.manifest_digest
-        if pd in known_at.get(ps, set()):
-            continue
-        if pd in pruned.get(ps, set()) or None in pruned.get(ps, set()):
-            continue  # parent deleted on purpose by retention
-        what = (f"parent step {ps} exists with another digest: broken hash chain" if ps in digests_at
-                else f"parent step {ps} is missing and was not pruned by GC: lineage gap")
-        report.problems.append(Problem(tier, step, what))
+            holders = sorted(t for (t, a) in manifests if a == at)
+            report.problems.append(Problem(place("lineage", at.branch), at.step,
+                                           f"tiers {holders} hold different states under one step number"))
+    hist, pruned = store.history(), pruned_states(store)
+    for (tier, at), m in sorted(manifests.items(), key=lambda kv: kv[0][1]):
+        what = _link_finding(m, at, hist, known, pruned)
+        if what is not None:
+            report.problems.append(Problem(place(tier, at.branch), at.step, what))
     merge_parts(report, aliases)
-    children: dict[str, list[int]] = {}
+    report.fork_points = _fork_points(report)
+    report.roots = sorted((n.at for n in report.nodes.values() if n.parent is None),
+                          key=lambda at: (at.branch != MAIN, at.step, at.branch))
+
+
+def _link_finding(m: Manifest, at: Located, hist: History, known: set[tuple[int, str]],
+                  pruned: dict[int, set[str | None]]) -> str | None:
+    """What is wrong with a state's parent link; None when it has none, it is stored, or GC pruned it."""
+    if m.parent is None:
+        return None
+    ps, pd = m.parent.step, m.parent.manifest_digest
+    if (ps, pd) in known or pd in pruned.get(ps, set()) or None in pruned.get(ps, set()):
+        return None
+    held = hist.path(at.branch).get(ps)  # the state its branch's lineage holds at that step, if any
+    if held is not None:
+        return f"parent step {Located(ps, held)} exists with another digest: broken hash chain"
+    return f"parent step {ps} is missing and was not pruned by GC: lineage gap"
+
+
+def _fork_points(report: AuditReport) -> list[ForkPoint]:
+    children: dict[str, list[Node]] = {}
     for node in report.nodes.values():
         if node.parent:
-            children.setdefault(node.parent[1], []).append(node.step)
-    for parent_digest, steps in children.items():
-        if len(steps) > 1:
-            parent_step = report.nodes[parent_digest].step if parent_digest in report.nodes else -1
-            report.forks.append((parent_step, sorted(steps)))
+            children.setdefault(node.parent[1], []).append(node)
+    out = []
+    for digest, kids in children.items():
+        if len(kids) < 2:
+            continue
+        parent = report.nodes.get(digest)
+        branch = parent.branch if parent is not None else None
+        kids.sort(key=lambda n: (n.branch != branch, n.step, n.branch))  # the parent's own branch first
+        out.append(ForkPoint(kids[0].parent[0], branch, digest, tuple(n.at for n in kids)))
+    return sorted(out, key=lambda f: (f.step, f.digest))
+
+
+def info_lines(report: AuditReport) -> list[str]:
+    """The lineage's shape, for people: where it forks, and any root lineage besides the run's first."""
+    lines = []
+    for f in report.fork_points:
+        where = f"branch {f.branch}" if f.branch is not None else "no longer stored"
+        lines.append(f"[info] lineage fork after step {f.step} ({where}): branches "
+                     f"{', '.join(c.branch for c in f.children)} start at steps {', '.join(str(c.step) for c in f.children)}")
+    for root in report.roots[1:]:
+        lines.append(f"[info] lineage: step {root.step} on branch {root.branch} starts another root lineage "
+                     f"(no parent; the run's first lineage starts at step {report.roots[0]})")
+    return lines
 
 
 def audit(store: Store, *, verify: bool = True, data: bool = True, progress: Progress | None = None) -> AuditReport:
-    """Verify every step in every persistent tier and the lineage across them; ``progress`` counts bytes re-read."""
+    """Verify every state of every branch in every persistent tier and the lineage across them;
+    ``progress`` counts bytes re-read."""
     report = AuditReport(verified=verify)
     on_bytes = counter(progress, _verify_total(store, data)) if verify and progress is not None else None
     manifests = collect(store, report, verify=verify, data=data, on_bytes=on_bytes)
@@ -144,11 +243,16 @@ def audit(store: Store, *, verify: bool = True, data: bool = True, progress: Pro
     return report
 
 
-def _verify_total(store: Store, data: bool, tiers: list | None = None, step: int | None = None) -> int:
+def lineage(store: Store, *, verify: bool = False, progress: Progress | None = None) -> AuditReport:
+    """The lineage tree: manifests and links (``verify``: files too); views are in flowcheck/lineage_view.py."""
+    return audit(store, verify=verify, data=False, progress=progress)
+
+
+def _verify_total(store: Store, data: bool, tiers: list[Tier] | None = None, step: int | None = None) -> int:
     """The bytes ``Tier.verify`` will re-read (of one step, or all), from each tier's own manifest (its files
     differ per tier); a manifest that does not load counts nothing: nothing of its step is re-read."""
     total = 0
-    for tier in store.tiers(include_memory=False) if tiers is None else tiers:
+    for tier in branch_tiers(store) if tiers is None else tiers:
         for s in tier.steps() if step is None else [step]:
             try:
                 total += verify_bytes(tier.manifest(s), data)
@@ -157,204 +261,70 @@ def _verify_total(store: Store, data: bool, tiers: list | None = None, step: int
     return total
 
 
-# ---- lineage views ---------------------------------------------------------------
-def lineage(store: Store, *, verify: bool = False, progress: Progress | None = None) -> AuditReport:
-    return audit(store, verify=verify, data=False, progress=progress)
-
-
-class RendererNotFoundError(FlowcheckError, FileNotFoundError):
-    """An external renderer (Graphviz's ``dot``) is not installed."""
-
-
-STATUS_COLOURS = {"verified": "palegreen", "warning": "khaki1", "damaged": "salmon", "unverified": "grey85"}
-
-
-def node_problems(report: AuditReport, node: Node) -> list[Problem]:
-    """Findings about this state: in a tier holding it, or about its step number across tiers."""
-    return [p for p in report.problems if p.step == node.step and (p.tier in node.tiers or p.tier == "lineage")]
-
-
-def node_status(report: AuditReport, node: Node) -> str:
-    """verified | warning | damaged | unverified — the colour a view gives this state.
-
-    A state whose own bytes fail is damaged; one whose bytes pass but whose link (parent gap,
-    broken chain, two states under one step number) or tier raised a finding is a warning;
-    a lineage-only report (manifests and links, no file digests) leaves healthy states unverified.
-    """
-    if not node.ok:
-        return "damaged"
-    if node_problems(report, node):
-        return "warning"
-    return "verified" if report.verified else "unverified"
-
-
-def _children(report: AuditReport) -> dict[str, list[Node]]:
-    out: dict[str, list[Node]] = {}
-    for n in report.nodes.values():
-        if n.parent:
-            out.setdefault(n.parent[1], []).append(n)
-    return out
-
-
-def to_json(report: AuditReport) -> dict[str, Any]:
-    children = _children(report)
-    return {
-        "verified": report.verified,
-        "nodes": [
-            {"step": n.step, "manifest_digest": n.digest, "parent": {"step": n.parent[0], "manifest_digest": n.parent[1]} if n.parent else None,
-             "source": n.source, "created_at": n.created_at, "tiers": sorted(n.tiers), "ok": n.ok,
-             "status": node_status(report, n), "children": sorted(c.step for c in children.get(n.digest, []))}
-            for n in sorted(report.nodes.values(), key=lambda n: n.step)
-        ],
-        "forks": [{"parent_step": p, "children": c} for p, c in report.forks],
-        "problems": [str(p) for p in report.problems],
-    }
-
-
-def to_text(report: AuditReport) -> str:
-    by_parent: dict[str | None, list[Node]] = {}
-    for n in report.nodes.values():
-        key = n.parent[1] if n.parent and n.parent[1] in report.nodes else None
-        by_parent.setdefault(key, []).append(n)
-    lines: list[str] = []
-
-    def walk(key: str | None, depth: int) -> None:
-        for n in sorted(by_parent.get(key, []), key=lambda n: n.step):
-            fork = " (fork)" if len(by_parent.get(key, [])) > 1 and key is not None else ""
-            status = "ok" if n.ok else "DAMAGED"
-            lines.append(f"{'  ' * depth}step {n.step} [{','.join(sorted(n.tiers))}] {n.source} {status} {n.digest[7:19]}{fork}")
-            walk(n.digest, depth + 1)
-
-    walk(None, 0)
-    return "\n".join(lines) if lines else "(no committed steps)"
-
-
-def _dot_str(text: str) -> str:
-    """A quoted DOT string; newlines become DOT's line breaks."""
-    return '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
-
-
-def _missing_parent_label(report: AuditReport, node: Node) -> str:
-    """Why a parent is not drawn: the chain check names gaps and broken links; otherwise GC pruned it."""
-    whats = " ".join(p.what for p in node_problems(report, node))
-    if "broken hash chain" in whats:
-        return "exists with another digest\n(broken hash chain)"
-    if "lineage gap" in whats:
-        return "missing\n(lineage gap)"
-    return "pruned by GC"
-
-
-def to_dot(report: AuditReport) -> str:
-    """Graphviz source: one box per state (step, source, tiers, digest prefix), filled by audit status,
-    edges parent -> child; the edges out of a fork point are bold, so each branch reads as one."""
-    out = ["digraph lineage {", "  rankdir=LR;", '  node [shape=box, style=filled, fontname="monospace"];',
-           '  labelloc=b; fontsize=10; fontname="monospace";',
-           "  label=" + _dot_str("fill: green verified, yellow warning, red damaged, grey unverified (lineage --verify checks files)") + ";"]
-    children = _children(report)
-    for n in sorted(report.nodes.values(), key=lambda n: n.step):
-        status = node_status(report, n)
-        label = f"step {n.step}\n{n.source}\n{','.join(sorted(n.tiers))}\n{n.digest[7:19]}"
-        tooltip = "; ".join(str(p) for p in node_problems(report, n)) or status
-        out.append(f"  {_dot_str(n.digest)} [label={_dot_str(label)}, fillcolor={STATUS_COLOURS[status]}, tooltip={_dot_str(tooltip)}];")
-    missing: dict[str, str] = {}
-    for n in sorted(report.nodes.values(), key=lambda n: n.step):
-        if not n.parent:
-            continue
-        parent_step, parent_digest = n.parent
-        if parent_digest not in report.nodes and parent_digest not in missing:
-            missing[parent_digest] = f"step {parent_step}\n{_missing_parent_label(report, n)}"
-            out.append(f"  {_dot_str(parent_digest)} [label={_dot_str(missing[parent_digest])}, style=dashed, fillcolor=white];")
-        fork = len(children.get(parent_digest, [])) > 1
-        attrs = ' [penwidth=2.5, color="#1f4e9c"]' if fork else (" [style=dashed]" if parent_digest in missing else "")
-        out.append(f"  {_dot_str(parent_digest)} -> {_dot_str(n.digest)}{attrs};")
-    out.append("}")
-    return "\n".join(out)
-
-
-def render_png(dot_source: str, out: str) -> None:
-    """Render DOT to a PNG file with Graphviz's ``dot`` (written next to ``out``, then renamed)."""
-    exe = shutil.which("dot")
-    if exe is None:
-        raise RendererNotFoundError(
-            "--format png: expected Graphviz's `dot` on PATH, found none; install the Debian package "
-            "`graphviz` (apt-get install graphviz), or write --format dot and render it elsewhere")
-    tmp = f"{out}.tmp-{os.getpid()}"
-    try:
-        proc = subprocess.run([exe, "-Tpng", "-o", tmp], check=False, input=dot_source.encode(), capture_output=True, timeout=300)
-        if proc.returncode != 0:
-            raise FlowcheckError(f"--format png: `dot -Tpng` exited {proc.returncode}: {proc.stderr.decode(errors='replace').strip()}")
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
-# ---- one step's provenance (flowcheck show) ----------------------------------------
+# ---- one state's provenance (flowcheck show) ----------------------------------------
 @dataclass(frozen=True)
 class Link:
-    """One step of a parent chain: the tiers holding that exact state, or why the chain stops there."""
+    """One step of a parent chain: its branch and the tiers holding that exact state, or why the chain stops there."""
 
     step: int
     digest: str
     tiers: tuple[str, ...]
     end: str = ""  # "" (continues) | "root" | "pruned by GC" | a break: "MISSING ..." / "BROKEN ..." / "UNREADABLE ..."
+    branch: str = MAIN
+
+    @property
+    def at(self) -> Located:
+        return Located(self.step, self.branch)
 
 
-def _holders(store: Store, step: int, digest: str) -> tuple[tuple[str, ...], Manifest | None, list[str]]:
-    """Tiers holding ``step`` with exactly ``digest``, one of their manifests, and what the others hold instead."""
-    holders, found, other = [], None, []
-    for tier in store.tiers(include_memory=False):
-        if step not in tier.steps():
-            continue
-        try:
-            m = tier.manifest(step)
-        except FlowcheckError as e:
-            other.append(f"{tier.name}: unreadable manifest ({e})")
-            continue
-        if m.digest() == digest:
-            holders.append(tier.name)
-            found = found or m
-        else:
-            other.append(f"{tier.name}: digest {m.digest()[7:19]}")
-    return tuple(holders), found, other
+def _held(hist: History, step: int, digest: str) -> tuple[str, tuple[str, ...]] | None:
+    """The branch holding exactly this state and the tiers holding it there; None when no tier does."""
+    hits = [s for s in hist.states if s.step == step and s.digest == digest]
+    if not hits:
+        return None
+    return hits[0].branch, tuple(dict.fromkeys(s.tier for s in hits if s.branch == hits[0].branch))
+
+
+def _why_missing(hist: History, pruned: dict[int, set[str | None]], step: int, digest: str, child_branch: str) -> str:
+    """Why a parent state is held by no tier: pruned, another state in its place on the lineage, or lost."""
+    if digest in pruned.get(step, set()) or None in pruned.get(step, set()):
+        return "pruned by GC"
+    held = hist.path(child_branch).get(step)
+    if held is None:
+        return "MISSING: not in any tier and not pruned by GC (lineage gap)"
+    other = [f"{place(s.tier, s.branch)}: " + (f"digest {s.digest[7:19]}" if s.digest else "unreadable manifest")
+             for s in hist.states if s.step == step and s.branch == held]
+    return f"BROKEN hash chain: parent digest {digest[7:19]}, tiers hold {'; '.join(other)}"
 
 
 def parent_chain(store: Store, manifest: Manifest) -> list[Link]:
-    """Follow ``parent`` links from ``manifest`` back to the first step, or to where the chain breaks."""
-    pruned: dict[int, set[str | None]] = {}
-    for tier in store.tiers(include_memory=False):
-        for step, digest in tier.pruned().items():
-            pruned.setdefault(step, set()).add(digest)
+    """Follow ``parent`` links from ``manifest`` back to the first state, across branches (a branch's first
+    state names its fork point on the parent branch), or to where the chain breaks."""
+    hist, pruned = store.history(), pruned_states(store)
+    m, step, digest = manifest, manifest.step, manifest.digest()
+    branch, tiers = _held(hist, step, digest) or (MAIN, ())
     links: list[Link] = []
-    m: Manifest | None = manifest
-    step, digest = manifest.step, manifest.digest()
-    tiers = _holders(store, step, digest)[0]
-    while m is not None:
-        if m.parent is None:
-            links.append(Link(step, digest, tiers, "root"))
-            break
-        links.append(Link(step, digest, tiers))
-        step, digest = m.parent.step, m.parent.manifest_digest
+    while m.parent is not None:
+        links.append(Link(step, digest, tiers, "", branch))
+        child_branch, step, digest = branch, m.parent.step, m.parent.manifest_digest
         if any(link.digest == digest for link in links):
-            links.append(Link(step, digest, (), "BROKEN: the chain loops"))
-            break
-        tiers, m, other = _holders(store, step, digest)
-        if m is None:
-            if digest in pruned.get(step, set()) or None in pruned.get(step, set()):
-                end = "pruned by GC"
-            elif other:
-                end = f"BROKEN hash chain: parent digest {digest[7:19]}, tiers hold {'; '.join(other)}"
-            else:
-                end = "MISSING: not in any tier and not pruned by GC (lineage gap)"
-            links.append(Link(step, digest, (), end))
-    return links
+            return links + [Link(step, digest, (), "BROKEN: the chain loops")]
+        held = _held(hist, step, digest)
+        if held is None:
+            return links + [Link(step, digest, (), _why_missing(hist, pruned, step, digest, child_branch))]
+        branch, tiers = held
+        try:
+            m = store.tier(tiers[0], branch).manifest(step)
+        except FlowcheckError as e:
+            return links + [Link(step, digest, tiers, f"UNREADABLE manifest: {e}", branch)]
+    return links + [Link(step, digest, tiers, "root", branch)]
 
 
 def format_chain(links: list[Link], *, keep: int = 12) -> str:
-    """``step 40 [local,object] <- 30 [local] <- 10 [object] (root)``; long chains keep both ends."""
+    """``step 40@b10-30 [local,object] <- 30@b10-30 [local] <- 10 [object] (root)``; long chains keep both ends."""
     def one(link: Link) -> str:
         where = f" [{','.join(link.tiers)}]" if link.tiers else ""
-        return f"{link.step}{where}{f' ({link.end})' if link.end else ''}"
+        return f"{link.at}{where}{f' ({link.end})' if link.end else ''}"
 
     parts = [one(link) for link in links]
     if len(parts) > 2 * keep:
@@ -362,14 +332,16 @@ def format_chain(links: list[Link], *, keep: int = 12) -> str:
     return "step " + " <- ".join(parts)
 
 
-def step_checks(store: Store, manifest: Manifest, *, data: bool, progress: Progress | None = None) -> tuple[str, list[str]]:
-    """Verify one step in every tier holding it: (overall status, one line per tier).
+def step_checks(store: Store, manifest: Manifest, *, data: bool, branch: str = MAIN,
+                progress: Progress | None = None) -> tuple[str, list[str]]:
+    """Verify one state (``manifest``, on ``branch``) in every tier holding it: (overall status, one line per tier).
 
     Always: the manifest re-read (integrity), its signature, and that every tier holds the same
     state (manifest digest).  With ``data``: every file's size and digest and every shard's data digest.
     """
     digest, lines, bad = manifest.digest(), [], False
-    holders = [t for t in store.tiers(include_memory=False) if manifest.step in t.steps()]
+    tiers = [store.tier(t.name, branch) for t in store.tiers(include_memory=False)]
+    holders = [t for t in tiers if manifest.step in t.steps()]
     on_bytes = counter(progress, _verify_total(store, True, holders, manifest.step)) if data else None
     for tier in holders:
         problems: list[Problem] = []
@@ -399,11 +371,3 @@ def step_checks(store: Store, manifest: Manifest, *, data: bool, progress: Progr
     else:
         status = "manifests verified; files and data not re-read (add --verify)"
     return status, lines
-
-
-def dumps(report: AuditReport, fmt: str) -> str:
-    if fmt == "json":
-        return json.dumps(to_json(report), indent=2)
-    if fmt == "dot":
-        return to_dot(report)
-    return to_text(report)

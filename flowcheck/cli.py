@@ -12,6 +12,7 @@ import functools
 import json
 import logging
 import os
+import re
 import sys
 
 import click
@@ -74,17 +75,40 @@ def _reading_store(config_path: str | None, run: str | None, progress: bool = Fa
     return store
 
 
+STEP_HELP = "Step number, 'latest', or a manifest digest prefix sha256:<hex> (see `flowcheck ls --json`)."
+_DIGEST_PREFIX = re.compile(r"sha256:[0-9a-fA-F]{1,64}")
+
+
 def _step_arg(step: str) -> int | str:
+    """--step as the store resolves it (flowcheck/branches.py): a number, 'latest', or a digest prefix."""
     if step == "latest":
         return step
-    if not step.isdigit():
-        raise click.BadParameter(f"expected a step number or 'latest', found {step!r}", param_hint="--step")
+    if _DIGEST_PREFIX.fullmatch(step):
+        return step.lower()
+    if not (step.isascii() and step.isdigit()):
+        raise click.BadParameter(f"expected a step number, 'latest' or a manifest digest prefix 'sha256:<hex>', "
+                                 f"found {step!r}; `flowcheck ls` lists the run's steps", param_hint="--step")
     return int(step)
+
+
+def _branch_option(fn):
+    return click.option(
+        "--branch", default=None, metavar="NAME",
+        help="Branch to resolve --step on (default: the current branch; `flowcheck ls` lists them), "
+             "e.g. --branch main for the state a rollback left behind.",
+    )(fn)
 
 
 def _bytes_bar(desc: str):
     """A byte-counting bar; the library call it is passed to sets its total before the first update."""
     return _progress.bar(desc=desc, unit="B", unit_scale=True, unit_divisor=1024)
+
+
+def _at(manifest, tier) -> str:
+    """A state as flowcheck prints it: ``40`` on main, ``40@b30-40`` on another branch."""
+    from flowcheck.branches import Located
+
+    return str(Located(manifest.step, tier.branch))
 
 
 def _size(n: int) -> str:
@@ -125,67 +149,88 @@ def main(verbose: int, log_format: str, no_progress: bool) -> None:
 
 @main.command("ls")
 @_config_option
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("--run", default=None, help="Run name (default: the config's run, or the store's only run).")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output (one object per row, with its branch).")
 @_handled
-def ls_cmd(config_path, as_json):
-    """List committed steps per tier with size, time, source and status.
+def ls_cmd(config_path, run, as_json):
+    """List committed steps per tier and branch with size, time, source and status; * marks the current
+    branch (the one whose newest state was committed last: `latest` and GC follow it).
 
     \b
     Example:
       flowcheck ls --config /tmp/fc-demo/flowcheck.yaml
+      flowcheck ls --run other-run --json --config flowcheck.yaml
     """
-    store = _store(config_path)
-    rows = []
-    for tier in store.tiers(include_memory=False):
-        for step in tier.steps():
-            try:
-                m = tier.manifest(step)
-                rows.append({"tier": tier.name, "step": step, "bytes": m.nbytes, "created_at": m.created_at,
-                             "source": m.producer.source, "status": "committed", "digest": m.digest()})
-            except FlowcheckError as e:
-                rows.append({"tier": tier.name, "step": step, "bytes": 0, "created_at": "", "source": "",
-                             "status": f"unreadable: {e}", "digest": ""})
-        for name in tier.incomplete():
-            rows.append({"tier": tier.name, "step": None, "bytes": 0, "created_at": "", "source": "",
-                         "status": f"incomplete ({name})", "digest": ""})
+    store = _reading_store(config_path, run)
+    current = store.history().current()
+    rows = [row for t in store.tiers(include_memory=False) for bt in store.branch_tiers(t.name)
+            for row in _ls_rows(bt, current)]
     if as_json:
         click.echo(json.dumps(rows, indent=2))
         return
-    click.echo(f"run {store.config.run}   local {store.local.root}   object {store.object.url if store.object else '-'}")
-    click.echo(f"{'tier':7} {'step':>9} {'size':>10}  {'created (UTC)':27} {'source':7} status")
+    click.echo(f"run {store.config.run}   current branch {current}   local {store.local.root}   "
+               f"object {store.object.url if store.object else '-'}")
+    width = max([len("branch")] + [len(r["branch"]) + 2 for r in rows])
+    click.echo(f"{'tier':7} {'branch':{width}} {'step':>9} {'size':>10}  {'created (UTC)':27} {'source':7} status")
     for r in rows:
         step = "-" if r["step"] is None else str(r["step"])
-        click.echo(f"{r['tier']:7} {step:>9} {_size(r['bytes']):>10}  {r['created_at']:27} {r['source']:7} {r['status']}")
+        branch = r["branch"] + (" *" if r["current"] else "")
+        click.echo(f"{r['tier']:7} {branch:{width}} {step:>9} {_size(r['bytes']):>10}  {r['created_at']:27} "
+                   f"{r['source']:7} {r['status']}")
     if not rows:
         click.echo("(no steps yet: run `flowcheck demo` or a checkpoint node)")
 
 
+def _ls_rows(tier, current: str) -> list[dict]:
+    """One tier at one branch: a row per committed step, then one per incomplete write."""
+    base = {"tier": tier.name, "branch": tier.branch, "current": tier.branch == current}
+    empty = {"bytes": 0, "created_at": "", "source": "", "digest": ""}
+    rows = []
+    for step in tier.steps():
+        try:
+            m = tier.manifest(step)
+        except FlowcheckError as e:
+            rows.append({**base, "step": step, **empty, "status": f"unreadable: {e}"})
+            continue
+        rows.append({**base, "step": step, "bytes": m.nbytes, "created_at": m.created_at,
+                     "source": m.producer.source, "status": "committed", "digest": m.digest()})
+    rows += [{**base, "step": None, **empty, "status": f"incomplete ({name})"} for name in tier.incomplete()]
+    return rows
+
+
 @main.command()
 @_config_option
-@click.option("--step", required=True, help="Step number or 'latest'.")
+@click.option("--step", required=True, help=STEP_HELP)
+@_branch_option
 @click.option("--tier", "prefer", default="auto", type=click.Choice(["auto", "local", "object"]), help="Which tier's manifest.")
 @click.option("--json", "as_json", is_flag=True, help="Print the whole manifest.")
 @click.option("--verify", is_flag=True, help="Also re-read every file and shard and check their digests.")
 @_handled
-def show(config_path, step, prefer, as_json, verify):
-    """Summarise one step's manifest: producer, parent chain back to the first step, tensors, files,
-    tiers holding it, and its verification status (manifest integrity, signature, same digest in
-    every tier; --verify adds file and shard data digests).
+def show(config_path, step, branch, prefer, as_json, verify):
+    """Summarise one state's manifest: producer, branch, parent chain back to the first step (across
+    branches), tensors, files, tiers holding it, and its verification status (manifest integrity,
+    signature, same digest in every tier; --verify adds file and shard data digests).
 
     \b
     Example:
       flowcheck show --step latest --config /tmp/fc-demo/flowcheck.yaml
       flowcheck show --step 40 --verify --config /tmp/fc-demo/flowcheck.yaml
+      flowcheck show --step 40 --branch main --config flowcheck.yaml   # the state a rollback left on main
+      flowcheck show --step sha256:3f2a9c --config flowcheck.yaml
     """
     from flowcheck.audit import format_chain, parent_chain, step_checks
+    from flowcheck.branches import Located
+    from flowcheck.restore.source import open_step
 
     store = _store(config_path)
-    m = store.manifest(step if step == "latest" else int(step), prefer)
+    tier, m = open_step(store, _step_arg(step), prefer, branch)
     if as_json:
         click.echo(json.dumps(m.to_json(), indent=2))
         return
-    holders = [t.name for t in store.tiers(include_memory=False) if m.step in t.steps()]
-    click.echo(f"run {m.run} step {m.step}  created {m.created_at}")
+    at = Located(m.step, tier.branch)
+    holders = [t.name for t in store.tiers(include_memory=False) if m.step in store.tier(t.name, at.branch).steps()]
+    click.echo(f"run {m.run} step {at}  created {m.created_at}")
+    click.echo(f"branch     {_branch_summary(store.history(), at.branch)}")
     click.echo(f"producer   {m.producer.node} flowcheck {m.producer.version} source={m.producer.source}")
     click.echo(f"digest     {m.digest()}")
     click.echo(f"parent     {'none (first step of a lineage)' if m.parent is None else f'step {m.parent.step} {m.parent.manifest_digest}'}")
@@ -197,13 +242,26 @@ def show(config_path, step, prefer, as_json, verify):
     click.echo(f"tiers      {', '.join(holders)}")
     click.echo(f"chain      {format_chain(parent_chain(store, m))}")
     if verify:
-        with _bytes_bar(f"verify step {m.step} (files and shard data)") as bar:
-            status, per_tier = step_checks(store, m, data=True, progress=bar)
+        with _bytes_bar(f"verify step {at} (files and shard data)") as bar:
+            status, per_tier = step_checks(store, m, data=True, branch=at.branch, progress=bar)
     else:
-        status, per_tier = step_checks(store, m, data=False)
+        status, per_tier = step_checks(store, m, data=False, branch=at.branch)
     click.echo(f"status     {status}")
     for line in per_tier:
         click.echo(f"           {line}")
+
+
+def _branch_summary(hist, branch: str) -> str:
+    """``b1-2 (current; forks after step 1 of main)``."""
+    notes = ["current"] if branch == hist.current() else []
+    record = hist.records.get(branch)
+    if record is not None and record.fork is not None:
+        notes.append(f"forks after step {record.fork.step} of {record.fork.branch or 'a state not stored in this run'}")
+    elif record is not None:
+        notes.append("a root lineage of its own")
+    elif branch != "main":
+        notes.append("no fork record (branch.json) found")
+    return branch + (f" ({'; '.join(notes)})" if notes else "")
 
 
 @main.command()
@@ -233,33 +291,38 @@ def snapshot(config_path, state_path, step, tier):
 
 @main.command()
 @_config_option
-@click.option("--step", default="latest", help="Step to promote (default: the newest local step).")
+@click.option("--step", default="latest", help="Step to promote (default: 'latest', the newest state of the branch). " + STEP_HELP)
+@_branch_option
 @click.option("--to", "dst", default="object", type=click.Choice(["object", "local"]), help="Target tier.")
 @_handled
-def promote(config_path, step, dst):
-    """Copy a committed step to a slower tier (local -> object by default), verified shard by shard.
+def promote(config_path, step, branch, dst):
+    """Copy a committed step to a slower tier (local -> object by default), verified shard by shard; it keeps its branch.
 
     \b
     Example:
       flowcheck promote --step 1200 --config flowcheck.yaml
+      flowcheck promote --step 1200 --branch b1000-1200 --config flowcheck.yaml
     """
+    ref = _step_arg(step)
     store = _store(config_path, progress=True)
     src = "local" if dst == "object" else "object"
     with _bytes_bar(f"promote step {step} {src} -> {dst}") as bar:
-        m = store.promote(None if step == "latest" else int(step), src=src, dst=dst, progress=bar)
-    click.echo(f"step {m.step} committed in the {dst} tier ({len(m.files)} files, {_size(m.nbytes)})")
+        m = store.promote(None if ref == "latest" else ref, src=src, dst=dst, branch=branch, progress=bar)
+    held = store.history().by_digest(m.digest())
+    click.echo(f"step {held[0] if held else m.step} committed in the {dst} tier ({len(m.files)} files, {_size(m.nbytes)})")
 
 
 @main.command()
 @_config_option
-@click.option("--step", required=True, help="Step number or 'latest'.")
+@click.option("--step", required=True, help=STEP_HELP)
+@_branch_option
 @click.option("--run", default=None, help="Run name (default: the config's run).")
 @click.option("--format", "fmt", default="safetensors", type=click.Choice(["safetensors", "torch"]), help="Output format.")
 @click.option("--out", required=True, type=click.Path(dir_okay=False), help="Output file.")
 @click.option("--from", "prefer", default="auto", type=click.Choice(["auto", "local", "object"]), help="Tier to read.")
 @click.option("--no-optim", is_flag=True, help="Model tensors only.")
 @_handled
-def export(config_path, step, run, fmt, out, prefer, no_optim):
+def export(config_path, step, branch, run, fmt, out, prefer, no_optim):
     """Write one step as a consolidated single-layout file (full tensors, every digest verified).
 
     safetensors (HF-style; the model description goes into __metadata__) or a
@@ -268,20 +331,23 @@ def export(config_path, step, run, fmt, out, prefer, no_optim):
     \b
     Example:
       flowcheck export --step latest --format safetensors --out model.safetensors --config flowcheck.yaml
+      flowcheck export --step 40 --branch main --out before-rollback.safetensors --config flowcheck.yaml
     """
     from flowcheck.restore import export_file
     from flowcheck.restore.source import open_step
 
     store = _reading_store(config_path, run)
-    tier, m = open_step(store, _step_arg(step), prefer)
-    with _bytes_bar(f"export step {m.step} from the {tier.name} tier") as bar:
+    tier, m = open_step(store, _step_arg(step), prefer, branch)
+    at = _at(m, tier)
+    with _bytes_bar(f"export step {at} from the {tier.name} tier") as bar:
         size, digest = export_file(tier, m, out, fmt=fmt, include_optimizer=not no_optim, progress=bar)
-    click.echo(f"exported step {m.step} from the {tier.name} tier to {out} ({_size(size)}, {digest})")
+    click.echo(f"exported step {at} from the {tier.name} tier to {out} ({_size(size)}, {digest})")
 
 
 @main.command()
 @_config_option
-@click.option("--step", required=True, help="Step number or 'latest'.")
+@click.option("--step", required=True, help=STEP_HELP)
+@_branch_option
 @click.option("--run", default=None, help="Run name (default: the config's run).")
 @click.option("--tp", type=int, default=1, show_default=True, help="Target tensor-parallel size.")
 @click.option("--pp", type=int, default=1, show_default=True, help="Target pipeline-parallel size.")
@@ -299,7 +365,7 @@ def export(config_path, step, run, fmt, out, prefer, no_optim):
 @click.option("--force", is_flag=True, help="Replace --out if it exists.")
 @click.option("--workers", type=int, default=4, show_default=True, help="Parallel readers.")
 @_handled
-def restore(config_path, step, run, tp, pp, vpp, fmt, prefer, no_optim, dtype, layer_spec, arch_path, out, force, workers):
+def restore(config_path, step, branch, run, tp, pp, vpp, fmt, prefer, no_optim, dtype, layer_spec, arch_path, out, force, workers):
     """Write a stored step as a Megatron checkpoint in any TP/PP/VPP layout (verified, resharded, atomic).
 
     Load it with Megatron's --load OUT (add --no-load-rng: RNG states of
@@ -308,7 +374,9 @@ def restore(config_path, step, run, tp, pp, vpp, fmt, prefer, no_optim, dtype, l
     \b
     Example:
       flowcheck restore --step latest --tp 2 --pp 2 --out ckpt/ --config flowcheck.yaml
+      flowcheck restore --step 1200 --branch main --out ckpt-main/ --config flowcheck.yaml
     """
+    from flowcheck.branches import Located
     from flowcheck.restore.arch import load_arch
     from flowcheck.restore.megatron_common import Target
     from flowcheck.restore.service import restore as do_restore
@@ -317,9 +385,9 @@ def restore(config_path, step, run, tp, pp, vpp, fmt, prefer, no_optim, dtype, l
     target = Target(tp=tp, pp=pp, vpp=vpp, fmt=fmt, dtype=dtype, optim=not no_optim, layer_spec=layer_spec)
     arch = load_arch(arch_path) if arch_path else None
     rep = do_restore(store, _step_arg(step), target, out, prefer=prefer, arch=arch, force=force,
-                     progress=_progress.enabled(), workers=workers)
+                     progress=_progress.enabled(), workers=workers, branch=branch)
     click.echo(
-        f"restored step {rep.step} of run {rep.run} from the {rep.tier} tier into {rep.out}: "
+        f"restored step {Located(rep.step, rep.branch)} of run {rep.run} from the {rep.tier} tier into {rep.out}: "
         f"{fmt}, TP={tp} PP={pp} VPP={vpp}, {len(rep.files)} files, {_size(rep.bytes)} in {rep.seconds:.1f} s"
     )
     for f in rep.files:
@@ -363,14 +431,15 @@ def serve(config_path):
 
 @main.command()
 @_config_option
-@click.option("--step", required=True, help="Step number or 'latest'.")
+@click.option("--step", required=True, help=STEP_HELP)
+@_branch_option
 @click.option("--run", default=None, help="Run name (default: the config's run).")
 @click.option("--against", "reference", required=True, type=click.Path(exists=True, dir_okay=False),
               help="Reference safetensors file (canonical tensor names).")
 @click.option("--from", "prefer", default="auto", type=click.Choice(["auto", "local", "object"]), help="Tier to read.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @_handled
-def diff(config_path, step, run, reference, prefer, as_json):
+def diff(config_path, step, branch, run, reference, prefer, as_json):
     """Compare a stored step with a reference file, bit for bit per tensor (exit 1 when anything differs).
 
     Every shard read is verified against its digest first.
@@ -378,21 +447,22 @@ def diff(config_path, step, run, reference, prefer, as_json):
     \b
     Example:
       flowcheck diff --config flowcheck.yaml --step 50 --against sim/truth/step-50.safetensors
+      flowcheck diff --config flowcheck.yaml --step 50 --branch main --against step-50.safetensors
     """
     from flowcheck.restore.diff import diff_step, report
     from flowcheck.restore.source import open_step
 
     store = _reading_store(config_path, run)
-    tier, m = open_step(store, _step_arg(step), prefer)
+    tier, m = open_step(store, _step_arg(step), prefer, branch)
     result = report(diff_step(tier, m, reference))
     if as_json:
-        click.echo(json.dumps({"step": m.step, "tier": tier.name, **result}, indent=2))
+        click.echo(json.dumps({"step": m.step, "branch": tier.branch, "tier": tier.name, **result}, indent=2))
     else:
         for t in result["tensors"]:
             extra = f" ({t['differing']}/{t['elements']} differ, max |diff| {t['max_abs_diff']:.3g})" if t["status"] == "different" else ""
             click.echo(f"{t['status']:<15} {t['name']}{extra}{' ' + t['detail'] if t['detail'] else ''}")
         verdict = "bit-exact" if result["bit_exact"] else "NOT bit-exact"
-        click.echo(f"step {m.step} ({tier.name} tier) vs {reference}: {verdict} {result['counts']}")
+        click.echo(f"step {_at(m, tier)} ({tier.name} tier) vs {reference}: {verdict} {result['counts']}")
     sys.exit(0 if result["bit_exact"] else 1)
 
 
@@ -432,7 +502,8 @@ def import_(config_path, run, step, arch_path, tier, trust_pickle, source):
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable report.")
 @_handled
 def audit(config_path, no_data, as_json):
-    """Verify every step in every tier: manifests, file digests, shard digests, hash chain, gaps, forks.
+    """Verify every state of every branch in every tier: manifests, file digests, shard digests, hash chain
+    (across branches), gaps; forks (a rollback or restore starting a branch) are reported as information.
 
     Exits 1 if anything is wrong.
 
@@ -441,7 +512,8 @@ def audit(config_path, no_data, as_json):
       flowcheck audit --config /tmp/fc-demo/flowcheck.yaml
     """
     from flowcheck.audit import audit as run_audit
-    from flowcheck.audit import to_json
+    from flowcheck.audit import info_lines
+    from flowcheck.lineage_view import to_json
 
     with _bytes_bar("audit: re-reading every file" + ("" if no_data else " and shard")) as bar:
         report = run_audit(_store(config_path), data=not no_data, progress=bar)
@@ -450,12 +522,14 @@ def audit(config_path, no_data, as_json):
     else:
         for p in report.problems:
             click.echo(str(p))
-        for parent, children in report.forks:
-            click.echo(f"[info] lineage fork after step {parent}: branches start at steps {children}")
+        for line in info_lines(report):
+            click.echo(line)
         status = "OK" if report.ok else "FAILED"
         errors = sum(p.severity == "error" for p in report.problems)
-        click.echo(f"audit {status}: {report.checked_steps} step copies checked, {len(report.nodes)} distinct states, "
-                   f"{errors} errors, {len(report.problems) - errors} warnings")
+        branches = len({n.branch for n in report.nodes.values()})
+        click.echo(f"audit {status}: {report.checked_steps} step copies checked, {len(report.nodes)} distinct states "
+                   f"on {branches} branch{'' if branches == 1 else 'es'}, {errors} errors, "
+                   f"{len(report.problems) - errors} warnings")
     sys.exit(0 if report.ok else 1)
 
 
@@ -466,17 +540,18 @@ def audit(config_path, no_data, as_json):
 @click.option("--verify", is_flag=True, help="Also check every file's size and digest (green = verified); default: manifests and links only.")
 @_handled
 def lineage(config_path, fmt, out, verify):
-    """Draw the run's lineage tree: one node per state (step, source, tiers holding it), coloured by
-    audit status (green verified, yellow warning, red damaged, grey unverified), forks after restores
-    as branches.  png needs Graphviz's `dot` (Debian package graphviz).
+    """Draw the run's lineage tree: one node per state (step@branch off main, source, tiers holding it),
+    coloured by audit status (green verified, yellow warning, red damaged, grey unverified); a rollback or
+    restore forks a branch (text: ├─ per branch; dot/png: a box per branch, bold edges out of the fork).
+    png needs Graphviz's `dot` (Debian package graphviz).
 
     \b
     Example:
       flowcheck lineage --format png --out lineage.png --verify --config flowcheck.yaml
       flowcheck lineage --format dot --config flowcheck.yaml | dot -Tsvg > lineage.svg
     """
-    from flowcheck.audit import dumps, render_png, to_dot
     from flowcheck.audit import lineage as run_lineage
+    from flowcheck.lineage_view import dumps, render_png, to_dot
 
     if fmt == "png" and out is None:
         raise click.UsageError("--format png writes an image file: expected --out FILE.png, found none")
@@ -502,9 +577,10 @@ def lineage(config_path, fmt, out, verify):
 @click.option("--dry-run", is_flag=True, help="Only say what would be deleted.")
 @_handled
 def gc(config_path, dry_run):
-    """Apply retention (keep-last-N, hourly, daily) per tier; clean abandoned partial writes.
+    """Apply retention (keep-last-N, hourly, daily along the current branch; abandoned branches after
+    keep_abandoned_hours) per tier; clean abandoned partial writes.  States print as step@branch off main.
 
-    Never deletes the newest committed step of a tier, nor a step it cannot classify.
+    Never deletes the head of the current branch, nor a step it cannot classify.
 
     \b
     Example:
@@ -513,8 +589,11 @@ def gc(config_path, dry_run):
     with _progress.bar(desc="gc" + (" (dry run)" if dry_run else ""), unit="step") as bar:
         report = _store(config_path).gc(dry_run=dry_run, progress=bar)
     verb = "would delete" if dry_run else "deleted"
-    for tier, steps in report.deleted.items():
-        click.echo(f"{tier}: {verb} steps {steps or 'none'}; keeps {sorted(report.kept.get(tier, {}))}")
+    for tier, deleted in report.deleted.items():
+        gone = _states(deleted) if deleted else "none"
+        click.echo(f"{tier}: {verb} steps {gone}; keeps {_states(report.kept.get(tier, {}))}")
+        for at in deleted:
+            click.echo(f"{tier}:   {at}: {report.why.get(tier, {}).get(at, 'no reason recorded')}")
         for path in report.cleaned.get(tier, []):
             click.echo(f"{tier}: {'would clean' if dry_run else 'cleaned'} {path}")
 
@@ -554,7 +633,7 @@ def demo(config_path, workdir, steps, local_every, object_seconds, object_url):
         click.echo(f"policy errors: {policy_errors}", err=True)
     click.echo("\n$ flowcheck ls")
     ctx = click.get_current_context()
-    ctx.invoke(ls_cmd, config_path=cfg_path, as_json=False)
+    ctx.invoke(ls_cmd, config_path=cfg_path, run=None, as_json=False)
     from flowcheck.audit import audit as run_audit
     from flowcheck.restore import export_safetensors
     from flowcheck.store import open_store
@@ -585,6 +664,11 @@ def demo(config_path, workdir, steps, local_every, object_seconds, object_url):
     ok = report.ok and exact and res["identical"] and mirror["exact"]
     sys.exit(0 if ok else 1)
 
+
+
+def _states(located) -> str:
+    """``[1, 2, 2@b1-2, 3]``: by step, main's state first."""
+    return "[" + ", ".join(str(k) for k in sorted(located, key=lambda k: (k.step, k.branch != "main", k.branch))) + "]"
 
 
 def _echo_over(bar):

@@ -205,9 +205,9 @@ class PolicyRunner:
         for tier, steps in report.deleted.items():
             if steps:
                 self.stats.gc_deleted[tier] = self.stats.gc_deleted.get(tier, 0) + len(steps)
-                names = [str(k) for k in steps]
-                log.info("policy: gc deleted %s steps %s", tier, names,
-                         extra={"event": "gc", "tier": tier, "steps": names})
+                log.info("policy: gc deleted %s steps %s", tier, [str(k) for k in steps],
+                         extra={"event": "gc", "tier": tier, "steps": [k.step for k in steps],
+                                "branches": [k.branch for k in steps]})
 
     def drain(self, timeout: float | None = None) -> None:
         """Wait for running jobs to finish."""

@@ -24,7 +24,7 @@ from flowcheck.manifest import Manifest, ParentRef, signing_key
 from flowcheck.progress import Progress, counter
 from flowcheck.state import Snapshot
 from flowcheck.tiers import retention
-from flowcheck.tiers.base import Tier
+from flowcheck.tiers.base import Tier, with_origin
 from flowcheck.tiers.local import LocalTier
 from flowcheck.tiers.memory import MemoryTier
 
@@ -54,6 +54,7 @@ class Store:
         self.local = LocalTier(config.tiers.local, config.run, **self._tier_kw)
         self._object: Tier | None = None
         self._branch_tiers: dict[tuple[str, str], Tier] = {}
+        self._seen: dict[str, tuple[list[StateInfo], dict[str, BranchRecord]]] = {}  # tier -> its last listing
         # one writer per target tier: a slow upload never holds up local snapshots
         self._locks = {name: threading.RLock() for name in TIER_NAMES}
         self._in_use: set[tuple[str, Located]] = set()  # (tier, step) being read by a promotion: GC skips them
@@ -96,25 +97,44 @@ class Store:
         return [main] + [self.tier(name, b) for b in main.branch_names()]
 
     # ---- history -------------------------------------------------------------------
-    def history(self, tiers: list[str] | None = None) -> History:
-        """Every committed state of the run in the persistent tiers (or those named), with its branch."""
+    def history(self, tiers: list[str] | None = None, *, live: set[str] | None = None) -> History:
+        """Every committed state of the run in the persistent tiers (or those named), with its branch.
+
+        ``live``: only these tiers are listed now; the others contribute what they held when last listed
+        (nothing if never), so a local snapshot never waits on a slow or unreachable object store."""
         states: list[StateInfo] = []
         records: dict[str, BranchRecord] = {}
         for t in self.tiers(include_memory=False):
             if tiers is not None and t.name not in tiers:
                 continue
-            for bt in self.branch_tiers(t.name):
-                if bt.branch != MAIN and bt.branch not in records:
-                    try:
-                        rec = bt.branch_record()
-                    except FlowcheckError as e:
-                        log.warning("%s", e)
-                        rec = None
-                    if rec is not None:
-                        records[bt.branch] = rec
-                for step in bt.steps():
-                    states.append(_state_info(bt, step))
+            if live is not None and t.name not in live:
+                seen = self._seen.get(t.name, ([], {}))
+            else:
+                try:
+                    seen = self._seen[t.name] = self._scan(t.name)
+                except TierError:
+                    if live is None or t.name in live:
+                        raise
+                    seen = self._seen.get(t.name, ([], {}))
+            states += seen[0]
+            for name, rec in seen[1].items():
+                records.setdefault(name, rec)
         return History(self.config.run, states, records)
+
+    def _scan(self, name: str) -> tuple[list[StateInfo], dict[str, BranchRecord]]:
+        states: list[StateInfo] = []
+        records: dict[str, BranchRecord] = {}
+        for bt in self.branch_tiers(name):
+            if bt.branch != MAIN:
+                try:
+                    rec = bt.branch_record()
+                except FlowcheckError as e:
+                    log.warning("%s", e)
+                    rec = None
+                if rec is not None:
+                    records[bt.branch] = rec
+            states += [_state_info(bt, step) for step in bt.steps()]
+        return states, records
 
     # ---- writing ---------------------------------------------------------------
     def push(self, snapshot: Snapshot) -> Manifest:
@@ -150,26 +170,30 @@ class Store:
         at an existing step is never dropped or overwritten: it goes to a new branch.
         """
         with self._locks[tier]:
-            hist = self.history()
+            hist = self.history(live={tier})
             if snapshot.origin is not None:  # a stored state copied between tiers keeps its branch
                 branch, record = self._origin_branch(hist, snapshot.origin)
             else:
                 same = self._same_state(hist, snapshot)
                 if same is not None:
-                    held = self.tier(tier, same.branch)
-                    if same.step in held.steps():
-                        log.info("%s tier: step %s is already committed with this state", tier, same)
-                        return held.manifest(same.step)
-                    branch, record = same.branch, hist.records.get(same.branch)
+                    at, origin = same
+                    held = self.tier(tier, at.branch)
+                    if at.step in held.steps():
+                        log.info("%s tier: step %s is already committed with this state", tier, at)
+                        return held.manifest(at.step)
+                    # held by another tier only (RAM restored from it): copy it with its identity, as a
+                    # promotion does; a second manifest (parent: itself) would split one state in two
+                    snapshot, parent = with_origin(snapshot, origin), origin.parent
+                    branch, record = at.branch, hist.records.get(at.branch)
                 else:
                     branch, record = hist.place(snapshot.step, parent)
             target = self.tier(tier, branch)
             if record is not None:
                 target.put_branch_record(record)
-            if branch != MAIN and record is None and branch not in hist.records:
-                log.warning("%s tier: branch %s has no fork record", tier, branch)
-            if branch != MAIN and (record is None or record.name not in hist.records):
-                log.info("%s tier: step %d starts branch %s", tier, snapshot.step, branch)
+            if record is not None and record.name not in hist.records:
+                log.info("%s tier: step %d starts branch %s (fork: %s)", tier, snapshot.step, branch, record.fork)
+            elif branch != MAIN and record is None:
+                log.warning("%s tier: branch %s has no fork record; audit will report it", tier, branch)
             return target.write(snapshot, parent, progress=progress)
 
     def _origin_branch(self, hist: History, origin: Manifest) -> tuple[str, BranchRecord | None]:
@@ -178,8 +202,8 @@ class Store:
             return held[0].branch, hist.records.get(held[0].branch)
         return hist.place(origin.step, origin.parent)  # read from elsewhere (another store, an export)
 
-    def _same_state(self, hist: History, snapshot: Snapshot) -> Located | None:
-        """A committed state at the snapshot's step holding the same data and scalars, if any."""
+    def _same_state(self, hist: History, snapshot: Snapshot) -> tuple[Located, Manifest] | None:
+        """A committed state at the snapshot's step holding the same data and scalars, and its manifest, if any."""
         candidates = [s for s in hist.states if s.step == snapshot.step and s.digest is not None]
         if not candidates:
             return None
@@ -191,7 +215,7 @@ class Store:
             m = self.tier(c.tier, c.branch).manifest(c.step, check_signature=False)
             theirs = {(name, e.offsets, e.shape, e.digest) for name, t in m.tensors.items() for e in t.shards}
             if theirs == ours and dict(m.scalars) == scalars and m.layout_digest == snapshot.layout.digest():
-                return Located(c.step, c.branch)
+                return Located(c.step, c.branch), m
         return None
 
     def _current_head_before(self, step: int) -> ParentRef | None:
@@ -212,7 +236,7 @@ class Store:
         """Copy a committed state from one tier to another (default: the newest local state of the current
         branch to object); ``progress`` counts the bytes written (left at zero when the target holds it)."""
         with self._locks[src]:
-            hist = self.history()
+            hist = self.history(live={src})
             at = hist.resolve("latest" if step is None else step, branch)
             source = self.tier(src, at.branch)
             if at.step not in source.steps():
@@ -228,6 +252,10 @@ class Store:
                     raise TierError(f"{dst} tier: step {at} was not promoted (nothing of it was written): {e}") from e
                 if present:
                     return target.manifest(at.step)
+                try:
+                    hist = self.history(live={dst})
+                except TierError as e:
+                    raise TierError(f"{dst} tier: step {at} was not promoted (nothing of it was written): {e}") from e
                 return self.commit(snap, dst, snap.origin.parent if snap.origin else None, progress=progress)
         finally:
             self._in_use.discard((src, at))
@@ -279,8 +307,16 @@ class Store:
 
     def load(self, step: int | str, prefer: str = "auto", branch: str | None = None) -> Snapshot:
         t, n = self.locate(step, prefer, branch)
-        if t is self.memory:
-            t, n = self.locate(n, "local" if prefer == "auto" else prefer, branch)
+        if t is self.memory:  # a stored copy of what RAM holds: a digest names it (a bare step number may name
+            ref = step if isinstance(step, str) and step.startswith("sha256:") else n  # another branch's state)
+            stored = [x.name for x in self.tiers(include_memory=False)] if prefer == "auto" else [prefer]
+            for i, name in enumerate(stored):
+                try:
+                    t, n = self.locate(ref, name, branch)
+                    break
+                except StepNotFoundError:
+                    if i == len(stored) - 1:
+                        raise
         return t.load(n)
 
     # ---- retention ---------------------------------------------------------------
@@ -290,7 +326,7 @@ class Store:
         ``progress`` counts committed states (listed first, for the total) as each is kept or deleted."""
         report = GcReport(dry_run=dry_run)
         chosen = [t for t in self.tiers(include_memory=False) if tiers is None or t.name in tiers]
-        hist = self.history()
+        hist = self.history(live={t.name for t in chosen})
         done = counter(progress, sum(1 for s in hist.states if s.tier in {t.name for t in chosen})
                        if progress is not None else 0)
         current = hist.current()

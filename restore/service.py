@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from flowcheck.branches import MAIN
 from flowcheck.errors import FlowcheckError, StepExistsError
 from flowcheck.restore.arch import ModelArch
 from flowcheck.restore.megatron_common import DTYPES, TRACKER, StepMeta, Target, megatron_args
@@ -39,6 +40,7 @@ class RestoreReport:
     files: list[str] = field(default_factory=list)
     bytes: int = 0
     seconds: float = 0.0
+    branch: str = MAIN
 
 
 def restore(
@@ -52,10 +54,12 @@ def restore(
     force: bool = False,
     progress: bool = False,
     workers: int = 4,
+    branch: str | None = None,
 ) -> RestoreReport:
-    """Write step ``step`` of ``store`` into ``out`` as a Megatron checkpoint in ``target``'s layout."""
+    """Write step ``step`` of ``store`` into ``out`` as a Megatron checkpoint in ``target``'s layout
+    (``step`` resolves on ``branch``, default the current branch; see flowcheck/branches.py)."""
     t0 = time.perf_counter()
-    reader = StepReader.open(store, step, prefer, arch)
+    reader = StepReader.open(store, step, prefer, arch, branch)
     target.check(reader.arch)
     params = reader.params()
     slots = [s for s in reader.slots() if s not in ("step", "fp32_param")] if target.optim else []
@@ -84,7 +88,7 @@ def restore(
     files = [os.path.join(out, os.path.relpath(p, staging)) for p in files] + [os.path.join(out, TRACKER)]
     size = sum(os.path.getsize(p) for p in files if os.path.isfile(p))
     return RestoreReport(out, reader.step, reader.manifest.run, reader.tier.name, target, files, size,
-                         time.perf_counter() - t0)
+                         time.perf_counter() - t0, reader.tier.branch)
 
 
 def _tensors(reader: StepReader, target: Target, params: list[Param], slots: list[str], workers: int, progress: bool):

@@ -11,6 +11,7 @@ from click.testing import CliRunner
 from safetensors.torch import load_file
 
 from flowcheck.cli import main
+from tests.test_audit import rolled_back
 
 COMMANDS = ["ls", "show", "diff", "capture", "plan", "snapshot", "promote", "export", "restore", "import", "serve", "audit", "lineage", "gc", "demo"]
 
@@ -95,7 +96,9 @@ def test_errors_are_one_clear_line(tmp_path):
     cfg = tmp_path / "c.yaml"
     cfg.write_text(f"tiers:\n  local: {{root: {tmp_path / 'l'}}}\n  object: {{url: 'file://{tmp_path / 'o'}'}}\n")
     result = _run("show", "--step", "7", "--config", str(cfg))
-    assert result.exit_code == 2 and "step 7 is not committed" in result.output
+    assert result.exit_code == 2 and "(asked for step 7)" in result.output and result.output.count("\n") == 1
+    result = _run("show", "--step", "abc", "--config", str(cfg))
+    assert result.exit_code == 2 and "expected a step number, 'latest' or a manifest digest prefix" in result.output
 
 
 def test_signed_manifests_and_required_signatures(tmp_path, monkeypatch):
@@ -130,3 +133,121 @@ def test_demo_with_an_s3_object_store_over_http(tmp_path, s3_env):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "from the object tier" in proc.stdout and "bit for bit: True" in proc.stdout
     assert "s3://demo-bucket/ckpt" in (tmp_path / "w" / "flowcheck.yaml").read_text()
+
+
+def _config(tmp_path, run: str = "r1") -> str:
+    """A config for the stores tests.test_store.make_store builds under tmp_path."""
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"run: {run}\ntiers:\n  local: {{root: {tmp_path / 'local'}}}\n"
+                   f"  object: {{url: 'file://{tmp_path / 'object'}'}}\n")
+    return str(cfg)
+
+
+@pytest.fixture
+def rollback(tmp_path):
+    """Steps 1..3 on main, then a rollback to 1 and a different step 2 on branch b1-2 (the current branch)."""
+    return _config(tmp_path), rolled_back(tmp_path)
+
+
+def test_ls_lists_every_branch_of_every_tier_and_marks_the_current_one(rollback):
+    cfg, store = rollback
+    rows = json.loads(_run("ls", "--json", "--config", cfg).output)
+    assert [(r["tier"], r["branch"], r["step"], r["current"]) for r in rows] == [
+        ("local", "main", 1, False), ("local", "main", 2, False), ("local", "main", 3, False),
+        ("local", "b1-2", 2, True), ("object", "main", 3, False)]
+    assert rows[3]["digest"] == store.manifest(2, "local").digest() != rows[1]["digest"]
+    text = _run("ls", "--config", cfg).output.splitlines()
+    assert "current branch b1-2" in text[0] and text[1].split()[:3] == ["tier", "branch", "step"]
+    assert text[5].split()[:3] == ["local", "b1-2", "*"] and text[3].split()[:3] == ["local", "main", "2"]
+
+
+def test_ls_shows_incomplete_writes_of_a_branch(rollback):
+    cfg, store = rollback
+    os.makedirs(os.path.join(store.local.root, "branches", "b1-2", "step-000000003.tmp"))
+    rows = json.loads(_run("ls", "--json", "--config", cfg).output)
+    assert rows[4]["branch"] == "b1-2" and rows[4]["step"] is None
+    assert rows[4]["status"] == "incomplete (step-000000003.tmp)"
+
+
+def test_ls_run_lists_another_run_of_the_store(tmp_path):
+    from dataclasses import replace
+
+    from flowcheck.store import Store
+    from tests.helpers import make_snapshot
+    from tests.test_store import make_store
+
+    make_store(tmp_path).local.write(make_snapshot(step=1))
+    other = make_store(tmp_path)
+    other = Store(replace(other.config, run="other"))
+    other.local.write(make_snapshot(run="other", step=7))
+    cfg = _config(tmp_path)
+    assert [r["step"] for r in json.loads(_run("ls", "--json", "--config", cfg).output)] == [1]
+    result = _run("ls", "--run", "other", "--config", cfg)
+    assert result.exit_code == 0 and result.output.startswith("run other ")
+    assert [line.split()[:3] for line in result.output.splitlines()[2:]] == [["local", "main", "*"]]
+    assert json.loads(_run("ls", "--run", "other", "--json", "--config", cfg).output)[0]["step"] == 7
+
+
+def test_show_resolves_the_step_on_the_current_branch_or_the_one_named(rollback):
+    cfg, store = rollback
+    new, old = store.manifest(2, "local").digest(), store.manifest(2, "local", branch="main").digest()
+    out = _run("show", "--step", "2", "--config", cfg).output
+    assert out.startswith("run r1 step 2@b1-2 ") and f"digest     {new}" in out
+    assert "branch     b1-2 (current; forks after step 1 of main)" in out
+    assert "tiers      local\n" in out and "chain      step 2@b1-2 [local] <- 1 [local] (root)" in out
+    out = _run("show", "--step", "2", "--branch", "main", "--config", cfg).output
+    assert out.startswith("run r1 step 2 ") and f"digest     {old}" in out and "branch     main\n" in out
+    assert "local: manifest integrity ok, same digest" in out
+    by_digest = _run("show", "--step", old[:16], "--config", cfg)
+    assert by_digest.exit_code == 0 and f"digest     {old}" in by_digest.output
+
+
+def test_a_step_only_another_branch_holds_is_one_clear_line_naming_that_branch(rollback):
+    cfg, _ = rollback
+    result = _run("show", "--step", "3", "--config", cfg)
+    assert result.exit_code == 2
+    assert result.output == ("error: step 3 is not committed on branch 'b1-2' of run 'r1'; branch main of the run "
+                             "holds a step 3: add --branch main\n")
+    result = _run("show", "--step", "1", "--branch", "nope", "--config", cfg)
+    assert result.exit_code == 2 and result.output.startswith("error: run 'r1' has no branch 'nope'")
+    result = _run("show", "--step", "sha256:", "--config", cfg)
+    assert result.exit_code == 2 and "manifest digest prefix 'sha256:<hex>'" in result.output
+
+
+def test_promote_and_export_take_branch(rollback, tmp_path):
+    cfg, store = rollback
+    result = _run("promote", "--step", "2", "--branch", "main", "--config", cfg)
+    assert result.exit_code == 0 and result.output.startswith("step 2 committed in the object tier")
+    assert store.tier("object").steps() == [2, 3] and store.tier("object", "b1-2").steps() == []
+    result = _run("promote", "--config", cfg)  # latest: the current branch's head
+    assert result.exit_code == 0 and result.output.startswith("step 2@b1-2 committed in the object tier")
+    assert store.tier("object", "b1-2").steps() == [2]
+    result = _run("export", "--step", "2", "--branch", "main", "--out", str(tmp_path / "m.safetensors"), "--config", cfg)
+    assert result.exit_code == 0 and "exported step 2 from the" in result.output
+    result = _run("export", "--step", "2", "--out", str(tmp_path / "b.safetensors"), "--config", cfg)
+    assert result.exit_code == 0 and "exported step 2@b1-2 from the" in result.output
+    assert (tmp_path / "m.safetensors").read_bytes() != (tmp_path / "b.safetensors").read_bytes()
+
+
+def test_audit_reports_a_rollback_fork_as_information_and_passes(rollback):
+    cfg, _ = rollback
+    result = _run("audit", "--config", cfg)
+    assert result.exit_code == 0, result.output
+    assert result.output.splitlines() == [
+        "[info] lineage fork after step 1 (branch main): branches main, b1-2 start at steps 2, 2",
+        "audit OK: 5 step copies checked, 4 distinct states on 2 branches, 0 errors, 0 warnings"]
+
+
+def test_gc_prints_states_with_their_branch_and_why_each_goes(tmp_path):
+    from tests.test_store import make_store
+
+    rolled_back(tmp_path)
+    cfg = _config(tmp_path)
+    with open(cfg, "a") as f:
+        f.write("policy:\n  local: {keep_last: 1}\n  object: {keep_last: 1}\n")
+    result = _run("gc", "--dry-run", "--config", cfg)
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert lines[0] == "local: would delete steps [1]; keeps [2, 2@b1-2, 3]"
+    assert lines[1] == "local:   1: superseded on the current branch"
+    assert make_store(tmp_path).local.steps() == [1, 2, 3]  # a dry run

@@ -1,4 +1,5 @@
-"""Lineage you can see: a run resumed from a restore shows as a branch in every view, and `show` walks a step's chain."""
+"""Lineage you can see: a run resumed from a restore shows as a branch in every view, and `show` walks a step's
+chain across branches."""
 from __future__ import annotations
 
 import json
@@ -30,7 +31,8 @@ def _trained(ref, store, step):
 @pytest.fixture(scope="module")
 def forked(tmp_path_factory):
     """Step 10 imported; training goes on to 20; step 10 is restored into a Megatron directory, the
-    resumed run imports it as 30 (source restore, parent 10) and goes on to 40: a fork after step 10."""
+    resumed run imports it as 30 (source restore, parent 10) and goes on to 40: a fork after step 10, and
+    30 and 40 live on the branch b10-30 (the current branch)."""
     tmp = tmp_path_factory.mktemp("forked")
     arch = SMALL["gqa_swiglu"]
     ref = write_reference(str(tmp / "ref.safetensors"), arch, canonical_state(arch))
@@ -42,6 +44,7 @@ def forked(tmp_path_factory):
     assert m30.producer.source == "restore" and m30.parent == m10.parent_ref()
     store.write(_trained(ref, store, 40), parent=m30.parent_ref())
     store.promote(40)
+    assert store.history().current() == "b10-30"
     return store_config(tmp), store
 
 
@@ -59,6 +62,7 @@ def test_json_shows_the_restore_as_a_second_child_of_the_fork_point(forked):
     assert {"parent_step": 10, "children": [20, 30]} in data["forks"]
     assert nodes[30]["source"] == "restore" and nodes[30]["parent"]["step"] == 10
     assert nodes[40]["tiers"] == ["local", "object"]
+    assert {s: n["branch"] for s, n in nodes.items()} == {10: "main", 20: "main", 30: "b10-30", 40: "b10-30"}
     # the default is lineage's cheap check (manifests and links): healthy states are unverified
     assert {n["status"] for n in data["nodes"]} == {"unverified"} and data["verified"] is False
     verified = json.loads(_run("lineage", "--format", "json", "--verify", "--config", cfg))
@@ -70,12 +74,26 @@ def test_dot_draws_both_branches_from_the_fork_point(forked, tmp_path):
     out = tmp_path / "lineage.dot"
     _run("lineage", "--format", "dot", "--out", str(out), "--config", cfg)
     dot = out.read_text()
-    d = {s: store.manifest(s).digest() for s in (10, 20, 30, 40)}
+    d = {s: store.manifest(s, branch="main" if s in (10, 20) else None).digest() for s in (10, 20, 30, 40)}
     for parent, child in ((10, 20), (10, 30), (30, 40)):
         assert f'"{d[parent]}" -> "{d[child]}"' in dot
     assert dot.count("->") == 3
-    assert "step 30\\nrestore\\nlocal" in dot and "step 40\\npush\\nlocal,object" in dot
+    assert f'"{d[10]}" -> "{d[30]}" [penwidth=2.5' in dot  # out of the fork point: bold
+    assert "step 30@b10-30\\nrestore\\nlocal" in dot and "step 40@b10-30\\npush\\nlocal,object" in dot
+    cluster = dot[dot.index('subgraph "cluster_b10-30"'):]
+    assert 'label="branch b10-30"' in cluster and d[40] in cluster[:cluster.index("}")]
     assert "fillcolor=grey85" in dot
+
+
+def test_text_hangs_each_branch_off_the_fork_point(forked):
+    cfg, _ = forked
+    lines = _run("lineage", "--config", cfg).splitlines()
+    assert [re.sub(r" [0-9a-f]{12}", "", line) for line in lines] == [
+        "step 10 [local] import ok",
+        "├─ step 20 [local] push ok (fork)",
+        "└─ step 30@b10-30 [local] restore ok (fork)",
+        "   step 40@b10-30 [local,object] push ok",
+    ]
 
 
 def test_png_is_a_png(forked, tmp_path):
@@ -100,7 +118,8 @@ def test_show_walks_the_chain_to_the_first_step_and_says_what_was_verified(forke
     cfg, _ = forked
     out = _run("show", "--step", "40", "--config", cfg)
     assert "source=push" in out  # the existing summary stays
-    assert re.search(r"chain +step 40 \[local,object\] <- 30 \[local\] <- 10 \[local\] \(root\)", out), out
+    assert "branch     b10-30 (current; forks after step 10 of main)" in out
+    assert re.search(r"chain +step 40@b10-30 \[local,object\] <- 30@b10-30 \[local\] <- 10 \[local\] \(root\)", out), out
     assert "manifests verified; files and data not re-read" in out
     assert "local: manifest integrity ok, same digest, unsigned" in out
     verified = _run("show", "--step", "40", "--verify", "--config", cfg)
@@ -120,3 +139,15 @@ def test_show_names_a_break_in_the_chain(tmp_path):
     assert "chain      step 30 [local] <- 20 (MISSING: not in any tier and not pruned by GC (lineage gap))" in out
     dot = _run("lineage", "--format", "dot", "--config", store_config(tmp_path))
     assert "missing\\n(lineage gap)" in dot and "fillcolor=khaki1" in dot
+
+
+def test_restore_takes_a_step_of_another_branch_with_branch(forked, tmp_path):
+    cfg, _ = forked
+    result = CliRunner().invoke(main, ["restore", "--step", "20", "--out", str(tmp_path / "a"), "--config", cfg])
+    assert result.exit_code == 2
+    assert result.output == ("error: step 20 is not committed on branch 'b10-30' of run 'r1'; branch main of the run "
+                             "holds a step 20: add --branch main\n")
+    out = _run("restore", "--step", "20", "--branch", "main", "--no-optim", "--out", str(tmp_path / "b"), "--config", cfg)
+    assert out.startswith("restored step 20 of run r1 from the local tier")
+    out = _run("restore", "--step", "40", "--no-optim", "--out", str(tmp_path / "c"), "--config", cfg)
+    assert out.startswith("restored step 40@b10-30 of run r1 from the local tier")

@@ -75,10 +75,9 @@ class Node:
 
     def _recover(self) -> None:
         """The head of the current branch (flowcheck/branches.py) is what the next snapshot descends from."""
-        hist = self.store.history()
-        if not hist.states:
-            return
         try:
+            if not self.store.history().states:
+                return
             tier, step = self.store.locate("latest")
             best = tier.manifest(step, check_signature=False)
         except FlowcheckError as e:

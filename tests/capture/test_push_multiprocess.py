@@ -102,6 +102,9 @@ def test_resume_from_a_stored_step_continues_bit_identically_and_forks_lineage(n
     node.wait_step(8)
     assert node.post("/snapshot")[0] == 200
     store = open_store(node.config)
-    m8 = store.local.manifest(8)
+    m8 = store.manifest(8, "local")  # on the current branch: the one the resumed trainer started
+    branch = store.find(8, "local").branch
+    assert branch != "main" and store.history().fork(branch).step == 3
     assert m8.parent.step == 3 and m8.parent.manifest_digest == store.local.manifest(3).digest()
     assert store.local.manifest(5).parent.step == 3  # step 3 now has two children: a fork
+    assert store.manifest(5, "local", branch="main") == store.local.manifest(5)  # the abandoned 5 stays addressable
