@@ -1,11 +1,16 @@
 """Restarts and rollbacks through a real node: parents follow what each state descends from, nothing is dropped."""
 from __future__ import annotations
 
+import dataclasses
+import os
+import shutil
+
 import numpy as np
+import pytest
 import torch
 
 from flowcheck.branches import MAIN
-from flowcheck.store import open_store
+from flowcheck.store import Store, open_store
 from flowcheck.torch.checkpointer import Checkpointer
 
 from .conftest import NodeProcess
@@ -102,3 +107,117 @@ def test_rollback_keeps_both_branches_bit_exact_and_latest_follows_the_new_one(t
         assert f'flowcheck_branch_head_step{{branch="{current}",current="1"}} 30.0' in metrics
     finally:
         node.stop()
+
+
+class _PolicyNode(NodeProcess):
+    """A node whose own policy snapshots and promotes (every 5 steps locally, every second to the object
+    tier, keep the last 3 of each), as a production node runs."""
+
+    def __init__(self, root: str, object_url: str) -> None:
+        super().__init__(root)
+        with open(self.config, "w") as f:
+            f.write(
+                f"run: gpt\ntiers:\n  local:\n    root: {root}/local\n  object:\n    url: {object_url}\n"
+                "policy:\n  local:\n    every_steps: 5\n    keep_last: 3\n"
+                "  object:\n    every_seconds: 1\n    keep_last: 3\n    keep_hourly: 0\n    keep_daily: 0\n"
+                f"serve:\n  push: 127.0.0.1:{self.push_port}\n  http: 127.0.0.1:{self.http_port}\n"
+            )
+
+
+def _train(ck, model, opt, gen, steps) -> dict[int, dict]:
+    """Train and push every step; what the trainer held at each one."""
+    held = {}
+    for step in steps:
+        _train_step(model, opt, gen)
+        assert ck.save(step)
+        held[step] = _expected(model, opt)
+    assert ck.flush(20), ck.stats.last_error
+    return held
+
+
+def _every_state_is_what_its_trainer_held(store, old: dict, new: dict, current: str) -> int:
+    """Each committed state, on either branch and in either tier, equals the trainer's state at its step."""
+    checked = 0
+    for t in store.tiers(include_memory=False):
+        for bt in store.branch_tiers(t.name):
+            for step in bt.steps():
+                want = new[step] if bt.branch == current else old[step]
+                for name, arr in want.items():
+                    assert np.array_equal(bt.read(step, name), arr), (t.name, bt.branch, step, name)
+                checked += 1
+    return checked
+
+
+def _rollback_end_to_end(tmp_path, object_url: str) -> None:
+    import subprocess
+    import sys
+    import time
+
+    node = _PolicyNode(str(tmp_path), object_url).start()
+    try:
+        model, opt = _model()
+        with Checkpointer(model, opt, node=node.url, run="gpt", timeout_s=20) as ck:
+            old = _train(ck, model, opt, torch.Generator().manual_seed(1), range(1, 61))
+        node.wait_step(60)
+        time.sleep(2.5)  # the policy's last snapshot and promotion land
+        # the run diverged: restore from the second-newest local state and continue with another learning
+        # rate and data order (the node's policy picked the step numbers it snapshotted)
+        fork_at = open_store(node.config).local.steps()[-2]
+        model2, opt2 = _model(seed=5)
+        with Checkpointer(model2, opt2, node=node.url, run="gpt", timeout_s=20) as ck2:
+            assert ck2.load(fork_at, config=node.config) == fork_at
+            for g in opt2.param_groups:
+                g["lr"] = 3e-3
+            new = _train(ck2, model2, opt2, torch.Generator().manual_seed(99), range(fork_at + 1, 67))
+        new.update({s: old[s] for s in range(1, fork_at + 1)})  # the shared past, as the new branch's path sees it
+        node.wait_step(66)
+        assert node.post("/snapshot")[0] == 200
+        time.sleep(2.5)
+        status = node.get("/status")
+    finally:
+        node.stop()
+    store = open_store(node.config)
+    hist = store.history()
+    current = hist.current()
+    assert current != MAIN and hist.fork(current).step == fork_at and status["lineage"]["current"] == current
+    assert _every_state_is_what_its_trainer_held(store, old, new, current) >= 6
+    # a plain step number is the new branch's; --branch reaches the old one (kept: within its grace)
+    abandoned = [s for s in store.local.steps() if s > fork_at]
+    assert abandoned and 66 in hist.own_steps(current)
+    for step in abandoned:
+        tier = store.find(step, "local", branch=MAIN)
+        assert np.array_equal(tier.read(step, "0.weight"), old[step]["0.weight"])
+    for step in hist.own_steps(current):
+        assert store.find(step).branch == current
+    env = dict(os.environ)
+    cli = [sys.executable, "-m", "flowcheck"]
+    audit = subprocess.run(cli + ["audit", "--config", node.config], capture_output=True, text=True, env=env)
+    assert audit.returncode == 0, audit.stdout + audit.stderr
+    assert "fork" in audit.stdout
+    shown = subprocess.run(cli + ["show", "--step", str(abandoned[-1]), "--branch", MAIN, "--config", node.config],
+                           capture_output=True, text=True, env=env)
+    assert shown.returncode == 0 and store.local.manifest(abandoned[-1]).digest() in shown.stdout, shown.stdout
+    if shutil.which("dot"):
+        png = os.path.join(str(tmp_path), "lineage.png")
+        drawn = subprocess.run(cli + ["lineage", "--format", "png", "--out", png, "--config", node.config],
+                               capture_output=True, text=True, env=env)
+        assert drawn.returncode == 0 and os.path.getsize(png) > 0, drawn.stdout + drawn.stderr
+    # the grace ends: GC prunes the abandoned future, keeps the new branch's last 3, and says so
+    cfg = dataclasses.replace(store.config, policy=dataclasses.replace(
+        store.config.policy, local=dataclasses.replace(store.config.policy.local, keep_abandoned_hours=0)))
+    report = Store(cfg).gc(tiers=["local"])
+    assert {k.branch for k in report.deleted["local"]} <= {MAIN, current}
+    assert set(abandoned) <= {k.step for k in report.deleted["local"] if k.branch == MAIN}
+    assert set(abandoned) <= set(store.local.pruned())
+    left = Store(cfg).history(["local"])
+    assert len(left.own_steps(current)) == min(3, len(hist.own_steps(current)))  # keep_last 3 along the path
+    assert not [s for s in left.own_steps(MAIN) if s > fork_at]
+
+
+def test_rollback_end_to_end_with_the_node_policy_on_a_file_object_store(tmp_path):
+    _rollback_end_to_end(tmp_path, f"file://{tmp_path}/object")
+
+
+@pytest.mark.s3
+def test_rollback_end_to_end_with_the_node_policy_on_s3(tmp_path, s3_bucket):
+    _rollback_end_to_end(tmp_path, s3_bucket)
