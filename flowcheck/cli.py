@@ -63,12 +63,7 @@ def _reading_store(config_path: str | None, run: str | None, progress: bool = Fa
     store = _store(config_path, progress=progress, run=run)
     if run is not None or any(t.steps() for t in store.tiers(include_memory=False)):
         return store
-    root = store.config.tiers.local.root
-    try:
-        runs = [d for d in sorted(os.listdir(root))
-                if os.path.isdir(os.path.join(root, d)) and any(n.startswith("step-") for n in os.listdir(os.path.join(root, d)))]
-    except OSError:
-        return store
+    runs = store.runs()
     if len(runs) == 1:
         log.info("run %r has no steps; reading the store's only run %r", store.config.run, runs[0])
         return _store(config_path, progress=progress, run=runs[0])

@@ -277,7 +277,14 @@ class Store:
             what = "any step" if step == "latest" else f"step {step}"
             raise StepNotFoundError(f"run {self.config.run!r} has no committed step in any tier (asked for {what}); "
                                     "run `flowcheck snapshot` or the demo first")
-        at = hist.resolve(step, branch)
+        try:
+            at = hist.resolve(step, branch)
+        except StepNotFoundError as e:
+            elsewhere = self._other_runs_holding(step)
+            if not elsewhere:
+                raise
+            raise type(e)(f"{e}; run{'s' if len(elsewhere) > 1 else ''} {', '.join(elsewhere)} of this store "
+                          f"hold{'s' if len(elsewhere) == 1 else ''} a step {step}: add --run {elsewhere[0]}") from None
         for t in tiers:
             if t is mem:
                 if mem.step == at.step and mem.head is not None and any(
@@ -291,6 +298,29 @@ class Store:
         raise StepNotFoundError(
             f"step {at} of run {self.config.run!r} is not committed in {prefer if prefer != 'auto' else 'any tier'}"
             f"{' (held by: ' + ', '.join(holders) + ')' if holders else ''}")
+
+    def runs(self) -> list[str]:
+        """The runs the local tier holds (folders with a committed step, on any branch)."""
+        root = self.config.tiers.local.root
+        try:
+            names = sorted(os.listdir(root))
+        except OSError:
+            return []
+        return [n for n in names if not n.startswith(".") and os.path.isdir(os.path.join(root, n))
+                and any(e.startswith("step-") or e == "branches" for e in os.listdir(os.path.join(root, n)))]
+
+    def _other_runs_holding(self, step: int | str) -> list[str]:
+        """Other runs of the local tier that hold a state at step number ``step`` (for error messages)."""
+        if not str(step).isdigit():
+            return []
+        out = []
+        for run in self.runs():
+            if run == self.config.run:
+                continue
+            main = LocalTier(self.config.tiers.local, run, **self._tier_kw)
+            if any(int(step) in t.steps() for t in [main] + [main.at_branch(b) for b in main.branch_names()]):
+                out.append(run)
+        return out
 
     def find(self, step: int | str, prefer: str = "auto", branch: str | None = None) -> Tier:
         """The fastest tier (opened at the state's branch) that holds a committed state; see ``locate``."""

@@ -1,6 +1,7 @@
 """The store: snapshot RAM -> local, promote -> object, find the fastest tier, GC safely."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 
@@ -138,3 +139,13 @@ def test_gc_aborts_stale_multipart_uploads_and_uncommitted_prefixes(tmp_path, s3
     assert any(c.startswith("multipart:") for c in cleaned) and any("step-000000003" in c for c in cleaned)
     assert s3.list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
     assert store.object.steps() == [1] and store.object.verify(1) == []
+
+
+def test_a_step_missing_from_the_run_names_the_other_run_that_holds_it(tmp_path):
+    store = make_store(tmp_path)
+    store.local.write(make_snapshot(step=1))
+    other = Store(dataclasses.replace(store.config, run="r2"))
+    other.local.write(make_snapshot(run="r2", step=7))
+    assert store.runs() == ["r1", "r2"]
+    with pytest.raises(StepNotFoundError, match=r"step 7 is not committed on branch 'main' of run 'r1'.*r2.*--run r2"):
+        store.locate(7)
