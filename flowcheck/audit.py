@@ -84,7 +84,7 @@ def pruned_states(store: Store) -> dict[int, set[str | None]]:
     """Step -> digests GC deleted on purpose, over every branch (None: a record whose manifest was unreadable)."""
     out: dict[int, set[str | None]] = {}
     for tier in branch_tiers(store):
-        for step, digest in tier.pruned().items():
+        for step, digest in tier.pruned_records():
             out.setdefault(step, set()).add(digest)
     return out
 

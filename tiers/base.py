@@ -320,20 +320,30 @@ class Tier(ABC):
         import json
 
         record = {"step": step, "manifest_digest": digest, "branch": self.branch, "parent": parent}
-        self._put_record(f"pruned/{step_dir(step)}.json", json.dumps(record).encode())
+        name = f"pruned/{step_dir(step)}.json"
+        earlier = self._get_record(name)
+        if earlier is not None and digest is not None and digest.encode() not in earlier:
+            # another state was pruned at this step of this branch before (a rollback reused the number):
+            # both deletions stay on record
+            name = f"pruned/{step_dir(step)}.{digest.split(':')[-1][:16]}.json"
+        self._put_record(name, json.dumps(record).encode())
         self._manifest_cache.pop(step, None)
         self._delete(step)
 
     def pruned(self) -> dict[int, str | None]:
-        """Steps deleted on purpose (by GC) -> their manifest digests."""
+        """Steps deleted on purpose (by GC) -> their manifest digests (the newest record per step)."""
+        return dict(self.pruned_records())
+
+    def pruned_records(self) -> list[tuple[int, str | None]]:
+        """Every deletion on record: (step, manifest digest) — a step number may have been pruned twice."""
         import json
 
-        out = {}
+        out = []
         for name in self._list_records("pruned"):
             raw = self._get_record(f"pruned/{name}")
             try:
                 rec = json.loads(raw or b"")
-                out[int(rec["step"])] = rec.get("manifest_digest")
+                out.append((int(rec["step"]), rec.get("manifest_digest")))
             except (ValueError, KeyError, TypeError):
                 log.warning("%s tier: unreadable pruning record %s", self.name, name)
         return out
