@@ -137,13 +137,19 @@ def test_gc_past_the_grace_deletes_an_abandoned_branch_and_never_the_current_one
 
 
 # ---- c. parents after a rollback ------------------------------------------------------------------
-def test_a_step_after_a_rollback_descends_from_the_new_branch_never_the_abandoned_step(tmp_path):
+def _rolled_back_past_260(tmp_path) -> tuple[Store, Manifest, Manifest]:
+    """Main holds 250 and 260; RAM is rolled back to 250 (260 is the abandoned future)."""
     store = make_store(str(tmp_path))
     store.push(make_snapshot(step=250))
     m250 = store.snapshot()
     advance(store, 260)
     abandoned = store.snapshot()
     rollback(store, 250)
+    return store, m250, abandoned
+
+
+def test_a_step_after_a_rollback_descends_from_the_new_branch_never_the_abandoned_step(tmp_path):
+    store, m250, abandoned = _rolled_back_past_260(tmp_path)
     advance(store, 260)  # a different 260: RAM was rolled back, then advanced once
     advance(store, 260)
     new260 = store.snapshot()
@@ -155,12 +161,7 @@ def test_a_step_after_a_rollback_descends_from_the_new_branch_never_the_abandone
 
 
 def test_a_step_straight_after_a_rollback_descends_from_the_state_rolled_back_to(tmp_path):
-    store = make_store(str(tmp_path))
-    store.push(make_snapshot(step=250))
-    m250 = store.snapshot()
-    advance(store, 260)
-    abandoned = store.snapshot()
-    rollback(store, 250)
+    store, m250, abandoned = _rolled_back_past_260(tmp_path)
     advance(store, 270)
     m270 = store.snapshot()
     assert m270.parent == m250.parent_ref() and m270.parent != abandoned.parent_ref()

@@ -17,13 +17,13 @@ from .conftest import NodeProcess
 from .test_push_node import _expected, _model, _train_step
 
 
-def _push(node: NodeProcess, ck: Checkpointer, model, opt, gen, steps, snap_every: int) -> dict[int, dict]:
-    """Train and push ``steps``; snapshot on the node after each multiple of ``snap_every``; what was held then."""
+def _push(node: NodeProcess, ck: Checkpointer, model, opt, gen, steps, snap_at) -> dict[int, dict]:
+    """Train and push ``steps``; snapshot on the node after each step in ``snap_at``; what was held then."""
     held = {}
     for step in steps:
         _train_step(model, opt, gen)
         assert ck.save(step)
-        if step % snap_every == 0:
+        if step in snap_at:
             assert ck.flush(20), ck.stats.last_error
             node.wait_step(step)
             status, body = node.post("/snapshot")
@@ -46,23 +46,11 @@ def test_restart_from_latest_parents_are_the_previous_commit(tmp_path):
         model, opt = _model()
         gen = torch.Generator().manual_seed(1)
         with Checkpointer(model, opt, node=node.url, run="gpt", timeout_s=20) as ck:
-            for step in range(4, 8):
-                _train_step(model, opt, gen)
-                assert ck.save(step)
-                if step in (5, 7):
-                    assert ck.flush(20)
-                    node.wait_step(step)
-                    assert node.post("/snapshot")[0] == 200
+            _push(node, ck, model, opt, gen, range(4, 8), snap_at={5, 7})
         model2, opt2 = _model(seed=3)
         with Checkpointer(model2, opt2, node=node.url, run="gpt", timeout_s=20) as ck2:
             assert ck2.load("latest", config=node.config) == 7
-            for step in range(8, 12):
-                _train_step(model2, opt2, gen)
-                assert ck2.save(step)
-                if step in (9, 11):
-                    assert ck2.flush(20)
-                    node.wait_step(step)
-                    assert node.post("/snapshot")[0] == 200
+            _push(node, ck2, model2, opt2, gen, range(8, 12), snap_at={9, 11})
         store = open_store(node.config)
         hist = store.history()
         assert hist.branches() == [MAIN], hist.branches()
@@ -80,14 +68,15 @@ def test_rollback_keeps_both_branches_bit_exact_and_latest_follows_the_new_one(t
         model, opt = _model()
         gen = torch.Generator().manual_seed(1)
         with Checkpointer(model, opt, node=node.url, run="gpt", timeout_s=20) as ck:
-            old = _push(node, ck, model, opt, gen, range(1, 31), snap_every=5)
+            old = _push(node, ck, model, opt, gen, range(1, 31), snap_at=range(5, 31, 5))
         # the run diverged: roll back to 20 and continue with another learning rate and data order
         model2, opt2 = _model(seed=7)
         with Checkpointer(model2, opt2, node=node.url, run="gpt", timeout_s=20) as ck2:
             assert ck2.load(20, config=node.config) == 20
             for g in opt2.param_groups:
                 g["lr"] = 3e-3
-            new = _push(node, ck2, model2, opt2, torch.Generator().manual_seed(99), range(21, 33), snap_every=5)
+            new = _push(node, ck2, model2, opt2, torch.Generator().manual_seed(99), range(21, 33),
+                        snap_at=range(25, 33, 5))
         store = open_store(node.config)
         hist = store.history()
         current = hist.current()
