@@ -13,7 +13,7 @@ import pytest
 
 from flowcheck.branches import MAIN, BranchRecord, Fork, History, Located, StateInfo
 from flowcheck.config import TierPolicy
-from flowcheck.errors import AmbiguousStepError, StepNotFoundError
+from flowcheck.errors import AmbiguousStepError, ManifestError, StepNotFoundError
 from flowcheck.manifest import ParentRef
 from flowcheck.tiers.retention import StepInfo, plan
 
@@ -272,3 +272,21 @@ def test_time_buckets_count_along_the_current_path_only():
     assert set(p.delete) == {Located(3), Located(4)}
     assert all(why.startswith("abandoned branch main") for why in p.why_deleted.values())
     assert p.keep[Located(1)].startswith("hourly") and p.keep[Located(2)].startswith("hourly")
+
+
+def test_branch_record_bytes_are_pinned():
+    """branches/<name>/branch.json is part of the on-disk contract: its exact bytes are pinned."""
+    rec = BranchRecord("b250-260", Fork(MAIN, 250, "sha256:" + "ab" * 32), "2026-12-01T00:00:00.000000Z")
+    raw = rec.to_bytes()
+    assert raw == (b'{"created_at":"2026-12-01T00:00:00.000000Z","fork":{"branch":"main","manifest_digest":"sha256:'
+                   + b"ab" * 32 + b'","step":250},"name":"b250-260"}\n')
+    assert BranchRecord.parse(raw, "x") == rec
+    root = BranchRecord("root-7", None, "2026-12-01T00:00:00.000000Z")
+    assert root.to_bytes() == b'{"created_at":"2026-12-01T00:00:00.000000Z","fork":null,"name":"root-7"}\n'
+
+
+@pytest.mark.parametrize("raw", [b"", b"[]", b'{"name":"../x","fork":null,"created_at":""}',
+                                 b'{"name":"b1","fork":{"step":"x"},"created_at":""}'])
+def test_a_malformed_branch_record_is_a_clear_error(raw):
+    with pytest.raises(ManifestError, match="expected a branch record"):
+        BranchRecord.parse(raw, "local tier r/branches/b1/branch.json")

@@ -195,8 +195,11 @@ class Node:
         return out
 
     def branches(self) -> dict[str, Any]:
-        """The run's branches: which is current, each one's head and fork point (flowcheck/branches.py)."""
-        hist = self.store.history()
+        """The run's branches: which is current, each one's head and fork point (flowcheck/branches.py).
+
+        Lists the local tier now and takes the object tier as its last promotion or GC saw it, so /status
+        and a scrape never wait on a slow object store."""
+        hist = self.store.history(live={"local"})
         out = {}
         for b in hist.branches():
             fork = hist.fork(b)

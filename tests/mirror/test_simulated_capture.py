@@ -114,3 +114,33 @@ def test_lost_boundary_packets_never_shift_an_allreduce_onto_another(tmp_path, s
         assert wrong == [], f"m={m}: complete but wrong: {wrong}"
         if m == 3:
             assert sum(not a.complete for a in got) <= 2  # no lasting misalignment
+
+
+def test_a_capture_into_a_run_that_holds_its_step_number_keeps_both_states(tmp_path):
+    """Issue reproduction: a state stored at step 4, then a capture whose 4th iteration is step 4 — the
+    captured state was never written. Now it lands on a new root branch, bit-exact, and is what `latest`
+    and `--step 4` mean; the first state stays on main."""
+    from click.testing import CliRunner
+
+    from flowcheck.cli import main
+    from flowcheck.store import open_store
+
+    run = CliRunner().invoke
+    sim = tmp_path / "sim"
+    assert run(main, ["simulate", "--dp", "2", "--iters", "4", "--channels", "2", "--out", str(sim)]).exit_code == 0
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("run: sim\ntiers: {local: {root: ./loc}, object: {url: file://./obj}}\n")
+    other = str(sim / "truth" / "step-2.safetensors")
+    r = run(main, ["snapshot", "--config", str(cfg), "--state", other, "--step", "4"])
+    assert r.exit_code == 0, r.output
+    pcaps = sorted(str(p) for p in sim.glob("mirror-*.pcap"))
+    r = run(main, ["capture", "--config", str(cfg), "--job", str(sim / "job.yaml"), "--pcap", *pcaps, "--json"])
+    assert r.exit_code == 0, r.output
+    truth = str(sim / "truth" / "step-4.safetensors")
+    for step in ("4", "latest"):
+        r = run(main, ["diff", "--config", str(cfg), "--step", step, "--against", truth])
+        assert r.exit_code == 0 and "bit-exact" in r.output, r.output
+    r = run(main, ["diff", "--config", str(cfg), "--step", "4", "--branch", "main", "--against", other])
+    assert r.exit_code == 0 and "bit-exact" in r.output, r.output
+    hist = open_store(str(cfg)).history()
+    assert hist.current() == "root-4" and hist.records["root-4"].fork is None
