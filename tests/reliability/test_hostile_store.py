@@ -1,0 +1,98 @@
+"""Careless and hostile input at the store: GC never empties a tier, nothing unreadable is committed.
+
+Each test is the attack (or the accident) of issue 21's items 3, 5 and 13, run against real tiers.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+
+from flowcheck.branches import Located, check_branch
+from flowcheck.config import SigningConfig
+from flowcheck.errors import FlowcheckError, ManifestError, UnsafeNameError
+from flowcheck.manifest import ParentRef
+from flowcheck.state import check_name
+from flowcheck.store import Store
+from tests.helpers import make_snapshot
+from tests.test_store import make_store
+
+
+def _committed(store: Store, steps) -> Store:
+    for step in steps:
+        store.local.write(make_snapshot(step=step, seed=step))
+    return store
+
+
+def _flip_a_byte(path: str) -> None:
+    with open(path, "r+b") as f:
+        f.seek(40)
+        b = f.read(1)
+        f.seek(40)
+        f.write(bytes([b[0] ^ 1]))
+
+
+def test_gc_never_deletes_the_newest_readable_step_for_damaged_newer_ones(tmp_path):
+    store = _committed(make_store(tmp_path, local_keep=1), (1, 2, 3, 4))
+    for step in (3, 4):  # the two newest manifests each lose a bit
+        _flip_a_byte(os.path.join(store.local.root, f"step-00000000{step}", "manifest.json"))
+    report = Store(store.config).gc(tiers=["local"])
+    assert report.deleted["local"] == [Located(1)]
+    assert store.local.steps() == [2, 3, 4]
+    assert store.local.load(2).step == 2  # still restorable
+    assert "unclassifiable" in report.kept["local"][Located(3)]
+    assert Store(store.config).locate("latest")[1] == 2
+
+
+def test_gc_with_signing_required_keeps_the_newest_signed_step_over_unsigned_newer_ones(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLOWCHECK_HMAC_KEY", "k" * 32)
+    store = _committed(make_store(tmp_path, local_keep=1), (1, 2))  # signed
+    monkeypatch.delenv("FLOWCHECK_HMAC_KEY")
+    _committed(Store(store.config), (3, 4))  # an unsigned writer slipped two newer steps in
+    monkeypatch.setenv("FLOWCHECK_HMAC_KEY", "k" * 32)
+    cfg = dataclasses.replace(store.config, signing=SigningConfig(required=True))
+    report = Store(cfg).gc(tiers=["local"])
+    assert report.deleted["local"] == [Located(1)]
+    assert Store(cfg).local.steps() == [2, 3, 4]
+    assert Store(cfg).locate("latest")[1] == 2  # "latest" is the newest state a reader will accept
+
+
+def test_a_writer_that_must_sign_and_cannot_refuses_to_commit(tmp_path, monkeypatch):
+    monkeypatch.delenv("FLOWCHECK_HMAC_KEY", raising=False)
+    store = make_store(tmp_path)
+    store = Store(dataclasses.replace(store.config, signing=SigningConfig(required=True)))
+    with pytest.raises(ManifestError, match="signing is required.*no key is set.*nothing was written"):
+        store.local.write(make_snapshot(step=1))
+    assert not os.path.exists(store.local.root) or os.listdir(store.local.root) == []
+
+
+@pytest.mark.parametrize("digest", ["sha256:xyz", "sha256:" + "A" * 64, "md5:" + "0" * 32, ""])
+def test_a_malformed_parent_digest_is_refused_before_anything_is_written(tmp_path, digest):
+    store = make_store(tmp_path)
+    with pytest.raises(ManifestError, match="parent.manifest_digest"):
+        store.write(make_snapshot(step=2), "local", ParentRef(1, digest))
+    assert store.local.steps() == [] and store.local.incomplete() == []
+
+
+def test_a_negative_parent_step_is_refused(tmp_path):
+    store = make_store(tmp_path)
+    with pytest.raises(ManifestError, match="parent.step"):
+        store.write(make_snapshot(step=2), "local", ParentRef(-1, "sha256:" + "0" * 64))
+
+
+def test_a_step_number_the_folder_names_cannot_hold_is_refused(tmp_path):
+    store = make_store(tmp_path)
+    with pytest.raises(FlowcheckError, match="from 0 to 999,999,999"):
+        store.write(make_snapshot(step=1_000_000_000), "local")
+    assert not os.path.exists(store.local.root) or os.listdir(store.local.root) == []
+    store.write(make_snapshot(step=999_999_999), "local")
+    assert store.local.steps() == [999_999_999]
+
+
+@pytest.mark.parametrize("name", ["weight\n", "a.b\n", "ok\nevil"])
+def test_names_with_a_newline_are_refused(name):
+    with pytest.raises(UnsafeNameError):
+        check_name(name)
+    with pytest.raises(FlowcheckError):
+        check_branch(name)
