@@ -43,3 +43,19 @@ def test_never_deletes_newest_or_unclassifiable():
 def test_empty_tier_plans_nothing():
     p = plan([], TierPolicy())
     assert p.keep == {} and p.delete == ()
+
+
+def test_a_clock_stepped_back_never_makes_the_buckets_keep_older_steps_over_newer():
+    """Steps 0-5 an hour apart; then the clock is stepped back two days and steps 6-8 are committed. The hourly
+    buckets must keep the newest steps, not the old ones whose timestamps now look the newest."""
+    steps = [StepInfo(i, T0 + timedelta(hours=i)) for i in range(6)]
+    steps += [StepInfo(i, T0 - timedelta(days=2) + timedelta(minutes=i)) for i in range(6, 9)]
+    p = plan(steps, TierPolicy(keep_last=1, keep_hourly=2), now=T0 + timedelta(hours=6))
+    kept = sorted(k.step for k in p.keep)
+    assert kept == [4, 8], kept  # the head, and the newest step of each of the last two hours
+
+
+def test_a_timestamp_in_the_future_counts_as_now():
+    steps = [StepInfo(i, T0 + timedelta(hours=i)) for i in range(5)] + [StepInfo(5, T0 + timedelta(days=30))]
+    p = plan(steps, TierPolicy(keep_last=1, keep_hourly=3), now=T0 + timedelta(hours=5))
+    assert {k.step for k in p.keep} == {5, 4, 3}

@@ -9,7 +9,7 @@ A state whose time cannot be read is kept: GC never deletes what it cannot class
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta, timezone
 
 from flowcheck.branches import MAIN, Located, parse_time
@@ -45,22 +45,20 @@ def plan(steps: list[StepInfo], policy: TierPolicy, now: datetime | None = None)
         if s.created_at is None:
             keep[s.key] = "unclassifiable (manifest unreadable)"
     # unreadable states are kept above, and count neither as the head nor toward keep-last-N: a damaged
-    # manifest must not push every readable state out
-    path = sorted((s for s in steps if s.on_path and s.created_at is not None), key=lambda s: s.step)
+    # manifest must not push every readable state out. Times: see _monotone
+    path = _monotone(sorted((s for s in steps if s.on_path and s.created_at is not None), key=lambda s: s.step), now)
+    off = [replace(s, created_at=min(s.created_at, now)) for s in steps if not s.on_path and s.created_at is not None]
     if path:
         keep.setdefault(path[-1].key, "head of the current branch")
-        head_time = path[-1].created_at
-        for s in steps:
-            if head_time is not None and s.created_at is not None and s.created_at > head_time:
+        for s in off:
+            if s.created_at > path[-1].created_at:
                 keep.setdefault(s.key, "committed after the current head")
-    timed_all = [s for s in steps if s.created_at is not None]
-    if timed_all:
-        keep.setdefault(max(timed_all, key=lambda s: (s.created_at, s.step)).key, "newest committed")
+    if path or off:
+        keep.setdefault(max(path + off, key=lambda s: (s.created_at, s.step)).key, "newest committed")
     for s in path[-policy.keep_last:]:
         keep.setdefault(s.key, f"last {policy.keep_last}")
-    timed = path
-    _bucket(timed, policy.keep_hourly, "%Y-%m-%dT%H", "hourly", keep)
-    _bucket(timed, policy.keep_daily, "%Y-%m-%d", "daily", keep)
+    _bucket(path, policy.keep_hourly, "%Y-%m-%dT%H", "hourly", keep)
+    _bucket(path, policy.keep_daily, "%Y-%m-%d", "daily", keep)
     why_deleted: dict[Located, str] = {}
     grace = timedelta(hours=policy.keep_abandoned_hours)
     for s in steps:
@@ -77,6 +75,18 @@ def plan(steps: list[StepInfo], policy: TierPolicy, now: datetime | None = None)
             why_deleted[s.key] = f"abandoned branch {s.branch} (no commit for {policy.keep_abandoned_hours:g} h)"
     delete = tuple(sorted(why_deleted, key=lambda k: (k.step, k.branch)))
     return RetentionPlan(keep, delete, why_deleted)
+
+
+def _monotone(path: list[StepInfo], now: datetime) -> list[StepInfo]:
+    """The path's commit times as the buckets see them: never after ``now`` and never earlier than a smaller
+    step's along the path — a clock stepped back (or a host running ahead) must not make a newer state look
+    older and let the buckets keep an older one in its place."""
+    out, latest = [], None
+    for s in path:  # ordered by step: the commit order along one lineage
+        t = min(s.created_at, now)
+        latest = t if latest is None else max(latest, t)
+        out.append(replace(s, created_at=latest))
+    return out
 
 
 def _bucket(timed: list[StepInfo], count: int, fmt: str, label: str, keep: dict[Located, str]) -> None:
