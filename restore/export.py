@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import tempfile
 from collections.abc import Callable
 
 import torch
@@ -62,8 +63,11 @@ def _names(manifest: Manifest, include_optimizer: bool) -> list[str]:
 
 
 def _atomic(out: str, write) -> int:
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    tmp = f"{out}.partial"
+    folder = os.path.dirname(os.path.abspath(out))
+    os.makedirs(folder, exist_ok=True)
+    # a fresh name created O_EXCL in the target folder: a planted `<out>.partial` symlink is never followed
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(out)}.", suffix=".partial")
+    os.close(fd)
     try:
         write(tmp)
         fsync_file(tmp)  # the bytes are durable before the final name points at them

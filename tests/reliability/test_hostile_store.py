@@ -96,3 +96,19 @@ def test_names_with_a_newline_are_refused(name):
         check_name(name)
     with pytest.raises(FlowcheckError):
         check_branch(name)
+
+
+def test_export_never_follows_a_planted_partial_symlink(tmp_path):
+    """Item 11: a `<out>.partial` symlink planted next to the output must not redirect the export's write."""
+    from flowcheck.restore.export import export_file
+
+    store = make_store(tmp_path)
+    m = store.local.write(make_snapshot(step=10))
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    out = tmp_path / "out" / "model.safetensors"
+    out.parent.mkdir()
+    os.symlink(victim, str(out) + ".partial")
+    export_file(store.local, m, str(out))
+    assert victim.read_text() == "precious" and out.stat().st_size > 0
+    assert sorted(p.name for p in out.parent.iterdir()) == ["model.safetensors", "model.safetensors.partial"]
