@@ -30,12 +30,12 @@ from flowcheck.manifest import ParentRef, canonical_json, now_utc
 MAIN = "main"
 BRANCHES = "branches"  # folder under the run root that holds every branch but main
 RECORD = "branch.json"
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # whole name: fullmatch
 
 
 def check_branch(name: str) -> str:
     """A branch name is one safe path component: letters, digits, '.', '_', '-' (at most 64)."""
-    if not isinstance(name, str) or not _NAME.match(name) or name.endswith(".tmp"):
+    if not isinstance(name, str) or not _NAME.fullmatch(name) or name.endswith(".tmp"):
         raise FlowcheckError(
             f"branch name {name!r}: expected letters, digits, '.', '_' or '-' (at most 64, not starting with "
             "'.' or '-'); see `flowcheck ls` for the run's branches"
@@ -100,6 +100,7 @@ class StateInfo:
     digest: str | None  # None: the manifest could not be read (kept, never guessed at)
     parent: ParentRef | None
     created_at: datetime | None
+    trusted: bool = True  # False: its signature is missing or wrong where signing is required/on
 
 
 @dataclass(frozen=True, order=True)
@@ -130,6 +131,9 @@ class History:
         self._own: dict[str, set[int]] = {}
         for s in self.states:
             self._own.setdefault(s.branch, set()).add(s.step)
+        # states no tier can vouch for (unreadable, or failing a required signature): never "latest"
+        trusted = {(s.step, s.branch) for s in self.states if s.trusted and s.digest is not None}
+        self._doubtful = {(s.step, s.branch) for s in self.states} - trusted
 
     # ---- structure -------------------------------------------------------
     def branches(self) -> list[str]:
@@ -144,7 +148,7 @@ class History:
         return rec.fork if rec is not None else None
 
     def last_commit(self, branch: str) -> datetime | None:
-        times = [s.created_at for s in self.states if s.branch == branch and s.created_at is not None]
+        times = [s.created_at for s in self.states if s.branch == branch and s.created_at is not None and s.trusted]
         return max(times, default=None)
 
     def current(self) -> str:
@@ -201,7 +205,8 @@ class History:
             if not path:
                 raise StepNotFoundError(f"run {self.run!r} has no committed step on branch {b!r}; "
                                         "run `flowcheck snapshot` or the demo first")
-            n = max(path)
+            vouched = [n for n in path if (n, path[n]) not in self._doubtful]
+            n = max(vouched or path)
             return Located(n, path[n])
         n = int(step)
         if n in path:

@@ -118,6 +118,25 @@ class ParentRef:
     manifest_digest: str
 
 
+def check_parent(parent: ParentRef, where: str) -> ParentRef:
+    """A parent reference about to be committed: what the manifest parser would accept, checked first."""
+    r = _Reader(where)
+    raw = {"step": parent.step, "manifest_digest": parent.manifest_digest}
+    step = r.get(raw, "step", int, "parent.step", "a non-negative integer")
+    if step < 0:
+        raise r.fail("parent.step", "a non-negative integer", step)
+    r.digest(raw, "manifest_digest", "parent.manifest_digest", "sha256")
+    return parent
+
+
+def validated_bytes(m: Manifest, where: str) -> bytes:
+    """The file form of a manifest about to be committed, parsed back by the readers' own parser first:
+    what a writer commits, every reader accepts."""
+    raw = m.to_bytes()
+    parse(raw, where)
+    return raw
+
+
 def now_utc() -> str:
     return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 

@@ -23,12 +23,12 @@ from flowcheck.errors import FlowcheckError, UnsafeNameError
 # models are all "replicated".
 ROLES = ("replicated", "column", "row", "vocab", "qkv", "swiglu_fc1", "expert")
 
-_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
+_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*")  # whole name (fullmatch: '$' would let a '\n' through)
 
 
 def check_name(name: str, what: str = "tensor name") -> str:
     """Refuse names that could escape a directory or a zarr/safetensors namespace."""
-    if not isinstance(name, str) or not _NAME_RE.match(name) or ".." in name or name.startswith("__"):
+    if not isinstance(name, str) or not _NAME_RE.fullmatch(name) or ".." in name or name.startswith("__"):
         raise UnsafeNameError(
             f"{what} {name!r} is not allowed: expected letters, digits, '_', '-', '.' "
             "(no '/', no '..', no leading '.' or '__')"

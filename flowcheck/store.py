@@ -19,7 +19,7 @@ import numpy as np
 from flowcheck import config as config_mod
 from flowcheck.branches import MAIN, BranchRecord, History, Located, StateInfo, check_branch, parse_time
 from flowcheck.config import Config
-from flowcheck.errors import FlowcheckError, StepNotFoundError, TierError
+from flowcheck.errors import FlowcheckError, ManifestError, StepNotFoundError, TierError
 from flowcheck.manifest import Manifest, ParentRef, signing_key
 from flowcheck.progress import Progress, counter
 from flowcheck.state import Snapshot
@@ -368,8 +368,9 @@ class Store:
         for t in chosen:
             with self._locks[t.name]:
                 policy = getattr(self.config.policy, t.name)
-                infos = [retention.StepInfo(s.step, s.created_at, s.branch, Located(s.step, s.branch) in on_path,
-                                            abandoned_at.get(s.branch))
+                # a state that fails its signature check is kept and counts for nothing, as an unreadable one
+                infos = [retention.StepInfo(s.step, s.created_at if s.trusted else None, s.branch,
+                                            Located(s.step, s.branch) in on_path, abandoned_at.get(s.branch))
                          for s in hist.states if s.tier == t.name]
                 plan = retention.plan(infos, policy)
                 report.kept[t.name] = plan.keep
@@ -396,7 +397,13 @@ def _state_info(tier: Tier, step: int) -> StateInfo:
         log.warning("%s tier %s step %d: manifest unreadable (%s); kept, never guessed at", tier.name, tier.branch,
                     step, e)
         return StateInfo(tier.name, tier.branch, step, None, None, None)
-    return StateInfo(tier.name, tier.branch, step, m.digest(), m.parent, parse_time(m.created_at))
+    try:
+        tier._check_signature(m)  # noqa: SLF001 - the tier's own rule, applied to a listing
+        trusted = True
+    except ManifestError as e:
+        log.warning("%s", e)
+        trusted = False
+    return StateInfo(tier.name, tier.branch, step, m.digest(), m.parent, parse_time(m.created_at), trusted)
 
 
 def open_store(cfg: Config | str | None = None, *, progress: bool = False) -> Store:

@@ -29,8 +29,10 @@ from flowcheck.manifest import (
     Producer,
     ShardEntry,
     TensorEntry,
+    check_parent,
     now_utc,
     parse,
+    validated_bytes,
 )
 from flowcheck.progress import Progress
 from flowcheck.state import Shard, Snapshot
@@ -38,6 +40,7 @@ from flowcheck.state import Shard, Snapshot
 log = logging.getLogger(__name__)
 
 STEP_DIR = "step-{step:09d}"
+MAX_STEP = 999_999_999  # what STEP_DIR's nine digits hold (a wider number would be invisible to listings)
 
 
 def step_dir(step: int) -> str:
@@ -157,6 +160,7 @@ class Tier(ABC):
 
     name: str = "tier"
     verifies_reads: bool = True  # read() checks every whole shard it reads against the manifest's digest
+    stores: bool = True  # a persistent tier: what it commits is signed (when signing is on) and validated
 
     def __init__(self, run: str, *, node: str = "", signing_key: bytes | None = None, require_signature: bool = False,
                  branch: str = MAIN):
@@ -245,6 +249,8 @@ class Tier(ABC):
         """Commit a snapshot as a step; ``progress`` (a tqdm bar fits) counts the bytes written."""
         if snapshot.run != self.run:
             raise FlowcheckError(f"{self.name} tier: expected a snapshot of run {self.run!r}, found run {snapshot.run!r}")
+        if self.stores:
+            self._check_writable(snapshot, parent)
         m = self._write(snapshot, parent, progress=progress)
         log.info("%s tier: committed %s step %d (%d bytes)", self.name, self.run, m.step, m.nbytes)
         return m
@@ -410,8 +416,23 @@ class Tier(ABC):
                 on_bytes(math.prod(entry.shape) * dtypes.dtype(t.dtype).itemsize)
         return problems
 
+    def _check_writable(self, snapshot: Snapshot, parent: ParentRef | None) -> None:
+        """Refuse, before anything is written, what would commit a manifest no reader accepts."""
+        where = f"{self.name} tier {self.rel}/{step_dir(snapshot.step) if 0 <= snapshot.step <= MAX_STEP else '?'}"
+        if not 0 <= snapshot.step <= MAX_STEP:
+            raise FlowcheckError(f"{where}: step {snapshot.step}: expected a step number from 0 to {MAX_STEP:,} "
+                                 "(nine digits in the step folder name); nothing was written")
+        if self.require_signature and not self.signing_key:
+            raise ManifestError(f"{where}: signing is required (signing.required) but no key is set: export the "
+                                "variable signing.key_env names; nothing was written")
+        if parent is not None:
+            check_parent(parent, f"{where}: the parent given for the new manifest")
+
     def _sign(self, m: Manifest) -> Manifest:
-        return m.signed(self.signing_key) if self.signing_key else m
+        """The manifest to commit: signed when a key is set, and checked by the readers' own parser."""
+        m = m.signed(self.signing_key) if self.signing_key else m
+        validated_bytes(m, f"{self.name} tier {self.rel}/{step_dir(m.step)}/manifest.json (about to be committed)")
+        return m
 
     def _check_signature(self, m: Manifest) -> None:
         where = f"{self.name} tier {self.rel}/{step_dir(m.step)}/manifest.json"

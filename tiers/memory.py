@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 class MemoryTier(Tier):
     name = "memory"
     verifies_reads = False  # RAM is the live state, not a stored copy: nothing to check it against
+    stores = False  # the live state: its manifest is a view, never committed
 
     def __init__(self, config: MemoryConfig, run: str, **kw) -> None:
         super().__init__(run, **kw)

@@ -23,7 +23,7 @@ DTYPES = {"float32": 4, "bfloat16": 2, "int32": 4}
 REDUCTIONS = ("avg", "sum", "sum-then-divide")
 OPTIMIZERS = ("sgd", "adam", "adamw")
 IMPLS = ("single", "foreach", "fused")
-_MAC = re.compile(r"^[0-9a-f]{2}(:[0-9a-f]{2}){5}$")
+_MAC = re.compile(r"[0-9a-f]{2}(:[0-9a-f]{2}){5}")
 
 
 @dataclass(frozen=True)
@@ -295,7 +295,7 @@ def _member(raw: Any, i: int) -> Member:
     macs = [macs] if isinstance(macs, str) else _list(macs, f"{where}.mac")
     ips = [ips] if isinstance(ips, str) else _list(ips, f"{where}.ip")
     for mac in macs:
-        if not isinstance(mac, str) or not _MAC.match(mac.lower()):
+        if not isinstance(mac, str) or not _MAC.fullmatch(mac.lower()):
             raise JobError(f"{where}.mac: expected aa:bb:cc:dd:ee:ff, found {mac!r}")
     norm = []
     for ip in ips:
