@@ -468,7 +468,9 @@ def diff(config_path, step, branch, run, reference, prefer, as_json):
 @click.option("--arch", "arch_path", default=None, type=click.Path(dir_okay=False, exists=True),
               help="Model description when the checkpoint carries none (Megatron argument names).")
 @click.option("--tier", default="local", type=click.Choice(["local", "object"]), help="Tier to commit to.")
-@click.option("--trust-pickle", is_flag=True, help="Allow arbitrary pickled objects in .pt files (trusted sources only).")
+@click.option("--trust-pickle", is_flag=True,
+              help="Allow arbitrary pickled objects in the checkpoint's .pt files and DCP .metadata "
+                   "(trusted sources only: unpickling can run code).")
 @click.argument("source", type=click.Path(exists=True))
 @_handled
 def import_(config_path, run, step, arch_path, tier, trust_pickle, source):

@@ -5,7 +5,9 @@ Sources: a Megatron checkpoint directory (legacy ``mp_rank_*`` files or
 a model-shaped form) or a safetensors file of canonical names.  Every rank's
 tensors are recorded as shards in the canonical index space with the same
 rules restore cuts with, so a TP=4 import restores at TP=2.  Nothing is
-unpickled beyond tensors, containers and ``argparse.Namespace``.
+unpickled beyond tensors, containers and ``argparse.Namespace`` (``.pt``) and
+the DCP metadata classes (``.metadata``) unless the user passes ``--trust-pickle``
+(see ``unpickle.py``).
 """
 from __future__ import annotations
 
@@ -22,10 +24,12 @@ import torch
 
 from flowcheck.errors import FormatError
 from flowcheck.restore.arch import ModelArch, arch_from_metadata
+from flowcheck.restore.dcp_read import StoredTensor, load_tensors, read_index
 from flowcheck.restore.megatron_common import TRACKER, iter_dirname
 from flowcheck.restore.megatron_dist import OPT_PREFIX as DIST_OPT, dist_key
 from flowcheck.restore.megatron_map import Param, canonical_suffix, model_params, rank_tensors
 from flowcheck.restore.source import MEGATRON_KEY, MODEL_KEY, OPT
+from flowcheck.restore.unpickle import load_pt
 from flowcheck.state import ParallelLayout, Scalars, Shard, Snapshot, StateLayout, TensorSpec
 
 log = logging.getLogger(__name__)
@@ -60,7 +64,11 @@ def _to_numpy(t: torch.Tensor) -> np.ndarray:
 
 # ---- public entry -------------------------------------------------------------------
 def import_checkpoint(path: str, run: str, step: int, *, arch: ModelArch | None = None, trust_pickle: bool = False) -> Snapshot:
-    """A Snapshot (``source: import``, or ``restore`` for a directory flowcheck restore wrote) of ``path``."""
+    """A Snapshot (``source: import``, or ``restore`` for a directory flowcheck restore wrote) of ``path``.
+
+    ``trust_pickle`` lifts the allow-lists of ``.pt`` files and the DCP ``.metadata`` (``--trust-pickle``);
+    DCP tensor items are read ``weights_only`` always, as torch's own reader does.
+    """
     if os.path.isfile(path) and path.endswith(".safetensors"):
         got = _from_safetensors(path, arch)
     elif os.path.isdir(path):
@@ -166,17 +174,11 @@ def _iteration_dir(path: str) -> str:
     raise FormatError(f"{path}: no {TRACKER} and not an iter_* directory: not a Megatron checkpoint")
 
 
-def _torch_load(path: str, trust_pickle: bool) -> Any:
-    try:
-        with torch.serialization.safe_globals([argparse.Namespace]):
-            return torch.load(path, map_location="cpu", weights_only=not trust_pickle)
-    except (EOFError, RuntimeError, OSError) as e:
-        raise FormatError(f"{path}: cannot read ({e})") from e
-    except Exception as e:  # pickle.UnpicklingError: an object type outside the allow-list
-        raise FormatError(
-            f"{path}: holds objects flowcheck does not unpickle ({str(e).splitlines()[0][:200]}); "
-            "if you trust this checkpoint, pass --trust-pickle"
-        ) from e
+def _checkpoint_dict(path: str, trust_pickle: bool) -> dict[str, Any]:
+    obj = load_pt(path, path, trust_pickle)
+    if not isinstance(obj, dict):
+        raise FormatError(f"{path}: expected a dict (Megatron's checkpoint layout), found {type(obj).__name__}")
+    return obj
 
 
 def _args_dict(args: Any) -> dict[str, Any]:
@@ -214,7 +216,7 @@ def _from_legacy(it_dir: str, arch: ModelArch | None, trust_pickle: bool) -> Col
         raise FormatError(f"{it_dir}: found {len(ranks)} rank files, expected TP*PP = {tp}*{pp}; the checkpoint is incomplete")
     got: Collected | None = None
     for (t, p), path in sorted(ranks.items()):
-        obj = _torch_load(path, trust_pickle)
+        obj = _checkpoint_dict(path, trust_pickle)
         args = _args_dict(obj.get("args"))
         chunks = sorted(k for k in obj if re.fullmatch(r"model\d*", k))
         vpp = len(chunks) if chunks != ["model"] else 1
@@ -286,24 +288,16 @@ def _megatron_extra(obj: dict[str, Any], args: dict[str, Any]) -> dict[str, Any]
 
 
 def _from_dist(it_dir: str, arch: ModelArch | None, trust_pickle: bool) -> Collected:
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
     with open(os.path.join(it_dir, "metadata.json"), encoding="utf-8") as f:
         meta = json.load(f)
     if meta.get("sharded_backend") != "torch_dist":
         raise FormatError(f"{it_dir}/metadata.json: expected sharded_backend 'torch_dist', found {meta.get('sharded_backend')!r}")
     common_path = os.path.join(it_dir, "common.pt")
-    common = _torch_load(common_path, trust_pickle) if os.path.isfile(common_path) else {}
+    common = _checkpoint_dict(common_path, trust_pickle) if os.path.isfile(common_path) else {}
     args = _args_dict(common.get("args"))
-    reader = FileSystemReader(it_dir)
-    stored = reader.read_metadata().state_dict_metadata
+    stored = read_index(it_dir, trust_pickle)
     emb = stored.get("embedding.word_embeddings.weight")
-    a = _arch_from_args(args, arch, it_dir, emb.size[0] if isinstance(emb, TensorStorageMetadata) else None)
-    state = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype)
-             for k, m in stored.items() if isinstance(m, TensorStorageMetadata)}
-    dcp.load(state, storage_reader=reader, no_dist=True)
+    a = _arch_from_args(args, arch, it_dir, emb.shape[0] if emb is not None and emb.shape else None)
     src = ParallelLayout(tp=int(args.get("tensor_model_parallel_size") or 1), pp=int(args.get("pipeline_model_parallel_size") or 1),
                          vpp=int(args.get("virtual_pipeline_model_parallel_size") or 1))
     got = Collected(a, src, megatron=_megatron_extra(common, args))
@@ -312,16 +306,27 @@ def _from_dist(it_dir: str, arch: ModelArch | None, trust_pickle: bool) -> Colle
         got.megatron["param_groups"] = [_json_group(g) for g in opt_common["param_groups"]]
         steps = [g.get("step") for g in opt_common["param_groups"] if g.get("step") is not None]
         got.optimizer_step = int(steps[0]) if steps else None
+    plan = _dist_plan(a, stored)
+    state = load_tensors(it_dir, [stored[k] for k in dict.fromkeys(k for _, _, k in plan) if k in stored])
+    for p, name, key in plan:
+        _dist_take(got, p, name, state, key, it_dir)
+    return got
+
+
+def _dist_plan(a: ModelArch, stored: dict[str, StoredTensor]) -> list[tuple[Param, str, str]]:
+    """(parameter, canonical name, torch_dist key) of each tensor to import: every weight, and every optimizer
+    slot the checkpoint holds for it; only these are read (Megatron's other entries may be anything)."""
+    plan = []
     for p in model_params(a):
         key = dist_key(p)
-        _dist_take(got, p, p.name, state, key, it_dir)
-        for k in state:
+        plan.append((p, p.name, key))
+        for k in stored:
             if k.startswith(DIST_OPT + ".") and k.endswith("." + key) and k[len(DIST_OPT) + 1:-len(key) - 1].isidentifier():
                 slot = k[len(DIST_OPT) + 1:-len(key) - 1]
-                if slot == "param" and got.dtypes.get(p.name) == torch.float32:
+                if slot == "param" and key in stored and stored[key].dtype == torch.float32:
                     continue  # fp32 training: the master copy is the model tensor itself
-                _dist_take(got, p, f"{OPT}{'fp32_param' if slot == 'param' else slot}.{p.name}", state, k, it_dir)
-    return got
+                plan.append((p, f"{OPT}{'fp32_param' if slot == 'param' else slot}.{p.name}", k))
+    return plan
 
 
 def _dist_take(got: Collected, p: Param, name: str, state: dict[str, torch.Tensor], key: str, where: str) -> None:

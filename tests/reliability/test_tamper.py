@@ -209,9 +209,14 @@ def test_a_symlink_out_of_the_root_in_place_of_a_stored_file_is_caught(tmp_path)
 
 # ---- nothing from storage is unpickled ----------------------------------------------------------
 UNPICKLERS = {("pickle", "load"), ("pickle", "loads"), ("pickle", "Unpickler"), ("cPickle", "load"), ("dill", "load"),
-              ("dill", "loads"), ("joblib", "load"), ("torch", "load"), ("np", "load"), ("numpy", "load")}
+              ("dill", "loads"), ("joblib", "load"), ("torch", "load"), ("np", "load"), ("numpy", "load"),
+              ("dcp", "load"), ("dcp", "load_state_dict"), ("checkpoint", "load")}
 # the one place a user may opt in: `flowcheck import --trust-pickle` of a foreign Megatron checkpoint
-ALLOWED = {("restore/importer.py", "_torch_load")}
+ALLOWED = {("restore/unpickle.py", "load_pt")}
+# torch's DCP reader (FileSystemReader, behind dcp.load) pickle.loads its .metadata; an Unpickler subclass must
+# restrict find_class: only the allow-listed DCP metadata Unpickler may name either
+UNPICKLER_NAMES = {"FileSystemReader", "Unpickler"}
+UNPICKLER_MODULES = {"restore/unpickle.py"}
 
 
 def _calls(tree: ast.Module):
@@ -240,6 +245,20 @@ def test_no_code_path_unpickles_stored_data():
                         isinstance(kw.get("allow_pickle"), ast.Constant) and kw["allow_pickle"].value is True):
                     continue
                 offenders.append(f"{rel}:{call.lineno} {func}: {mod}.{attr}")
+    assert not offenders, offenders
+
+
+def test_only_the_allow_listed_unpickler_reads_dcp_metadata():
+    offenders = []
+    for folder in ("flowcheck", "tiers", "restore"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            rel = str(path.relative_to(ROOT))
+            if rel in UNPICKLER_MODULES:
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = [a.name.rsplit(".", 1)[-1] for a in node.names] if isinstance(node, (ast.Import, ast.ImportFrom)) else [
+                    getattr(node, "id", None) or getattr(node, "attr", None)]
+                offenders += [f"{rel}:{node.lineno} {n}" for n in names if n in UNPICKLER_NAMES]
     assert not offenders, offenders
 
 
