@@ -43,6 +43,9 @@ import yaml
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as c  # noqa: E402
 
+from flowcheck.capture.auth import read_token  # noqa: E402
+from flowcheck.node.client import control_request  # noqa: E402
+
 SCRIPT = "bench_push.py"
 VOCAB, WIDTH, HEADS, FFN = 16384, 512, 8, 2048
 
@@ -117,7 +120,7 @@ class NodeProc:
             self._stop.wait(0.1)
 
     def get(self, path: str, method: str = "GET"):
-        req = urllib.request.Request(self.http + path, method=method, data=b"" if method == "POST" else None)
+        req = control_request(self.http + path, method, token=read_token())  # the node inherits this environment
         with urllib.request.urlopen(req, timeout=600) as r:
             body = r.read().decode()
         return json.loads(body) if r.headers.get_content_type() == "application/json" else body

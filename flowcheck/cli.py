@@ -397,7 +397,9 @@ def serve(config_path):
 
     Listens on serve.push for Checkpointer pushes and serve.http (loopback by default) for
     /status /steps /snapshot /resync /metrics. SIGTERM or Ctrl-C: stop taking pushes, finish
-    the snapshot in flight, exit.
+    the snapshot in flight, exit. With FLOWCHECK_NODE_TOKEN (serve.auth_token_env) in its
+    environment and the trainers', pushes and POSTs need that token; without it the node is
+    unauthenticated and listens on loopback only.
 
     \b
     Example:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import socket
 import types
 import typing
@@ -165,8 +166,15 @@ class ServeConfig:
     mirror_interface: str | None = None  # mirror capture live: the mirror port's interface (needs CAP_NET_RAW)
     mirror_settle_s: float = 0.1  # live: an allreduce is decoded once this much capture time passed since its last send
     mirror_init: str | None = None  # the replica's initial state: a .safetensors file or a committed step (default: the job's)
+    # the environment variable holding the node's shared token (never the token itself: it is not stored anywhere).
+    # Set on the node, every push and every POST to the control API needs it; unset, the node is unauthenticated
+    # and refuses to listen beyond loopback.  Trainers' Checkpointers read the same variable.
+    auth_token_env: str = "FLOWCHECK_NODE_TOKEN"
 
     def __post_init__(self) -> None:
+        if not isinstance(self.auth_token_env, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", self.auth_token_env):
+            raise ConfigError(f"serve.auth_token_env: expected the name of an environment variable (the token itself "
+                              f"never goes in a file), found {self.auth_token_env!r}")
         for name in ("push", "http"):
             value = getattr(self, name)
             host, _, port = str(value).rpartition(":")

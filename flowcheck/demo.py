@@ -115,6 +115,7 @@ def trainer_main(argv: list[str] | None = None) -> int:
     import json
 
     from flowcheck import config as config_mod
+    from flowcheck.capture.auth import read_token
     from flowcheck.torch.checkpointer import Checkpointer
 
     p = argparse.ArgumentParser(prog="python -m flowcheck.demo")
@@ -126,7 +127,8 @@ def trainer_main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     cfg = config_mod.load(args.config)
     model, opt, sched, data, vocab = _trainer_setup(args.last)
-    ck = Checkpointer(model, opt, sched, node=f"tcp://{cfg.serve.push}", run=cfg.run, timeout_s=10)
+    ck = Checkpointer(model, opt, sched, node=f"tcp://{cfg.serve.push}", run=cfg.run, timeout_s=10,
+                      token=read_token(cfg.serve.auth_token_env))
     first = args.first
     if args.resume:
         first = ck.load("latest", config=args.config) + 1
@@ -170,7 +172,10 @@ def _api(cfg: Config, path: str, method: str = "GET") -> dict:
     import json
     import urllib.request
 
-    req = urllib.request.Request(f"http://{cfg.serve.http}{path}", method=method, data=b"" if method == "POST" else None)
+    from flowcheck.capture.auth import read_token
+    from flowcheck.node.client import control_request
+
+    req = control_request(f"http://{cfg.serve.http}{path}", method, token=read_token(cfg.serve.auth_token_env))
     with urllib.request.urlopen(req, timeout=60) as r:
         return json.loads(r.read())
 

@@ -80,3 +80,8 @@ class ClusterError(FlowcheckError, ValueError):
 
 class StepIncompleteError(FlowcheckError, TimeoutError):
     """A multi-node step stays uncommitted: some nodes' parts did not arrive in time (GC removes its prefix)."""
+
+
+class AuthError(FlowcheckError, PermissionError):
+    """A push or control request without the node's token, with a wrong one, or a replayed frame; or a node
+    that cannot prove it holds the token the trainer has (set the same FLOWCHECK_NODE_TOKEN on both)."""

@@ -55,6 +55,9 @@ def test_relative_paths_are_anchored_at_the_config_file(tmp_path):
         ("node: n0\ncluster: {nodes: [n0, 3]}", "cluster.nodes"),
         ("node: n0\ncluster: {nodes: [n0], commit_wait_s: 0}", "cluster.commit_wait_s"),
         ("node: n0\ncluster: {nodes: [n0]}\ntiers: {object: {enabled: false}}", "tiers.object.enabled is false"),
+        # the token's variable, never the token itself
+        ("serve: {auth_token_env: 'my secret token'}", "serve.auth_token_env: expected the name of an environment variable"),
+        ("serve: {auth_token_env: ''}", "serve.auth_token_env"),
     ],
 )
 def test_bad_config_names_file_and_field(tmp_path, text, field):

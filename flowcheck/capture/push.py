@@ -6,7 +6,9 @@ generation counter, read before and after the copy (the only way a payload there
 Once the memory tier holds a state of the same layout, parts are received straight into its arrays
 inside one ``update(step)`` (copy-on-write keeps a snapshot in flight intact), so the node holds the
 state about once; a part that fails or a sender that vanishes aborts the update, which marks the state
-stale — never a torn or unverified step.
+stale — never a torn or unverified step.  With a token (flowcheck/capture/auth.py) a push is checked
+before any of it is read: an unsigned, wrongly signed or replayed frame is refused and its connection
+closed, its payload never read.
 """
 from __future__ import annotations
 
@@ -25,8 +27,9 @@ import numpy as np
 import xxhash
 
 from flowcheck import _native, dtypes
+from flowcheck.capture.auth import DEFAULT_TOKEN_ENV, PushGate
 from flowcheck.capture.wire import WireError, recv_exact, recv_header, reply
-from flowcheck.errors import FlowcheckError
+from flowcheck.errors import AuthError, FlowcheckError
 from flowcheck.manifest import ParentRef
 from flowcheck.state import ParallelLayout, Scalars, Shard, Snapshot, StateLayout, TensorSpec
 
@@ -103,11 +106,15 @@ class _OpenStep:
 
 
 class PushReceiver:
-    """Receives push frames on a TCP listener and applies complete steps to ``store``'s memory tier."""
+    """Receives push frames on a TCP listener and applies complete steps to ``store``'s memory tier.
+
+    ``token``: when set, only pushes signed with it are taken (``token_env`` names its variable in messages).
+    """
 
     def __init__(self, store: Any, host: str = "127.0.0.1", port: int = 0, *, part_timeout_s: float = 60.0,
-                 on_step=None) -> None:
+                 on_step=None, token: str | None = None, token_env: str = DEFAULT_TOKEN_ENV) -> None:
         self.store, self.part_timeout_s, self.on_step = store, part_timeout_s, on_step
+        self._token, self._token_env = token, token_env
         self.stats = PushStats()
         self._lock = threading.Lock()
         self._open: _OpenStep | None = None
@@ -142,6 +149,7 @@ class PushReceiver:
     # ---- one connection -------------------------------------------------------------
     def _serve(self, sock: socket.socket) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        gate = PushGate(self._token, self._token_env)
         while True:
             try:
                 header = recv_header(sock)
@@ -156,10 +164,16 @@ class PushReceiver:
                     return
             kind = header["kind"]
             if kind == "hello":
-                reply(sock, "ack", node=self.store.config.node or socket.gethostname(), run=self.store.config.run)
+                reply(sock, "ack", node=self.store.config.node or socket.gethostname(), run=self.store.config.run,
+                      **gate.greet(header))
                 continue
             if kind != "push":
                 reply(sock, "error", message=f"unknown frame kind {kind!r}")
+                return
+            try:
+                gate.check(header)
+            except AuthError as e:
+                self._refuse(sock, e)
                 return
             try:
                 self._receive_part(sock, header)
@@ -171,6 +185,14 @@ class PushReceiver:
             except (ConnectionError, OSError) as e:
                 log.warning("push: sender lost mid-part: %s", e)
                 return
+
+    def _refuse(self, sock: socket.socket, e: AuthError) -> None:
+        """An unauthorised push: counted, reported to its sender, and its connection closed with the payload unread."""
+        self.stats.rejected += 1
+        self.stats.error(str(e))
+        log.warning("push: %s (from %s)", e, _peer(sock))
+        with contextlib.suppress(OSError):
+            reply(sock, "error", message=str(e), reason="unauthorised")
 
     def _receive_part(self, sock: socket.socket, header: dict[str, Any]) -> None:
         t0 = time.monotonic()
@@ -379,6 +401,14 @@ class PushReceiver:
             if opened.failed is None:
                 opened.failed = reason
             opened.cond.notify_all()
+
+
+def _peer(sock: socket.socket) -> str:
+    try:
+        host, port = sock.getpeername()[:2]
+    except OSError:
+        return "a closed connection"
+    return f"{host}:{port}"
 
 
 def _parent(raw: Any) -> ParentRef | None:

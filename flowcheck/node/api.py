@@ -1,4 +1,7 @@
-"""The node's HTTP control API (aiohttp, loopback by default): /status /steps /snapshot /resync /metrics."""
+"""The node's HTTP control API (aiohttp, loopback by default): /status /steps /snapshot /resync /metrics.
+
+Every request passes flowcheck/node/access.py first (Host, Origin, JSON-only POSTs, the bearer token).
+"""
 from __future__ import annotations
 
 import asyncio
@@ -12,8 +15,9 @@ from flowcheck.errors import FlowcheckError
 class ControlAPI:
     """Runs an aiohttp app on its own event-loop thread next to the node's worker threads."""
 
-    def __init__(self, node: Any, host: str, port: int) -> None:
+    def __init__(self, node: Any, host: str, port: int, token: str | None = None) -> None:
         self.node, self.host, self.port = node, host, port
+        self._token = token
         self.loop = asyncio.new_event_loop()
         self.address: tuple[str, int] = (host, port)
         self._ready = threading.Event()
@@ -36,8 +40,10 @@ class ControlAPI:
     def _run(self) -> None:
         from aiohttp import web
 
+        from flowcheck.node.access import middleware
+
         asyncio.set_event_loop(self.loop)
-        app = web.Application()
+        app = web.Application(middlewares=[middleware(self._token, self.host)])
         app.add_routes([
             web.get("/status", self._status), web.get("/steps", self._steps), web.post("/snapshot", self._snapshot),
             web.get("/resync", self._resync_get), web.post("/resync", self._resync), web.get("/metrics", self._metrics),

@@ -92,7 +92,8 @@ class _NodeCollector:
         yield _counter("flowcheck_push_bytes", "Bytes of state received from trainers (push capture).", rs.bytes)
         yield _counter("flowcheck_push_frames", "Parts received from trainers (push capture).", rs.frames)
         yield _counter("flowcheck_push_steps", "Pushed steps applied to the RAM state.", rs.steps)
-        yield _counter("flowcheck_push_rejected", "Pushed parts rejected (bad header, layout, size).", rs.rejected)
+        yield _counter("flowcheck_push_rejected",
+                       "Pushed parts rejected (bad header, layout, size; unsigned, wrongly signed or replayed).", rs.rejected)
         yield _counter("flowcheck_push_aborted_steps", "Pushed steps aborted (a sender lost or timed out).",
                        rs.aborted_steps)
 

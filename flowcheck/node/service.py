@@ -3,6 +3,9 @@
 Shutdown (SIGTERM) stops taking pushes, lets a snapshot or upload in flight finish (a step is visible
 only once committed, so anything cut short leaves no partial step), and stops the API.  A restarted node
 rebuilds its view from the tiers: the newest committed step becomes the parent of the next snapshot.
+
+The node's token comes from the environment variable ``serve.auth_token_env`` names: with it, pushes and
+control POSTs must be authorised; without it the node is unauthenticated and listens on loopback only.
 """
 from __future__ import annotations
 
@@ -12,7 +15,8 @@ import threading
 import time
 from typing import Any
 
-from flowcheck.errors import FlowcheckError
+from flowcheck.capture.auth import read_token
+from flowcheck.errors import ConfigError, FlowcheckError
 from flowcheck.capture.mirror_stats import CaptureStats
 from flowcheck.capture.push import PushReceiver
 from flowcheck.config import Config, ServeConfig
@@ -51,9 +55,27 @@ def tune_allocator(arenas: int = 2, threshold: int = 1 << 20) -> bool:
     return ok
 
 
+def node_token(serve: ServeConfig) -> str | None:
+    """The node's token from ``$serve.auth_token_env``; without one, ConfigError if a listener is not on loopback."""
+    from flowcheck.node.access import is_loopback
+
+    token = read_token(serve.auth_token_env)
+    if token is None:
+        exposed = [f"serve.{name} ({getattr(serve, name)})" for name in ("push", "http")
+                   if not is_loopback(ServeConfig.split(getattr(serve, name))[0])]
+        if exposed:
+            raise ConfigError(
+                f"{' and '.join(exposed)}: not a loopback address, and ${serve.auth_token_env} is unset: a node without "
+                f"a token accepts anyone's pushes, so it listens on loopback only.  Set a token in the node's and the "
+                f"trainers' environment (export {serve.auth_token_env}=$(python -c 'import secrets; "
+                f"print(secrets.token_urlsafe(32))')), or bind 127.0.0.1")
+    return token
+
+
 class Node:
     def __init__(self, config: Config) -> None:
         self.config = config
+        self._token = node_token(config.serve)  # before anything listens or touches the store
         self.store = Store(config)
         self.started = time.time()
         self.resync: dict[str, Any] | None = None  # a pending request for a full state push
@@ -62,7 +84,7 @@ class Node:
         self.policy = PolicyRunner(self.store)
         host, port = ServeConfig.split(config.serve.push)
         self.receiver = PushReceiver(self.store, host, port, part_timeout_s=config.serve.part_timeout_s,
-                                     on_step=self._on_push)
+                                     on_step=self._on_push, token=self._token, token_env=config.serve.auth_token_env)
         self.api = None
         self.mirror: dict[str, Any] | None = None  # progress of the mirror-capture source, when configured
         self.mirror_stats = CaptureStats()
@@ -101,10 +123,16 @@ class Node:
         self.receiver.start()
         self.policy.start()
         host, port = ServeConfig.split(self.config.serve.http)
-        self.api = ControlAPI(self, host, port).start()
+        self.api = ControlAPI(self, host, port, token=self._token).start()
         if self.config.serve.mirror_job:
             threading.Thread(target=self._replay_mirror, name="fc-mirror", daemon=True).start()
         log.info("node: push on %s:%d, control API on http://%s:%d", *self.receiver.address, *self.api.address)
+        env = self.config.serve.auth_token_env
+        if self._token is None:
+            log.warning("node: unauthenticated ($%s is unset): any process on this host may push state and call the "
+                        "control API; listening on loopback only", env)
+        else:
+            log.info("node: pushes and control POSTs need the token from $%s", env)
         return self
 
     def _replay_mirror(self) -> None:
@@ -221,6 +249,7 @@ class Node:
                        "coalesced": ps.coalesced, "errors": ps.errors[-5:]},
             "resync": self.resync,
             "mirror": self.mirror,
+            "auth": "none" if self._token is None else "token",
         }
 
     def metrics(self) -> tuple[bytes, str]:

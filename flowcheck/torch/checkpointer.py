@@ -10,7 +10,9 @@ copies (a push the trainer gave up on): a generation counter after the payload (
 thread writes, even when done) tells the node exactly that, and nobody hashes 0.7 GB twice per save.
 A save asked while the previous one is still in flight is coalesced (skipped) or waits (the only other
 point that may block, bounded by ``timeout_s``); a slow or dead node is reported (``stats``, log) and
-training goes on.
+training goes on.  When the node has a token (``FLOWCHECK_NODE_TOKEN``) the trainer needs the same one
+(``token=``, read from that variable by default): every push is signed for its connection
+(flowcheck/capture/auth.py), and a node that cannot prove it holds the token gets nothing.
 
 Data-parallel replicas are not sent N times: each DP rank sends a disjoint share of the tensors
 (FFTrainer's "Checkpoint Razor"), and the manifest's ``scalars.extra.push`` says so.
@@ -31,8 +33,9 @@ import torch
 import xxhash
 
 from flowcheck import _native, dtypes
+from flowcheck.capture.auth import DEFAULT_TOKEN_ENV, PushSigner, read_token
 from flowcheck.capture.wire import recv_header, send_frame
-from flowcheck.errors import ConfigError, FlowcheckError
+from flowcheck.errors import AuthError, ConfigError, FlowcheckError
 from flowcheck.state import ParallelLayout
 from flowcheck.torch.state import _flatten_optimizer, _json_ready, capture_rng, param_names_of
 
@@ -134,7 +137,8 @@ class Checkpointer:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, lr_scheduler: Any = None,
                  *, node: str, run: str, extra: Any = None, coords: Coordinates | None = None,
                  budget_mib: float | None = None, on_busy: str = "wait", timeout_s: float = 30.0,
-                 transport: str = "auto", hook: bool = True, rng: bool = True, arch: Any = None) -> None:
+                 transport: str = "auto", hook: bool = True, rng: bool = True, arch: Any = None,
+                 token: str | None = None) -> None:
         if on_busy not in ("wait", "coalesce"):
             raise ConfigError(f"on_busy: expected 'wait' or 'coalesce', found {on_busy!r}")
         if transport not in ("auto", "tcp", "shm"):
@@ -151,6 +155,9 @@ class Checkpointer:
         self.on_busy, self.timeout_s = on_busy, timeout_s
         self.shm = transport == "shm" or (transport == "auto" and url.hostname in ("127.0.0.1", "localhost", "::1"))
         self.stats = CheckpointerStats()
+        # the node's shared secret: from $FLOWCHECK_NODE_TOKEN unless given; never logged, never sent (only MACs are)
+        self._token = token if token is not None else read_token(DEFAULT_TOKEN_ENV)
+        self._signer: PushSigner | None = None
         # set by load(): the first push accepted after it tells the node the state descends from that step
         self.parent: dict[str, Any] | None = None
         self._entries: list[_Entry] = []
@@ -428,14 +435,18 @@ class Checkpointer:
             "scalars": job.scalars, "parent": self.parent,
             "payload": payload,
         }
-        sock = self._connect()
         try:
+            sock = self._connect()
+            header = self._signer.sign(header)
             send_frame(sock, header, None if self._segment is not None else view)
             answer = recv_header(sock)
         except (OSError, FlowcheckError):
             self._drop()
             raise
         if answer.get("kind") != "ack":
+            if answer.get("reason") == "unauthorised":  # the node closed the connection
+                self._drop()
+                raise AuthError(f"node refused step {job.step}: {answer.get('message')}")
             raise FlowcheckError(f"node refused step {job.step}: {answer.get('message')}")
         if header["parent"] is not None and header["parent"] is self.parent:
             # the node now knows where this run resumed from; later steps descend from what it commits
@@ -443,16 +454,19 @@ class Checkpointer:
             self.parent = None
 
     def _connect(self) -> socket.socket:
+        """The node connection, opened (and greeted: a fresh challenge, the node's proof) on first use."""
         if self._sock is None:
             sock = socket.create_connection(self.address, timeout=self.timeout_s)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._sock = sock
+            self._signer = PushSigner.handshake(sock, self._token, self.run, "%s:%d" % self.address, DEFAULT_TOKEN_ENV)
         return self._sock
 
     def _drop(self) -> None:
         if self._sock is not None:
             self._sock.close()
-            self._sock = None  # reconnect on the next save
+            self._sock = None  # reconnect (and greet again) on the next save
+            self._signer = None
 
     def _failed(self, job: _Job, e: BaseException) -> None:
         self.stats.failures += 1

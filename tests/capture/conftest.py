@@ -1,8 +1,14 @@
-"""A checkpoint node in its own process (`flowcheck serve`), on free loopback ports, for the push suites."""
+"""A checkpoint node in its own process (`flowcheck serve`), on free loopback ports, for the push suites.
+
+Every test here runs with a node token in its environment (``FLOWCHECK_NODE_TOKEN``), as a deployment
+would: the node process inherits it and the trainers' Checkpointers read it, so the push suites exercise
+the authorised path; a NodeProcess may be given its own environment to run the node otherwise.
+"""
 from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -12,6 +18,9 @@ import urllib.request
 
 import pytest
 
+from flowcheck.capture.auth import DEFAULT_TOKEN_ENV
+from flowcheck.node.client import control_request
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -19,9 +28,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.fixture(autouse=True)
+def node_token(monkeypatch) -> str:
+    """This test's node token, in its environment (nodes it starts inherit it; Checkpointers read it)."""
+    token = "test-node-token-" + secrets.token_urlsafe(16)
+    monkeypatch.setenv(DEFAULT_TOKEN_ENV, token)
+    return token
+
+
 class NodeProcess:
-    def __init__(self, root: str, run: str = "gpt", every_steps: int = 1000, part_timeout_s: float = 10.0) -> None:
-        self.root, self.run = root, run
+    """``env``: variables to set in the node's environment on top of this process's (None: remove one)."""
+
+    def __init__(self, root: str, run: str = "gpt", every_steps: int = 1000, part_timeout_s: float = 10.0,
+                 env: dict[str, str | None] | None = None) -> None:
+        self.root, self.run, self.env = root, run, dict(env or {})
         self.push_port, self.http_port = free_port(), free_port()
         self.config = os.path.join(root, "node.yaml")
         with open(self.config, "w") as f:
@@ -32,6 +52,7 @@ class NodeProcess:
                 f"  part_timeout_s: {part_timeout_s}\n"
             )
         self.proc: subprocess.Popen | None = None
+        self.token: str | None = None
 
     @property
     def url(self) -> str:
@@ -39,8 +60,10 @@ class NodeProcess:
 
     def start(self) -> NodeProcess:
         self.log = open(os.path.join(self.root, "node.log"), "ab")
+        env = {k: v for k, v in {**os.environ, **self.env}.items() if v is not None}
+        self.token = env.get(DEFAULT_TOKEN_ENV) or None  # what the node runs with; an authorised client knows it
         self.proc = subprocess.Popen([sys.executable, "-m", "flowcheck", "serve", "--config", self.config],
-                                     stdout=self.log, stderr=subprocess.STDOUT)
+                                     stdout=self.log, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -57,12 +80,13 @@ class NodeProcess:
             return f.read()[-3000:]
 
     def get(self, path: str) -> dict:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.http_port}{path}", timeout=10) as r:
+        req = control_request(f"http://127.0.0.1:{self.http_port}{path}", token=self.token)
+        with urllib.request.urlopen(req, timeout=10) as r:
             body = r.read().decode()
         return json.loads(body) if body.startswith("{") else {"text": body}
 
     def post(self, path: str) -> tuple[int, dict]:
-        req = urllib.request.Request(f"http://127.0.0.1:{self.http_port}{path}", method="POST", data=b"")
+        req = control_request(f"http://127.0.0.1:{self.http_port}{path}", "POST", token=self.token)
         try:
             with urllib.request.urlopen(req, timeout=60) as r:
                 return r.status, json.loads(r.read())

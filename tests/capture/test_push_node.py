@@ -1,6 +1,7 @@
 """Trainer Checkpointer -> `flowcheck serve` node in another process: bit-exact, never torn, never partial."""
 from __future__ import annotations
 
+import contextlib
 import socket
 import time
 
@@ -8,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from flowcheck.capture.wire import send_frame
+from flowcheck.capture.auth import PushSigner
+from flowcheck.capture.wire import recv_header, send_frame
 from flowcheck.store import open_store
 from flowcheck.torch.checkpointer import Checkpointer
 
@@ -103,7 +105,8 @@ def test_a_dead_node_never_blocks_training_and_a_restarted_node_recovers(tmp_pat
     _train_step(model, opt, gen)
     ck.save(1)
     assert ck.flush(20)
-    node.post("/snapshot")
+    node.wait_step(1)  # the ack precedes the step's publication in RAM
+    assert node.post("/snapshot")[0] == 200
     node.kill()  # SIGKILL: no goodbye
     from flowcheck.audit import audit
 
@@ -136,8 +139,8 @@ def test_a_sender_lost_mid_payload_leaves_no_partial_step(node):
     node.wait_step(1)
     # a trainer dies halfway through the payload of step 2
     header = _header_like(ck, step=2)
-    with socket.create_connection(("127.0.0.1", node.push_port)) as s:
-        send_frame(s, header)
+    with _signed_connection(node) as (s, signer):
+        send_frame(s, signer.sign(header))
         s.sendall(b"\0" * (header["payload"]["bytes"] // 2))
     deadline = time.monotonic() + 20
     while node.get("/status")["push"]["aborted_steps"] < 1 and time.monotonic() < deadline:
@@ -177,11 +180,17 @@ def _pushed_step_one(node: NodeProcess, transport: str, seed: int):
     return model, opt, ck, gen
 
 
-def _answer(node: NodeProcess, header: dict, payload: bytes | None = None) -> dict:
-    from flowcheck.capture.wire import recv_header
+@contextlib.contextmanager
+def _signed_connection(node: NodeProcess):
+    """A raw push connection greeted as a Checkpointer greets (signing with the node's token): (socket, signer)."""
+    with socket.create_connection(("127.0.0.1", node.push_port), timeout=20) as s:
+        yield s, PushSigner.handshake(s, node.token, "gpt", f"127.0.0.1:{node.push_port}")
 
-    with socket.create_connection(("127.0.0.1", node.push_port)) as s:
-        send_frame(s, header, payload)
+
+def _answer(node: NodeProcess, header: dict, payload: bytes | None = None) -> dict:
+    """The node's answer to one raw, authorised push frame."""
+    with _signed_connection(node) as (s, signer):
+        send_frame(s, signer.sign(header), payload)
         return recv_header(s)
 
 
@@ -246,14 +255,14 @@ def test_a_shared_memory_payload_is_checked_by_its_generation_not_hashed(node):
     ck.close()
 
 
-def test_a_buffer_rewritten_during_the_nodes_copy_is_refused_as_torn(tmp_path, monkeypatch):
+def test_a_buffer_rewritten_during_the_nodes_copy_is_refused_as_torn(tmp_path, monkeypatch, node_token):
     """The trainer starts writing its segment while the node copies it (a push it gave up on): torn, refused."""
     from flowcheck import _native
     from flowcheck.capture import push
     from flowcheck.torch.checkpointer import generation_at
 
     store = open_store(NodeProcess(str(tmp_path)).config)
-    receiver = push.PushReceiver(store, part_timeout_s=10).start()
+    receiver = push.PushReceiver(store, part_timeout_s=10, token=node_token).start()
     model, opt = _model()
     ck = Checkpointer(model, opt, node=f"tcp://127.0.0.1:{receiver.address[1]}", run="gpt", transport="shm")
     gen = torch.Generator().manual_seed(9)
