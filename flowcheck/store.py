@@ -68,7 +68,8 @@ class Store:
 
             staging = cfg.staging_dir or os.path.join(self.config.tiers.local.root, ".staging")
             self._object = ObjectTier(cfg, self.config.run, staging_dir=staging, progress=self.progress,
-                                      cluster=self.config.cluster, **self._tier_kw)
+                                      cluster=self.config.cluster, grace_s=self.config.policy.object.tmp_grace_seconds,
+                                      **self._tier_kw)
         return self._object
 
     def tiers(self, include_memory: bool = True) -> list[Tier]:

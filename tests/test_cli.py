@@ -82,7 +82,7 @@ def test_audit_exits_1_on_a_flipped_byte(tmp_path):
     assert _run("snapshot", "--state", str(tmp_path / "state.pt"), "--step", "5", "--config", str(cfg)).exit_code == 0
     assert _run("promote", "--config", str(cfg)).exit_code == 0
     assert _run("audit", "--config", str(cfg)).exit_code == 0
-    shard = tmp_path / "o" / "r" / "step-000000005" / "shard-00000-of-00001.safetensors"
+    (shard,) = (tmp_path / "o" / "r" / "step-000000005").glob("attempt-*/shard-00000-of-00001.safetensors")
     raw = bytearray(shard.read_bytes())
     raw[-3] ^= 0x10
     shard.write_bytes(bytes(raw))

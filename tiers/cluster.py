@@ -2,9 +2,13 @@
 
 Layout, relative to ``<url>/<run>``::
 
-    step-<step:09d>/nodes/<node>/shard-00000-of-000NN.safetensors   one node's files
-    step-<step:09d>/nodes/<node>/manifest.json                      its part manifest (v1), committed last
-    step-<step:09d>/manifest.json                                   the step manifest (v2): the commit
+    step-<step:09d>/nodes/<node>/attempt-<hex>/shard-00000-of-000NN.safetensors   one node's files
+    step-<step:09d>/nodes/<node>/manifest.json             its part manifest (v1), committed last
+    step-<step:09d>/manifest.json                          the step manifest (v2): the commit
+
+Each write of a part uploads into its own attempt folder: two writers with the same node name
+never overwrite each other's files; the part manifest's create picks the winner and the loser
+removes its own folder.
 
 The protocol has no coordinator; the object store's exclusive create (S3 ``If-None-Match``, a
 hard link on local disks) is the only coordination:
@@ -90,12 +94,17 @@ def write(tier: ObjectTier, snapshot: Snapshot, parent: ParentRef | None) -> Man
         return _check_member(tier, committed, snapshot, parent)
     existing = _read_part(tier, step, node)  # a retry after this node's commit of the step failed
     if existing is None:
-        part = tier.store_files(snapshot, parent, part_dir(step, node))
+        from flowcheck.tiers.object import attempt_dir
+
+        attempt = attempt_dir(part_dir(step, node))
+        part = tier.store_files(snapshot, parent, attempt)
         try:
             tier.create_exclusive(part_manifest(step, node), part.to_bytes(), f"committing node {node}'s part")
             log.info("object tier: node %s committed its part of step %d", node, step)
         except FileExistsError:
             existing = _read_part(tier, step, node)  # another writer with this node's name raced us
+            if existing is not None and existing.files != part.files:  # equal: our own create, its answer lost
+                tier.discard(attempt)  # the part that won names other files: ours are nobody's
     if existing is not None and not _same_part(tier, existing, snapshot, parent):
         raise StepExistsError(
             f"object tier {tier.url}: node {node}'s part of step {step} is already committed with other content "

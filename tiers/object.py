@@ -1,10 +1,14 @@
 """The object tier: safetensors files + manifest.json under any fsspec URL (s3://, file://, ...).
 
-Layout: ``<url>/<run>/step-<step:09d>/shard-00000-of-000NN.safetensors`` (files
-cut at ``max_file_mib``; a larger shard is split by rows) and ``manifest.json``.
+Layout: ``<url>/<run>/step-<step:09d>/attempt-<12 hex>/shard-00000-of-000NN.safetensors``
+(files cut at ``max_file_mib``; a larger shard is split by rows) and ``step-…/manifest.json``.
 Files are staged locally and uploaded with parallel multipart (``put_file``);
 the manifest is committed last with an exclusive create (S3 ``If-None-Match``,
 a hard link on local disks), so a step without a manifest does not exist.
+Each write uploads into its own attempt folder, so two writers of one step never
+overwrite each other's files: the manifest create picks the winner, whose manifest
+names its folder, and the loser removes its own folder (GC removes one a killed
+loser left, after the grace period).
 Reads fetch the header, then only the byte ranges of the rows asked for.
 """
 from __future__ import annotations
@@ -27,8 +31,8 @@ from datetime import datetime, timezone
 import numpy as np
 
 from flowcheck import dtypes
-from flowcheck.config import ClusterConfig, ObjectConfig
-from flowcheck.errors import FormatError, IntegrityError, StepExistsError, StepNotFoundError, TierError
+from flowcheck.config import ClusterConfig, ObjectConfig, TierPolicy
+from flowcheck.errors import FlowcheckError, FormatError, IntegrityError, StepExistsError, StepNotFoundError, TierError
 from flowcheck.manifest import FileEntry, Manifest, ParentRef, Piece, ShardEntry, parse
 from flowcheck.progress import Progress
 from flowcheck.state import Shard, Snapshot
@@ -41,8 +45,24 @@ from flowcheck.tiers.retry import RetryPolicy
 log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
+ATTEMPT = "attempt-"
 PIPELINE_MIN_FILE = 256 << 20
 READ_AHEAD = 256 << 20  # bytes of whole shards fetched together when a step is read shard by shard
+
+
+def attempt_dir(prefix: str) -> str:
+    """A folder under ``prefix`` that no other writer picks: one write's files go there, and the
+    manifest that wins the commit names them (48 random bits; two writers colliding is negligible)."""
+    return f"{prefix}/{ATTEMPT}{uuid.uuid4().hex[:12]}"
+
+
+def attempt_of(rel: str) -> str | None:
+    """The attempt folder holding a stored file (``…/attempt-<hex>/…``), else None (an older layout)."""
+    parts = rel.split("/")
+    for i, part in enumerate(parts[:-1]):
+        if part.startswith(ATTEMPT):
+            return "/".join(parts[:i + 1])
+    return None
 
 
 def aws_endpoint_region(config: ObjectConfig) -> tuple[str | None, str | None]:
@@ -100,9 +120,12 @@ class ObjectTier(Tier):
     name = "object"
 
     def __init__(self, config: ObjectConfig, run: str, *, staging_dir: str, progress: bool = False,
-                 cluster: ClusterConfig | None = None, **kw) -> None:
+                 cluster: ClusterConfig | None = None, grace_s: float = TierPolicy.tmp_grace_seconds, **kw) -> None:
         super().__init__(run, **kw)
         self.config = config
+        # a file no manifest names may be a concurrent writer's upload in progress for this long;
+        # verify flags it as an error only once it is older (GC passes its own grace to clean_incomplete)
+        self.grace_s = grace_s
         self.cluster = cluster if cluster is not None and cluster.nodes else None  # several nodes write each step
         self.fs, base = filesystem(config)
         self._endpoint, self._region = aws_endpoint_region(config)
@@ -119,7 +142,7 @@ class ObjectTier(Tier):
 
     def at_branch(self, branch: str) -> ObjectTier:
         return ObjectTier(self.config, self.run, staging_dir=self.staging_dir, progress=self.progress,
-                          cluster=self.cluster, branch=branch, **self._same_kw())
+                          cluster=self.cluster, grace_s=self.grace_s, branch=branch, **self._same_kw())
 
     @property
     def url(self) -> str:
@@ -175,8 +198,8 @@ class ObjectTier(Tier):
         try:
             if self._exists(f"{step_dir(snapshot.step)}/{MANIFEST}"):
                 return self._already_committed(snapshot)
-            m = self.store_files(snapshot, parent, step_dir(snapshot.step), progress)
-            self._commit_manifest(m)
+            attempt = attempt_dir(step_dir(snapshot.step))
+            m = self._commit_attempt(self.store_files(snapshot, parent, attempt, progress), attempt)
         except TierError as e:
             raise TierError(f"object tier {self.url}: step {snapshot.step} was not committed (no part of it is "
                             f"visible; GC removes its uploaded files): {e}") from e
@@ -194,9 +217,10 @@ class ObjectTier(Tier):
 
     def store_files(self, snapshot: Snapshot, parent: ParentRef | None, prefix: str,
                     progress: Progress | None = None) -> Manifest:
-        """Upload a snapshot's files under ``prefix`` (relative to the run root); return the (signed,
-        not yet committed) manifest naming them.  ``progress`` counts the file bytes uploaded (else the
-        tier's own bar, when it was opened with ``progress=True``)."""
+        """Upload a snapshot's files under ``prefix`` (relative to the run root: a folder of this write
+        alone, see ``attempt_dir``); return the (signed, not yet committed) manifest naming them.
+        ``progress`` counts the file bytes uploaded (else the tier's own bar, when it was opened with
+        ``progress=True``)."""
         digests, identity = self.identity(snapshot, parent)
         plan = self._plan(snapshot)
         staging = os.path.join(self.staging_dir, f"{self.run}-{step_dir(snapshot.step)}-{uuid.uuid4().hex[:8]}")
@@ -305,6 +329,7 @@ class ObjectTier(Tier):
             shutil.copyfile(local, remote)
             fsync_file(remote)  # the manifest must not be durable before the data it names
             fsync_dir(os.path.dirname(remote))
+            fsync_dir(os.path.dirname(os.path.dirname(remote)))  # the attempt folder's entry, beside the manifest
             bar.update(size)
             return
         if self.protocol in ("s3", "s3a") and self._boto3_client() is not None:
@@ -359,25 +384,58 @@ class ObjectTier(Tier):
         """A small file under the run root (FileNotFoundError if absent)."""
         return self._call(what, self.fs.cat_file, self._p(rel))
 
-    def _commit_manifest(self, m: Manifest) -> None:
-        """The exclusive create of the manifest, retried; "exists" after a lost answer is checked, not believed."""
+    def _commit_attempt(self, m: Manifest, attempt: str) -> Manifest:
+        """Commit the manifest naming one attempt's files; return the committed manifest.
+
+        A writer that loses the race removes its own attempt folder (never the winner's files), then
+        raises StepExistsError — or returns the winner's manifest when that holds the identical state."""
+        try:
+            committed = self._commit_manifest(m)
+        except StepExistsError:
+            self.discard(attempt)
+            raise
+        if committed is not m:
+            self.discard(attempt)
+        return committed
+
+    def discard(self, attempt: str) -> None:
+        """Remove a losing attempt's folder; if that fails, GC removes it once it is older than the grace period."""
+        try:
+            self._call(f"removing {attempt}", self.fs.rm, self._p(attempt), recursive=True)
+        except FileNotFoundError:
+            pass
+        except TierError as e:
+            log.warning("object tier %s: could not remove %s, which no manifest names (%s); GC removes it after "
+                        "the grace period", self.url, attempt, e)
+
+    def _commit_manifest(self, m: Manifest) -> Manifest:
+        """The exclusive create of the manifest, retried; "exists" after a lost answer is checked, not believed.
+        Returns ``m``, or the identical state another writer committed first (its own files)."""
         rel = f"{step_dir(m.step)}/{MANIFEST}"
 
-        def attempt() -> None:
+        def attempt() -> Manifest:
             try:
                 self.create_exclusive(rel, m.to_bytes())
+                return m
             except FileExistsError as e:
-                # our own create may have landed with its answer lost (a reset or timeout, then a retry
-                # refused): the step is ours if the stored manifest is this one
                 try:
                     existing = parse(self._call_once("reading back the manifest", self.fs.cat_file, self._p(rel)), rel)
                 except FileNotFoundError:  # 409: a create still in flight; look again
                     raise TierError(f"object tier {self.url}: {rel}: create refused but no manifest yet") from e
                 if existing.digest() != m.digest():
-                    raise StepExistsError(f"object tier {self.url}: step {m.step} was committed by another writer") from e
-                log.info("object tier %s: step %d: the manifest create was answered 'exists'; it is ours", self.url, m.step)
+                    raise StepExistsError(
+                        f"object tier {self.url}: step {m.step} was committed first by another writer (manifest "
+                        f"digest {existing.digest()}, this writer's {m.digest()}); this state was not stored "
+                        "and its uploaded files are removed — write it as another step or on a branch") from e
+                if existing.files == m.files:
+                    # our own create landed with its answer lost (a reset or timeout, then a retry refused)
+                    log.info("object tier %s: step %d: the manifest create was answered 'exists'; it is ours",
+                             self.url, m.step)
+                    return m
+                log.info("object tier %s: step %d: another writer committed the identical state first", self.url, m.step)
+                return existing
 
-        self._retry.run(f"object tier {self.url}: step {m.step}: committing the manifest", attempt)
+        return self._retry.run(f"object tier {self.url}: step {m.step}: committing the manifest", attempt)
 
     def _already_committed(self, snapshot: Snapshot) -> Manifest:
         existing = self.manifest(snapshot.step)
@@ -504,6 +562,7 @@ class ObjectTier(Tier):
     def _delete(self, step: int) -> None:
         sd = step_dir(step)
         self._call("deleting a manifest", self.fs.rm, self._p(f"{sd}/{MANIFEST}"))  # the step stops existing first
+        # the whole prefix: the committed attempt's files, and any a losing writer left
         self._call("deleting step data", self.fs.rm, self._p(sd), recursive=True)
         self._headers.clear()
 
@@ -518,7 +577,53 @@ class ObjectTier(Tier):
                 node = cluster.node_of(f.path) if manifest.nodes else None
                 # a multi-node step names the node whose file is damaged
                 problems.append(Problem(self.name, manifest.step, f"node {node}: {what}" if node else what, f.path))
+        return problems + self._stray_problems(manifest)
+
+    def _stray_problems(self, manifest: Manifest) -> list[Problem]:
+        """What under a committed step its manifest does not name. Another writer's attempt folder is its
+        upload in progress (a warning) until untouched for the grace period, then abandoned (an error);
+        a stray file outside any attempt (a killed commit's manifest temporary) is never data: a warning."""
+        now, problems = time.time(), []
+        for rel, newest in sorted(self._strays(manifest, self._files(step_dir(manifest.step))).items()):
+            age = now - newest
+            if rel.rsplit("/", 1)[-1].startswith(ATTEMPT) and age >= self.grace_s:
+                problems.append(Problem(self.name, manifest.step, f"another writer's files, not named by the manifest "
+                                        f"and untouched for {age:.0f}s (grace {self.grace_s:g}s): an abandoned write; "
+                                        "run `flowcheck gc`", rel))
+            else:
+                problems.append(Problem(self.name, manifest.step, "not named by the manifest: another writer's upload "
+                                        "in progress, or its leftovers (GC removes them after the grace period)",
+                                        rel, "warning"))
         return problems
+
+    def _strays(self, manifest: Manifest, files: dict[str, float]) -> dict[str, float]:
+        """What under a committed step its manifest does not name -> newest mtime: whole attempt folders
+        of other writers, else single files (manifest temporaries, files of an older layout)."""
+        sd = step_dir(manifest.step)
+        named = {f.path for f in manifest.files} | {f"{sd}/{MANIFEST}"}
+        if manifest.nodes:
+            from flowcheck.tiers.cluster import part_manifest
+
+            named |= {part_manifest(manifest.step, n.node) for n in manifest.nodes}
+        used = {attempt_of(p) for p in named}
+        out: dict[str, float] = {}
+        for rel, mtime in files.items():
+            if rel not in named:
+                folder = attempt_of(rel)
+                unit = folder if folder is not None and folder not in used else rel
+                out[unit] = max(out.get(unit, 0.0), mtime)
+        return out
+
+    def _files(self, rel: str) -> dict[str, float]:
+        """Every file under ``rel`` (relative to the run root) -> its modification time (one listing)."""
+        path = self._p(rel)
+        self.fs.invalidate_cache(path)
+        try:
+            found = self._call("listing", self.fs.find, path, detail=True)
+        except FileNotFoundError:
+            return {}
+        return {p[len(self.root) + 1:]: _mtime(info) for p, info in found.items()
+                if p.startswith(self.root + "/") and info.get("type") != "directory"}
 
     def _check_file(self, manifest: Manifest, f: FileEntry, manifest_id: str) -> str | None:
         """What is wrong with one stored file (size, digest, safetensors header, the manifest it names), or None.
@@ -574,9 +679,13 @@ class ObjectTier(Tier):
             entries = []
         for path in entries:
             name = path.rstrip("/").split("/")[-1]
-            if parse_step_dir(name) is None or self._exists(f"{name}/{MANIFEST}"):
+            step = parse_step_dir(name)
+            if step is None:
                 continue
-            if self._newest_mtime(path) < cutoff:
+            files = self._files(name)
+            if f"{name}/{MANIFEST}" in files:
+                removed += self._clean_strays(step, files, cutoff, dry_run)
+            elif max(files.values(), default=0.0) < cutoff:
                 removed.append(path)
                 if not dry_run:
                     self._call("deleting an abandoned step", self.fs.rm, path, recursive=True)
@@ -602,14 +711,22 @@ class ObjectTier(Tier):
             shutil.rmtree(path, ignore_errors=True)
         return stale
 
-    def _newest_mtime(self, path: str) -> float:
-        newest = 0.0
-        for info in self._call("listing", self.fs.find, path, detail=True).values():
-            t = info.get("LastModified") or info.get("mtime") or info.get("created")
-            if isinstance(t, datetime):
-                t = t.timestamp()
-            newest = max(newest, float(t or 0))
-        return newest
+    def _clean_strays(self, step: int, files: dict[str, float], cutoff: float, dry_run: bool) -> list[str]:
+        """Remove what a committed step's manifest does not name and nobody touched since ``cutoff``:
+        the attempt folders of writers that lost the commit and died before removing them."""
+        try:
+            m = self.manifest(step, check_signature=False)
+        except FlowcheckError as e:  # never delete what cannot be classified
+            log.warning("object tier %s: step %d: manifest unreadable (%s); its folder is left as it is",
+                        self.url, step, e)
+            return []
+        stale = sorted(rel for rel, newest in self._strays(m, files).items() if newest < cutoff)
+        for rel in stale if not dry_run else ():
+            try:
+                self._call("deleting an abandoned attempt", self.fs.rm, self._p(rel), recursive=True)
+            except FileNotFoundError:  # its writer removed it meanwhile
+                pass
+        return [self._p(rel) for rel in stale]
 
     def _abort_multipart(self, cutoff: float, dry_run: bool) -> list[str]:
         bucket, _, prefix = self.root.partition("/")
@@ -656,6 +773,14 @@ class ObjectTier(Tier):
             return sorted(p.rstrip("/").split("/")[-1] for p in self._call("listing", self.fs.ls, self._p(prefix), detail=False))
         except FileNotFoundError:
             return []
+
+
+def _mtime(info: dict) -> float:
+    """A listing entry's modification time (S3 ``LastModified``, a local file's ``mtime``), in seconds."""
+    t = info.get("LastModified") or info.get("mtime") or info.get("created")
+    if isinstance(t, datetime):
+        t = t.timestamp()
+    return float(t or 0)
 
 
 def _bar_callback(bar):

@@ -282,7 +282,7 @@ def test_a_pickle_bomb_where_a_state_file_is_expected_is_refused(tmp_path, monke
     assert not marker.exists(), "a pickled payload ran"
     # and a pickle in place of a stored data file is damage, never loaded
     store = _committed(tmp_path / "s")
-    write_raw(store.object, "step-000000010/shard-00000-of-00001.safetensors", pickle.dumps(_Bomb()))
+    write_raw(store.object, store.object.manifest(10).files[0].path, pickle.dumps(_Bomb()))
     store.object._headers.clear()
     assert not audit(store).ok
     with pytest.raises(FlowcheckError):

@@ -55,7 +55,7 @@ def test_parent_of_a_step_is_the_previous_step_manifest(tmp_path):
 
 def test_a_damaged_file_is_reported_with_the_node_that_wrote_it(tmp_path):
     write_all(tmp_path)
-    victim = sorted((tmp_path / "object" / "gpt" / cluster.part_dir(10, "n1")).glob("*.safetensors"))[0]
+    victim = sorted((tmp_path / "object" / "gpt" / cluster.part_dir(10, "n1")).glob("attempt-*/*.safetensors"))[0]
     data = bytearray(victim.read_bytes())
     data[-1] ^= 1
     victim.write_bytes(bytes(data))
