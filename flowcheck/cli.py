@@ -32,7 +32,11 @@ def _config_option(fn):
 
 
 def _handled(fn):
-    """Turn FlowcheckErrors into one clear line on stderr and exit status 2."""
+    """Turn FlowcheckErrors into one clear line on stderr and exit status 2.
+
+    The library turns every failure it can name (a full disk, a forged manifest, memory that runs out) into a
+    FlowcheckError; anything else is a bug or a case not foreseen: one line too, and its traceback with -v.
+    """
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -41,8 +45,27 @@ def _handled(fn):
         except FlowcheckError as e:
             click.echo(f"error: {e}", err=True)
             sys.exit(2)
+        except (click.ClickException, click.exceptions.Exit, click.Abort):
+            raise  # usage errors, ctx.exit(), Ctrl-C: click reports them itself
+        except Exception as e:  # noqa: BLE001 - the last resort: one line instead of a traceback
+            if _verbosity():
+                import traceback
+
+                traceback.print_exc(file=sys.stderr)
+            detail = " ".join(str(e).split())
+            detail = detail if len(detail) <= 300 else detail[:297] + "..."
+            more = "the traceback is above" if _verbosity() else "re-run with -v for the traceback"
+            click.echo(f"error: unexpected {type(e).__name__}{': ' + detail if detail else ''} "
+                       f"(a flowcheck bug or a case it does not handle yet; {more}, and please report it)", err=True)
+            sys.exit(2)
 
     return wrapper
+
+
+def _verbosity() -> int:
+    """The -v count given to the `flowcheck` group (0 outside a click context)."""
+    ctx = click.get_current_context(silent=True)
+    return (ctx.find_root().params.get("verbose") or 0) if ctx is not None else 0
 
 
 def _store(config_path: str | None, progress: bool = False, run: str | None = None):
@@ -106,12 +129,7 @@ def _at(manifest, tier) -> str:
     return str(Located(manifest.step, tier.branch))
 
 
-def _size(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
+_size = _progress.human_bytes
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

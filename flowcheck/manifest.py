@@ -23,9 +23,10 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from typing import Any
 
+from flowcheck import dtypes
 from flowcheck.digest import sha256
 from flowcheck.errors import ManifestError, UnsafeNameError
-from flowcheck.state import ROLES, ParallelLayout, StateLayout, TensorSpec, check_name
+from flowcheck.state import ROLES, ParallelLayout, StateLayout, TensorSpec, check_name, scalars_problem
 
 FORMAT_VERSION = 1
 # v2 = v1 + ``nodes``: the step manifest of a step written by several nodes (tiers/cluster.py).
@@ -120,13 +121,20 @@ class ParentRef:
 
 def check_parent(parent: ParentRef, where: str) -> ParentRef:
     """A parent reference about to be committed: what the manifest parser would accept, checked first."""
-    r = _Reader(where)
-    raw = {"step": parent.step, "manifest_digest": parent.manifest_digest}
-    step = r.get(raw, "step", int, "parent.step", "a non-negative integer")
-    if step < 0:
-        raise r.fail("parent.step", "a non-negative integer", step)
-    r.digest(raw, "manifest_digest", "parent.manifest_digest", "sha256")
+    parse_ref({"step": parent.step, "manifest_digest": parent.manifest_digest}, where, "parent.")
     return parent
+
+
+def parse_ref(raw: Any, where: str, prefix: str = "") -> ParentRef:
+    """A ``{step, manifest_digest}`` object (a parent, a restore record); a ManifestError naming ``where`` and the
+    field otherwise."""
+    r = _Reader(where)
+    if not isinstance(raw, Mapping):
+        raise r.fail(prefix.rstrip(".") or "<root>", "an object {step, manifest_digest}", raw)
+    step = r.get(raw, "step", int, prefix + "step", "a non-negative integer")
+    if step < 0:
+        raise r.fail(prefix + "step", "a non-negative integer", step)
+    return ParentRef(step, r.digest(raw, "manifest_digest", prefix + "manifest_digest", "sha256"))
 
 
 def validated_bytes(m: Manifest, where: str) -> bytes:
@@ -254,8 +262,6 @@ class Manifest:
     @property
     def data_nbytes(self) -> int:
         """Bytes of tensor data in the shards (``nbytes`` less the formats' headers and metadata)."""
-        from flowcheck import dtypes
-
         return sum(math.prod(s.shape) * dtypes.dtype(t.dtype).itemsize for t in self.tensors.values() for s in t.shards)
 
 
@@ -334,8 +340,6 @@ def _tensor(r: _Reader, name: str, raw: Any) -> TensorEntry:
         raise ManifestError(f"{r.where}: field 'tensors': {e}") from e
     base = f"tensors.{name}"
     dt = r.get(raw, "dtype", str, base + ".dtype", "a dtype name")
-    from flowcheck import dtypes
-
     try:
         itemsize = dtypes.dtype(dt).itemsize
     except Exception as e:
@@ -356,8 +360,37 @@ def _tensor(r: _Reader, name: str, raw: Any) -> TensorEntry:
             raise r.fail(sp, f"a box inside global shape {list(shape)}", {"offsets": offsets, "shape": sshape})
         loc = r.get(s, "location", list, sp + ".location", "a list of pieces")
         pieces = tuple(_piece(r, p, f"{sp}.location[{j}]") for j, p in enumerate(loc))
+        for j, p in enumerate(pieces):
+            if p.rows is not None and (not sshape or p.rows[1] > sshape[0]):
+                rows = sshape[0] if sshape else 0
+                raise r.fail(f"{sp}.location[{j}].rows", f"rows within the shard's {rows}", list(p.rows))
         shards.append(ShardEntry(offsets, sshape, r.digest(s, "digest", sp + ".digest", "xxh3-128"), pieces))
     return TensorEntry(dt, shape, role, tuple(shards))
+
+
+def _check_file_bytes(r: _Reader, tensors: Mapping[str, TensorEntry], files: list[FileEntry]) -> None:
+    """A piece with a ``key`` is a tensor inside a safetensors file, which holds its bytes densely: that file must
+    be listed, with at least the bytes of every piece in it.  Checked here, so that a forged shape (2**40
+    elements over a few KiB of files) never sizes a buffer.  zarr pieces (no key) may be compressed or sparse
+    (all-fill chunks are not stored): their size is bounded only when they are read."""
+    listed = {f.path: (i, f.bytes) for i, f in enumerate(files)}
+    held: dict[str, int] = {}
+    for name, t in tensors.items():
+        itemsize = dtypes.dtype(t.dtype).itemsize
+        for i, s in enumerate(t.shards):
+            for j, p in enumerate(s.location):
+                if p.key is None:
+                    continue
+                if p.path not in listed:
+                    raise r.fail(f"tensors.{name}.shards[{i}].location[{j}].path",
+                                 "a file listed in 'files' (a safetensors piece)", p.path)
+                shape = s.shape if p.rows is None or not s.shape else (p.rows[1] - p.rows[0], *s.shape[1:])
+                held[p.path] = held.get(p.path, 0) + math.prod(shape) * itemsize
+    for path, need in held.items():
+        i, size = listed[path]
+        if need > size:
+            raise r.fail(f"files[{i}].bytes", f"at least {need:,}: the bytes of tensor data its pieces place in "
+                         f"{path} (a manifest that claims more data than its files hold is forged)", size)
 
 
 def _nodes(r: _Reader, raw: Mapping[str, Any], version: int) -> tuple[NodeRef, ...]:
@@ -382,6 +415,16 @@ def _nodes(r: _Reader, raw: Mapping[str, Any], version: int) -> tuple[NodeRef, .
     if len(set(names)) != len(names):
         raise r.fail("nodes", "each node once", names)
     return tuple(out)
+
+
+def _scalars(r: _Reader, raw: Mapping[str, Any]) -> dict[str, Any]:
+    """The scalars object, every field the readers use of the type they use it as (flowcheck/state.py)."""
+    scalars = r.get(raw, "scalars", dict, "scalars", "an object")
+    bad = scalars_problem(scalars)
+    if bad is not None:
+        field_, expected, found = bad
+        raise r.fail(f"scalars.{field_}", expected, found)
+    return scalars
 
 
 def parse(raw_bytes: bytes, where: str, *, verify_integrity: bool = True) -> Manifest:
@@ -418,11 +461,14 @@ def parse(raw_bytes: bytes, where: str, *, verify_integrity: bool = True) -> Man
         raise r.fail("source_layout", "positive integers tp, pp, dp, vpp", sl)
     layout = ParallelLayout(**dims)
     tensors = {name: _tensor(r, name, t) for name, t in r.get(raw, "tensors", dict, "tensors", "an object").items()}
-    files = []
+    files: list[FileEntry] = []
     for i, f in enumerate(r.get(raw, "files", list, "files", "a list")):
         p = r.relpath(f, "path", f"files[{i}].path")
-        size = r.get(f, "bytes", int, f"files[{i}].bytes", "an integer")
+        size = r.get(f, "bytes", int, f"files[{i}].bytes", "a non-negative integer")
+        if size < 0:
+            raise r.fail(f"files[{i}].bytes", "a non-negative integer", size)
         files.append(FileEntry(p, size, r.digest(f, "digest", f"files[{i}].digest", "xxh3-128")))
+    _check_file_bytes(r, tensors, files)
     buckets_raw = raw.get("buckets", [])
     if not isinstance(buckets_raw, list) or not all(
         isinstance(b, list) and all(isinstance(n, str) for n in b) for b in buckets_raw
@@ -455,7 +501,7 @@ def parse(raw_bytes: bytes, where: str, *, verify_integrity: bool = True) -> Man
         source_layout=layout,
         tensors=tensors,
         files=tuple(files),
-        scalars=r.get(raw, "scalars", dict, "scalars", "an object"),
+        scalars=_scalars(r, raw),
         buckets=buckets,
         signature=signature,
         format_version=version,

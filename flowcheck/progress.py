@@ -82,3 +82,12 @@ def activity(desc: str) -> Iterator[Any]:
         finally:
             done.set()
             t.join()
+
+
+def human_bytes(n: float) -> str:
+    """``646.4 KiB``: a byte count as the CLI and error messages print it."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)

@@ -160,8 +160,45 @@ class Scalars:
 
     @classmethod
     def from_json(cls, raw: Mapping[str, Any]) -> Scalars:
+        """Scalars from JSON (a manifest, a push header); a field of the wrong type is a FlowcheckError."""
+        if not isinstance(raw, Mapping):
+            raise FlowcheckError(f"scalars: expected an object, found {_shown(raw)}")
+        bad = scalars_problem(raw)
+        if bad is not None:
+            field_, expected, found = bad
+            raise FlowcheckError(f"scalars: field '{field_}': expected {expected}, found {_shown(found)}")
         known = {f for f in cls.__dataclass_fields__}
         return cls(**{k: v for k, v in raw.items() if k in known})
+
+
+def scalars_problem(raw: Mapping[str, Any]) -> tuple[str, str, Any] | None:
+    """The first field of JSON scalars whose type is wrong, as (field, expected, found); None when all fit.
+
+    Unknown keys are left alone (a newer writer's); absent ones take their defaults.  Readers use these values
+    as they are (``sorted(rng)``, ``extra.get``), so a forged manifest must not get this far with others."""
+    step = raw.get("optimizer_step")
+    if step is not None and (not isinstance(step, int) or isinstance(step, bool)):
+        return "optimizer_step", "an integer or null", step
+    rng = raw.get("rng", {})
+    if not isinstance(rng, Mapping):
+        return "rng", "an object of name -> base64 string", rng
+    for name, state in rng.items():
+        if not isinstance(state, str):
+            return f"rng.{name}", "a base64 string", state
+    for key in ("lr_scheduler", "optimizer"):
+        if raw.get(key) is not None and not isinstance(raw[key], Mapping):
+            return key, "an object or null", raw[key]
+    groups = (raw.get("optimizer") or {}).get("param_groups")
+    if groups is not None and not (isinstance(groups, list) and all(isinstance(g, Mapping) for g in groups)):
+        return "optimizer.param_groups", "a list of objects", groups
+    if not isinstance(raw.get("extra", {}), Mapping):
+        return "extra", "an object", raw["extra"]
+    return None
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 ArraySource = np.ndarray | Callable[[], np.ndarray]

@@ -22,7 +22,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from flowcheck.errors import FormatError
+from flowcheck.errors import FormatError, ManifestError
+from flowcheck.manifest import ParentRef, parse_ref
 from flowcheck.restore.arch import ModelArch, arch_from_metadata
 from flowcheck.restore.dcp_read import StoredTensor, load_tensors, read_index
 from flowcheck.restore.megatron_common import TRACKER, iter_dirname
@@ -94,23 +95,27 @@ def import_into(store: Any, path: str, step: int, *, arch: ModelArch | None = No
     """
     from dataclasses import replace
 
-    from flowcheck.manifest import ParentRef
-
+    parent = restore_record(path) if os.path.isdir(path) else None  # read first: a bad record stops the import
     snap = import_checkpoint(path, store.config.run, step, arch=arch, trust_pickle=trust_pickle)
-    record = restore_record(path) if os.path.isdir(path) else None
-    if record is not None:
-        parent = ParentRef(int(record["step"]), str(record["manifest_digest"]))
+    if parent is not None:
         return store.write(replace(snap, source="restore"), tier, parent)
     return store.write(snap, tier, root=True)
 
 
-def restore_record(path: str) -> dict[str, Any] | None:
-    """The record restore leaves in a directory it wrote (run, step, manifest digest), if any."""
+def restore_record(path: str) -> ParentRef | None:
+    """The stored step a directory ``flowcheck restore`` wrote came from (its record's step and manifest digest),
+    if it has a record; a record that is not JSON or has a field of the wrong type is a ManifestError naming it."""
     p = os.path.join(path, RESTORE_RECORD)
     if not os.path.isfile(p):
         return None
-    with open(p, encoding="utf-8") as f:
-        return json.load(f)
+    with open(p, "rb") as f:
+        raw = f.read(1 << 20)
+    try:
+        record = json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise ManifestError(f"{p}: not valid JSON ({e}); restore writes this record — delete it to import the "
+                            "directory as a new lineage") from e
+    return parse_ref(record, p)
 
 
 def _snapshot(got: Collected, run: str, step: int) -> Snapshot:

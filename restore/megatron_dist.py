@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import json
 import os
+import threading
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -20,6 +24,7 @@ from flowcheck.restore.megatron_map import Param, local_suffix
 METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
             "common_backend": "torch", "common_backend_version": 1}
 OPT_PREFIX = "optimizer.state"
+_WRITER_THREAD = "_write_files_from_queue"  # the target of torch's DCP writer threads (they are named after it)
 # modules with ``_extra_state`` in megatron-core's local spec (TE adds core_attention)
 _EXTRA_STATE_MODULES = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1", "mlp.linear_fc2")
 
@@ -36,6 +41,42 @@ def pad_vocab(t: torch.Tensor, rows: int) -> torch.Tensor:
     if t.shape[0] >= rows:
         return t[:rows]
     return torch.cat([t, t[-1:].expand(rows - t.shape[0], *t.shape[1:])])
+
+
+@contextmanager
+def _writer_thread_errors() -> Iterator[list[BaseException]]:
+    """Exceptions of DCP's writer threads while one save runs.  torch lets them end their thread (printing a
+    traceback), commits the checkpoint without their files, and, when its own thread fails, returns without
+    waiting for them: collected here they fail the restore, and none is still writing when this exits."""
+    lost: list[BaseException] = []
+    previous, before = threading.excepthook, set(threading.enumerate())
+
+    def ours(t: threading.Thread) -> bool:
+        return t not in before and t.name.endswith(f"({_WRITER_THREAD})")
+
+    def hook(args: threading.ExceptHookArgs) -> None:
+        if args.thread is not None and ours(args.thread) and args.exc_value is not None:
+            lost.append(args.exc_value)
+        else:
+            previous(args)
+
+    threading.excepthook = hook
+    try:
+        yield lost
+    finally:
+        for t in threading.enumerate():
+            if ours(t):
+                t.join()
+        threading.excepthook = previous
+
+
+def _first_failure(e: BaseException) -> BaseException:
+    failures = getattr(e, "failures", None) or {}
+    for failure in failures.values():
+        inner = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(inner, BaseException):
+            return inner
+    return e
 
 
 class DistWriter:
@@ -68,17 +109,30 @@ class DistWriter:
     def finish(self) -> list[str]:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
+        from torch.distributed.checkpoint.api import CheckpointException
 
         os.makedirs(self.it_dir, exist_ok=True)
         state = dict(self.state)
         state.update(self._objects())
-        dcp.save(
-            state,
-            storage_writer=FileSystemWriter(self.it_dir, thread_count=self.workers, sync_files=True),
-            planner=DefaultSavePlanner(flatten_state_dict=False),
-            no_dist=True,
-        )
-        torch.save(self._common(self.meta), os.path.join(self.it_dir, "common.pt"))
+        failure = None
+        try:
+            with _writer_thread_errors() as lost, warnings.catch_warnings():
+                # no_dist=True is the point (one process writes the whole checkpoint): not worth a warning
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+                dcp.save(
+                    state,
+                    storage_writer=FileSystemWriter(self.it_dir, thread_count=self.workers, sync_files=True),
+                    planner=DefaultSavePlanner(flatten_state_dict=False),
+                    no_dist=True,
+                )
+        except CheckpointException as e:
+            failure = _first_failure(e)  # one process, one rank: its own exception (an OSError, a Ctrl-C...)
+        if failure is not None or lost:
+            # raised out here: inside the except block Python would replace its context (the OSError under
+            # torch.save's "unexpected pos" RuntimeError) with the CheckpointException
+            raise failure or lost[0]
+        with open(os.path.join(self.it_dir, "common.pt"), "wb") as f:
+            torch.save(self._common(self.meta), f)  # a Python file: a failed write surfaces as its OSError
         with open(os.path.join(self.it_dir, "metadata.json"), "w", encoding="utf-8") as f:
             json.dump(METADATA, f)
         return sorted(os.path.join(self.it_dir, n) for n in os.listdir(self.it_dir))

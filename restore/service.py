@@ -7,6 +7,7 @@ write into ``<out>.tmp-<pid>`` (tracker file last) and rename it into place.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import shutil
 import time
@@ -17,13 +18,16 @@ from typing import Any
 
 import torch
 
+from flowcheck import dtypes
 from flowcheck.branches import MAIN
-from flowcheck.errors import FlowcheckError, StepExistsError
+from flowcheck.errors import FlowcheckError, ManifestError, StepExistsError
+from flowcheck.manifest import Manifest
 from flowcheck.restore.arch import ModelArch
 from flowcheck.restore.megatron_common import DTYPES, TRACKER, StepMeta, Target, megatron_args
 from flowcheck.restore.megatron_dist import DistWriter
 from flowcheck.restore.megatron_legacy import LegacyWriter
 from flowcheck.restore.megatron_map import Param
+from flowcheck.restore.outputs import failed_write, remove
 from flowcheck.restore.source import MEGATRON_KEY, OPT, StepReader
 from flowcheck.tiers.durable import fsync_dir, make_tree_durable
 
@@ -66,11 +70,12 @@ def restore(
     out = os.path.abspath(out)
     if os.path.exists(out) and not force:
         raise StepExistsError(f"{out} already exists; pass --force to replace it")
+    meta = _meta(reader, target, params)
     staging = f"{out}.tmp-{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
-    os.makedirs(staging)
+    placed = False
     try:
-        meta = _meta(reader, target, params)
+        shutil.rmtree(staging, ignore_errors=True)
+        os.makedirs(staging)
         writer_cls = DistWriter if target.fmt == "megatron-dist" else LegacyWriter
         writer = writer_cls(reader.arch, target, staging, meta, slots + (["fp32_param"] if slots else []), workers)
         for param, slot, tensor in _tensors(reader, target, params, slots, workers, progress):
@@ -81,14 +86,31 @@ def restore(
             f.write(str(reader.step))  # written last: Megatron reads the tracker to find the iteration
         make_tree_durable(staging, "fsync")  # data files are already synced: this covers small files and dirs
         _replace_dir(staging, out)
+        placed = True
         fsync_dir(os.path.dirname(out))
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+    except BaseException as e:
+        error = _failed(e, reader, target, out, None if placed else remove(staging), placed)
+        if error is None:
+            raise
+        raise error from e
     files = [os.path.join(out, os.path.relpath(p, staging)) for p in files] + [os.path.join(out, TRACKER)]
     size = sum(os.path.getsize(p) for p in files if os.path.isfile(p))
     return RestoreReport(out, reader.step, reader.manifest.run, reader.tier.name, target, files, size,
                          time.perf_counter() - t0, reader.tier.branch)
+
+
+def _failed(e: BaseException, reader: StepReader, target: Target, out: str, stuck: str | None,
+            placed: bool) -> FlowcheckError | None:
+    """A disk that refused the checkpoint, or memory that ran out, as one error (None: ``e`` says it already)."""
+    if placed:
+        left = f"the checkpoint is complete at {out} but its folder entry may not be durable"
+    elif stuck:
+        left = f"the staging folder {stuck}"
+    else:
+        left = f"nothing was left half-written (the staging folder was removed; {out} was not touched)"
+    need = sum(math.prod(t.global_shape) * dtypes.dtype(t.dtype).itemsize for n, t in reader.manifest.tensors.items()
+               if target.optim or not n.startswith(OPT))
+    return failed_write(e, out, what="the restored checkpoint", need=need, left=left)
 
 
 def _tensors(reader: StepReader, target: Target, params: list[Param], slots: list[str], workers: int, progress: bool):
@@ -143,12 +165,16 @@ def _bar(total: int, enabled: bool, desc: str):
 
 def _meta(reader: StepReader, target: Target, params: list[Param]) -> StepMeta:
     scalars = reader.manifest.scalars
-    extra = scalars.get("extra") or {}
-    imported = extra.get(MEGATRON_KEY) or {}
+    imported = _imported(reader.manifest)
     first = params[0].name
     stored = reader.manifest.tensors[first].dtype
     dtype = DTYPES[target.dtype] if target.dtype else (torch.bfloat16 if stored == "bfloat16" else torch.float32)
-    groups = (scalars.get("optimizer") or {}).get("param_groups") or imported.get("param_groups") or [{}]
+    own = (scalars.get("optimizer") or {}).get("param_groups")
+    groups = own or imported.get("param_groups") or [{}]
+    betas = groups[0].get("betas")
+    if betas is not None and not (isinstance(betas, list) and all(isinstance(b, (int, float)) for b in betas)):
+        where = "optimizer" if own else f"extra.{MEGATRON_KEY}"
+        raise _bad(reader.manifest, f"{where}.param_groups[0].betas", "a list of numbers", betas)
     group = {k: (tuple(v) if k == "betas" else v) for k, v in groups[0].items() if k not in ("params", "step")}
     return StepMeta(
         iteration=reader.step,
@@ -158,6 +184,38 @@ def _meta(reader: StepReader, target: Target, params: list[Param]) -> StepMeta:
         scheduler=imported.get("opt_param_scheduler"),
         flops=float(imported.get("num_floating_point_operations_so_far", 0.0)),
     )
+
+
+# what `flowcheck import` keeps of a Megatron checkpoint (scalars.extra.megatron), as restore uses it
+_IMPORTED = {
+    "args": (dict, "an object of Megatron arguments"),
+    "opt_param_scheduler": (dict, "an object"),
+    "param_groups": (list, "a list of objects"),
+    "num_floating_point_operations_so_far": ((int, float), "a number"),
+}
+
+
+def _imported(m: Manifest) -> dict[str, Any]:
+    """``scalars.extra.megatron``, every field restore reads of the type it reads it as."""
+    raw = (m.scalars.get("extra") or {}).get(MEGATRON_KEY)
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise _bad(m, f"extra.{MEGATRON_KEY}", "an object", raw)
+    for key, (kind, expected) in _IMPORTED.items():
+        value = raw.get(key)
+        if value is not None and (not isinstance(value, kind) or isinstance(value, bool)):
+            raise _bad(m, f"extra.{MEGATRON_KEY}.{key}", expected, value)
+    if not all(isinstance(g, dict) for g in raw.get("param_groups") or []):
+        raise _bad(m, f"extra.{MEGATRON_KEY}.param_groups", "a list of objects", raw["param_groups"])
+    return raw
+
+
+def _bad(m: Manifest, field_: str, expected: str, found: Any) -> ManifestError:
+    shown = repr(found)
+    shown = shown if len(shown) <= 80 else shown[:77] + "..."
+    return ManifestError(f"step {m.step} of run {m.run}: manifest field 'scalars.{field_}': expected {expected}, found "
+                         f"{shown}; restore cannot build the checkpoint's args and optimizer from it")
 
 
 def _write_record(root: str, reader: StepReader, target: Target) -> None:

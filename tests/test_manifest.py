@@ -20,8 +20,9 @@ from flowcheck.manifest import (
     TensorEntry,
     canonical_json,
     parse,
+    parse_ref,
 )
-from flowcheck.state import ParallelLayout, StateLayout, TensorSpec
+from flowcheck.state import ParallelLayout, Scalars, StateLayout, TensorSpec
 
 Failed = pytest.fail.Exception  # what a 'DID NOT RAISE' raises
 GOLDEN = Path(__file__).parent / "golden" / "manifest_v1.json"
@@ -330,6 +331,95 @@ def test_malformed_buckets_raise_a_manifest_error(buckets):
         parse(reseal(raw), "m.json")
 
 
+# ---- scalars: what readers use them as (a forger keeps the integrity hash valid) ---------------
+@pytest.mark.parametrize("key,value,field,expected", [
+    ("optimizer_step", "x", "scalars.optimizer_step", "an integer or null"),
+    ("optimizer_step", True, "scalars.optimizer_step", "an integer or null"),
+    ("optimizer_step", 1.5, "scalars.optimizer_step", "an integer or null"),
+    ("rng", ["a"], "scalars.rng", "an object of name -> base64 string"),
+    ("rng", {"torch": 5}, "scalars.rng.torch", "a base64 string"),
+    ("lr_scheduler", "s", "scalars.lr_scheduler", "an object or null"),
+    ("optimizer", [1], "scalars.optimizer", "an object or null"),
+    ("optimizer", {"param_groups": [1]}, "scalars.optimizer.param_groups", "a list of objects"),
+    ("extra", [1], "scalars.extra", "an object"),
+])
+def test_scalars_of_the_wrong_type_are_a_manifest_error_naming_the_field(key, value, field, expected):
+    raw = raw_json()
+    raw["scalars"][key] = value
+    with pytest.raises(ManifestError, match=re.escape(f"m.json: field '{field}': expected {expected}, found")):
+        parse(reseal(raw), "m.json")
+    with pytest.raises(FlowcheckError, match=re.escape(f"field '{field.removeprefix('scalars.')}'")):
+        Scalars.from_json(raw["scalars"])
+
+
+def test_scalars_may_leave_fields_out_and_carry_unknown_ones():
+    raw = raw_json()
+    raw["scalars"] = {"optimizer_step": None, "lr_scheduler": None, "optimizer": None, "from_a_newer_writer": [1]}
+    assert parse(reseal(raw), "m.json").scalars == raw["scalars"]
+    assert Scalars.from_json(raw["scalars"]) == Scalars()
+
+
+# ---- stored bytes: a safetensors piece's data must fit in the file it names ----------------
+def test_a_file_smaller_than_the_data_its_pieces_place_in_it_is_refused():
+    raw = raw_json()
+    raw["files"][0]["bytes"] = 143  # the pieces in file 0 hold 96 + 48 bytes
+    with pytest.raises(ManifestError, match=r"field 'files\[0\].bytes': expected at least 144: .* forged"):
+        parse(reseal(raw), "m.json")
+    raw["files"][0]["bytes"] = 144
+    parse(reseal(raw), "m.json")
+
+
+def test_a_forged_global_shape_over_small_files_is_refused_before_anything_reads_it():
+    m = golden_manifest()
+    t = m.tensors[NORM]
+    huge = replace(t, global_shape=(2**40,), shards=(replace(t.shards[0], shape=(2**40,)),))
+    specs = tuple(TensorSpec(n, x.dtype, x.global_shape, x.role) for n, x in {**m.tensors, NORM: huge}.items())
+    forged = replace(m, tensors={**m.tensors, NORM: huge},
+                     layout_digest=StateLayout(specs, m.source_layout, m.buckets).digest())
+    with pytest.raises(ManifestError, match=r"files\[1\].bytes': expected at least 2,199,023,255,600"):
+        parse(forged.to_bytes(), "m.json")
+
+
+def test_a_safetensors_piece_must_name_a_listed_file_and_rows_inside_its_shard():
+    raw = raw_json()
+    _shard(raw)["location"][0]["path"] = "step-000000010/unlisted.safetensors"
+    with pytest.raises(ManifestError, match=r"location\[0\].path': expected a file listed in 'files'"):
+        parse(reseal(raw), "m.json")
+    raw = raw_json()
+    raw["tensors"][W]["shards"][1]["location"][1]["rows"] = [2, 5]  # the shard has 4 rows
+    with pytest.raises(ManifestError, match=r"location\[1\].rows': expected rows within the shard's 4"):
+        parse(reseal(raw), "m.json")
+
+
+def test_zarr_pieces_are_not_bounded_by_file_sizes():
+    """A local-tier (zarr) array may be compressed, or sparse (all-fill chunks are not stored)."""
+    raw = raw_json()
+    for t in raw["tensors"].values():
+        for s in t["shards"]:
+            s["location"] = [{"path": f"step-000000010/{s['digest'][-4:]}"}]
+    raw["files"] = [{"path": "step-000000010/zarr.json", "bytes": 10, "digest": "xxh3-128:" + "4" * 32}]
+    parse(reseal(raw), "m.json")
+
+
+def test_a_negative_file_size_is_refused():
+    raw = raw_json()
+    raw["files"][1]["bytes"] = -1
+    with pytest.raises(ManifestError, match=r"files\[1\].bytes': expected a non-negative integer, found -1"):
+        parse(reseal(raw), "m.json")
+
+
+@pytest.mark.parametrize("raw,words", [
+    ({"step": "abc", "manifest_digest": "sha256:" + "a" * 64}, "field 'step': expected a non-negative integer"),
+    ({"step": 3, "manifest_digest": "md5:00"}, "field 'manifest_digest': expected a 'sha256:<64 hex digits>'"),
+    ({"manifest_digest": "sha256:" + "a" * 64}, "field 'step': expected a non-negative integer, found '<missing>'"),
+    ([3], "field '<root>': expected an object {step, manifest_digest}"),
+])
+def test_a_reference_read_from_a_file_is_checked_field_by_field(raw, words):
+    with pytest.raises(ManifestError, match=re.escape(f"rec.json: {words}")):
+        parse_ref(raw, "rec.json")
+    assert parse_ref({"step": 3, "manifest_digest": "sha256:" + "a" * 64}, "rec.json") == ParentRef(3, "sha256:" + "a" * 64)
+
+
 # ---- signing -------------------------------------------------------------------------
 def test_a_signed_manifest_verifies_with_its_key_only():
     signed = golden_manifest().signed(b"secret")
@@ -343,7 +433,8 @@ def test_a_signed_manifest_verifies_with_its_key_only():
     "alter",
     [
         lambda m: replace(m, scalars={**m.scalars, "optimizer_step": 11}),
-        lambda m: replace(m, files=m.files[:1]),  # files are outside the digest but inside the signature
+        # files are outside the digest but inside the signature (dropping one whose pieces remain fails to parse)
+        lambda m: replace(m, files=(m.files[0], replace(m.files[1], bytes=m.files[1].bytes + 1))),
         lambda m: replace(m, created_at="2025-01-02T03:04:05.678902Z"),
         lambda m: replace(m, signature={**m.signature, "alg": "hmac-md5"}),
     ],

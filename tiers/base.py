@@ -19,7 +19,14 @@ import numpy as np
 from flowcheck import __version__, dtypes
 from flowcheck.branches import MAIN, RECORD, BranchRecord, branch_root, check_branch
 from flowcheck.digest import data_digest
-from flowcheck.errors import FlowcheckError, IntegrityError, ManifestError, StepNotFoundError, TensorNotFoundError
+from flowcheck.errors import (
+    FlowcheckError,
+    IntegrityError,
+    ManifestError,
+    StepNotFoundError,
+    TensorNotFoundError,
+    TooLargeError,
+)
 from flowcheck.manifest import (
     FORMAT_VERSION,
     FileEntry,
@@ -88,6 +95,24 @@ def normalize_region(region: Any, shape: tuple[int, ...], name: str) -> tuple[sl
         start, stop, _ = sl.indices(n)
         out.append(slice(start, max(start, stop)))
     return tuple(out)
+
+
+def allocate(shape: tuple[int, ...], dtype: str, what: str, *, zeroed: bool = False) -> np.ndarray:
+    """``np.empty`` (``np.zeros``) for a tensor a manifest describes: a size this machine cannot hold (a genuine
+    giant, or a forged manifest) is a TooLargeError naming it, never a bare MemoryError."""
+    try:
+        return (np.zeros if zeroed else np.empty)(shape, dtype=dtypes.dtype(dtype).storage)
+    except MemoryError as e:
+        raise too_large(what, shape, dtype) from e
+
+
+def too_large(what: str, shape: tuple[int, ...], dtype: str) -> TooLargeError:
+    nbytes = math.prod(shape) * dtypes.dtype(dtype).itemsize
+    return TooLargeError(
+        f"{what}: cannot allocate {nbytes:,} bytes for {dtype}{list(shape)}: expected a tensor that fits in this "
+        "machine's memory, found one that does not; if the step is genuine read it on a larger machine (or by "
+        "regions), else its manifest was forged — `flowcheck audit` checks it"
+    )
 
 
 def make_manifest(
@@ -267,7 +292,7 @@ class Tier(ABC):
         covered = sum(math.prod(s.stop - s.start for s in dest) for _entry, (_local, dest) in hits)
         if covered < math.prod(s.stop - s.start for s in reg):
             raise IntegrityError(f"step {step} tensor {tensor}: the stored shards cover only part of region {reg}")
-        out = np.empty(tuple(s.stop - s.start for s in reg), dtype=dtypes.dtype(t.dtype).storage)
+        out = allocate(tuple(s.stop - s.start for s in reg), t.dtype, f"{self.name} tier step {step} tensor {tensor}")
         for entry, (local, dest) in hits:
             whole = self.verifies_reads and local == full_region(entry.shape)
             # a whole shard costs no extra I/O to check: a flipped byte must not come back as data
@@ -288,9 +313,16 @@ class Tier(ABC):
         return arr
 
     def _read_stored(self, manifest: Manifest, tensor: str, entry: ShardEntry, region: tuple[slice, ...]) -> np.ndarray:
-        """``_read_shard``, with a file the manifest lists but the tier lacks reported as damage (not a bare OSError)."""
+        """``_read_shard``, with a file the manifest lists but the tier lacks reported as damage (not a bare OSError),
+        and a shard too large to allocate as a TooLargeError."""
         try:
             return self._read_shard(manifest, tensor, entry, region)
+        except MemoryError as e:
+            if isinstance(e, FlowcheckError):
+                raise
+            shape = tuple(r.stop - r.start for r in region)
+            raise too_large(f"{self.name} tier step {manifest.step} tensor {tensor} shard {list(entry.offsets)}", shape,
+                            manifest.tensors[tensor].dtype) from e
         except FileNotFoundError as e:
             if isinstance(e, FlowcheckError):
                 raise

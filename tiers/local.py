@@ -244,6 +244,8 @@ class LocalTier(Tier):
                     raise IntegrityError(f"local tier: {os.path.join(self.root, f)} is missing (listed in the manifest)")
             arr = zarr.open_array(path, mode="r")
             return np.asarray(arr[region]) if shard.shape else np.asarray(arr[...])
+        except MemoryError:
+            raise  # not damage: the base turns it into a TooLargeError naming the tensor
         except Exception as e:  # zarr raises plain ValueError/RuntimeError on a bad CRC or metadata
             raise IntegrityError(f"local tier: cannot read {path}: {e}") from e
 
