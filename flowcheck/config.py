@@ -170,6 +170,15 @@ class ServeConfig:
     # Set on the node, every push and every POST to the control API needs it; unset, the node is unauthenticated
     # and refuses to listen beyond loopback.  Trainers' Checkpointers read the same variable.
     auth_token_env: str = "FLOWCHECK_NODE_TOKEN"
+    # bounds on every connection of both listeners (flowcheck/node/limits.py): a push frame header or an HTTP
+    # request head must be complete this long after the connection (or its previous frame) started — also the
+    # longest pause mid-payload and the HTTP keep-alive; half-sent requests and silent connections are closed
+    header_timeout_s: float = 10.0
+    # a trainer's push connection, once it pushed, may sit idle between saves this long (it reconnects after)
+    idle_timeout_s: float = 900.0
+    # connections each listener (push, HTTP) holds at once; one more is refused at once and counted.  Keep
+    # 2 x max_connections + a few hundred under the node's file descriptor limit (ulimit -n)
+    max_connections: int = 256
 
     def __post_init__(self) -> None:
         if not isinstance(self.auth_token_env, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", self.auth_token_env):
@@ -180,7 +189,10 @@ class ServeConfig:
             host, _, port = str(value).rpartition(":")
             if not host or not port.isdigit() or not 0 <= int(port) < 65536:
                 raise ConfigError(f"serve.{name}: expected HOST:PORT, found {value!r}")
-        _positive("serve", "part_timeout_s", self.part_timeout_s)
+        for name in ("part_timeout_s", "header_timeout_s", "idle_timeout_s", "max_connections"):
+            _positive("serve", name, getattr(self, name))
+        if isinstance(self.max_connections, float):
+            raise ConfigError(f"serve.max_connections: expected a whole number, found {self.max_connections!r}")
         sources = [name for name in ("mirror_pcaps", "mirror_interface") if getattr(self, name) is not None]
         if (self.mirror_job is None) != (not sources) or len(sources) > 1:
             raise ConfigError("serve.mirror_job and serve.mirror_pcaps / serve.mirror_interface: expected a job and one "
@@ -242,6 +254,7 @@ class Config:
             object.__setattr__(self, "node", socket.gethostname())
         if self.cluster.nodes:
             self._check_cluster()
+        check_storage_apart(self.tiers)
 
     def _check_cluster(self) -> None:
         if self.node not in self.cluster.nodes:
@@ -257,8 +270,71 @@ class Config:
         return yaml.safe_dump(raw, sort_keys=False)
 
 
+# ---- tiers that must not share storage ------------------------------------
+def _file_folder(url: str) -> str | None:
+    """The folder of a ``file://`` (or ``local://``) URL, symlinks resolved; None for any other URL."""
+    for scheme in ("file://", "local://"):
+        if url.startswith(scheme):
+            return os.path.realpath(url[len(scheme):] or ".")
+    return None
+
+
+def _within(path: str, folder: str) -> bool:
+    """``path`` is ``folder`` or inside it (both absolute, resolved)."""
+    return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
+
+
+def check_storage_apart(tiers: TiersConfig) -> None:
+    """ConfigError when two tiers (or the staging folder and a tier) would share files.
+
+    One folder as the local root and the ``file://`` object URL makes every local step look promoted (promote
+    writes nothing) and the object tier's GC delete local steps; nested roots put one tier's runs among the
+    other's.  Staging in a run's folder puts upload files among its steps.  Relative paths are taken from the
+    working directory here; ``load`` has anchored a file's paths at its folder already.
+    """
+    if not tiers.object.enabled:
+        return
+    local = os.path.realpath(tiers.local.root)
+    obj = _file_folder(tiers.object.url)
+    what = {"tiers.local.root": local}
+    if obj is not None:
+        what["tiers.object.url"] = obj
+        if _within(local, obj) or _within(obj, local):
+            how = "are the same folder" if local == obj else "are nested (one inside the other)"
+            outer = obj if _within(local, obj) else local
+            raise ConfigError(
+                f"tiers.local.root ({local}) and tiers.object.url ({tiers.object.url}, folder {obj}) {how}: the tiers "
+                f"would read and delete each other's steps.  Use two separate folders, neither inside the other "
+                f"(e.g. {os.path.join(outer, 'local')} and file://{os.path.join(outer, 'object')})")
+    if tiers.object.staging_dir:
+        staging = os.path.realpath(tiers.object.staging_dir)
+        for field_name, root in what.items():
+            rel = os.path.relpath(staging, root)
+            first = rel.split(os.sep, 1)[0]
+            outside = rel == os.pardir or rel.startswith(os.pardir + os.sep)
+            if staging == root or (not outside and not first.startswith(".")):
+                where = "is that tier's root" if staging == root else \
+                    f"lies in {os.path.join(root, first)}, a folder that tier would take for a run"
+                raise ConfigError(
+                    f"tiers.object.staging_dir ({staging}) {where} ({field_name} {root}): upload files would land "
+                    f"among the tier's runs and steps.  Leave it unset (default <local root>/.staging), or use a "
+                    f"folder outside the tiers or in a hidden one (e.g. {os.path.join(local, '.staging')})")
+
+
 # ---- loading -------------------------------------------------------------
 def _build(cls: type, raw: Any, where: str, path: str) -> Any:
+    return _construct(cls, _fields(cls, raw, where, path), where)
+
+
+def _construct(cls: type, kwargs: dict[str, Any], where: str) -> Any:
+    try:
+        return cls(**kwargs)
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from e
+
+
+def _fields(cls: type, raw: Any, where: str, path: str) -> dict[str, Any]:
+    """The checked keyword arguments of ``cls`` from its mapping in the file (its nested sections built)."""
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
@@ -276,10 +352,7 @@ def _build(cls: type, raw: Any, where: str, path: str) -> Any:
             kwargs[name] = _build(hint, value, where, sub)
         else:
             kwargs[name] = _check_type(hint, value, where, sub)
-    try:
-        return cls(**kwargs)
-    except ConfigError as e:
-        raise ConfigError(f"{where}: {e}") from e
+    return kwargs
 
 
 def _check_type(hint: Any, value: Any, where: str, path: str) -> Any:
@@ -301,8 +374,13 @@ def _check_type(hint: Any, value: Any, where: str, path: str) -> Any:
     raise ConfigError(f"{where}: '{path}': expected {hint}, found {value!r}")
 
 
-def from_dict(raw: Any, where: str = "<config>") -> Config:
-    return _build(Config, raw, where, "")
+def from_dict(raw: Any, where: str = "<config>", base: str | None = None) -> Config:
+    """The config a mapping describes; ``base``: the folder its relative paths are taken from (the config file's),
+    None: the working directory.  Anchored before the Config is built, so its checks see the real paths."""
+    kwargs = _fields(Config, raw, where, "")
+    if base is not None:
+        kwargs = _anchor(kwargs, base)
+    return _construct(Config, kwargs, where)
 
 
 def read_yaml(path: str, error: type[Exception], what: str, hint: str = "") -> Any:
@@ -327,20 +405,24 @@ def load(path: str | None = None) -> Config:
     if not path:
         return Config()
     raw = read_yaml(path, ConfigError, "config file", "; pass --config FILE or unset FLOWCHECK_CONFIG")
-    cfg = from_dict(raw, path)
-    return _anchor(cfg, os.path.dirname(os.path.abspath(path)))
+    return from_dict(raw, path, base=os.path.dirname(os.path.abspath(path)))
 
 
-def _anchor(cfg: Config, base: str) -> Config:
-    local = cfg.tiers.local
-    obj = cfg.tiers.object
-    if not os.path.isabs(local.root):
-        local = dataclasses.replace(local, root=os.path.normpath(os.path.join(base, local.root)))
+def _anchor(kwargs: dict[str, Any], base: str) -> dict[str, Any]:
+    """Config keyword arguments with relative folders (given or default) joined to ``base``: the local root, a
+    ``file://`` object URL (``file://./x`` or ``file://x``), the staging folder, the mirror-capture files."""
+    def join(path: str) -> str:
+        return path if os.path.isabs(path) else os.path.normpath(os.path.join(base, path))
+
+    tiers, serve = kwargs.get("tiers", TiersConfig()), kwargs.get("serve", ServeConfig())
+    local = dataclasses.replace(tiers.local, root=join(tiers.local.root))
+    obj = tiers.object
     if obj.url.startswith("file://") and not obj.url.startswith("file:///"):
-        obj = dataclasses.replace(obj, url="file://" + os.path.normpath(os.path.join(base, obj.url[len("file://"):])))
-    serve = cfg.serve
+        obj = dataclasses.replace(obj, url="file://" + join(obj.url[len("file://"):]))
+    if obj.staging_dir:
+        obj = dataclasses.replace(obj, staging_dir=join(obj.staging_dir))
     for name in ("mirror_job", "mirror_pcaps", "mirror_init"):
         value = getattr(serve, name)
-        if value and not value.isdigit() and not os.path.isabs(value):
-            serve = dataclasses.replace(serve, **{name: os.path.normpath(os.path.join(base, value))})
-    return dataclasses.replace(cfg, tiers=dataclasses.replace(cfg.tiers, local=local, object=obj), serve=serve)
+        if value and not value.isdigit():
+            serve = dataclasses.replace(serve, **{name: join(value)})
+    return {**kwargs, "tiers": dataclasses.replace(tiers, local=local, object=obj), "serve": serve}

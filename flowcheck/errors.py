@@ -62,6 +62,24 @@ class TierError(FlowcheckError, OSError):
     """A tier cannot be reached or written (unreachable endpoint, read-only dir, ...)."""
 
 
+class OutputError(FlowcheckError, OSError):
+    """An output (an exported file, a restored checkpoint directory) cannot be written: a full disk, no permission,
+    a read-only filesystem.  Keeps the ``errno`` and ``filename`` of the OSError it wraps; the message says what
+    was left behind (nothing half-written) and what to do."""
+
+    def __init__(self, message: str, errno: int | None = None, filename: str | None = None) -> None:
+        super().__init__(message)
+        self.errno, self.filename = errno, filename
+
+    def __str__(self) -> str:  # OSError would print "[Errno 28] None: 'path'"
+        return str(self.args[0]) if self.args else ""
+
+
+class TooLargeError(FlowcheckError, MemoryError):
+    """A tensor a step describes is more than this machine can allocate (a genuine giant, or a forged manifest):
+    raised instead of a bare MemoryError, naming the tensor, its shape and its size."""
+
+
 class StaleStateError(FlowcheckError, RuntimeError):
     """The in-memory state is stale (an update failed) and must not be snapshotted."""
 
@@ -80,6 +98,11 @@ class ClusterError(FlowcheckError, ValueError):
 
 class StepIncompleteError(FlowcheckError, TimeoutError):
     """A multi-node step stays uncommitted: some nodes' parts did not arrive in time (GC removes its prefix)."""
+
+
+class LeaseHeldError(FlowcheckError, RuntimeError):
+    """Another node holds the run's lease (``<local root>/<run>/.lease.json``): it serves the run now, and a run
+    has one writer node at a time.  The message names the holder (node, pid, host, since) and what to do."""
 
 
 class AuthError(FlowcheckError, PermissionError):

@@ -395,14 +395,15 @@ def _state_info(tier: Tier, step: int) -> StateInfo:
     try:
         m = tier.manifest(step, check_signature=False)
     except FlowcheckError as e:
-        log.warning("%s tier %s step %d: manifest unreadable (%s); kept, never guessed at", tier.name, tier.branch,
-                    step, e)
+        # info, not warning: the command that needs this state fails naming it, audit and gc report it
+        log.info("%s tier %s step %d: manifest unreadable (%s); kept, never guessed at", tier.name, tier.branch,
+                 step, e)
         return StateInfo(tier.name, tier.branch, step, None, None, None)
     try:
         tier._check_signature(m)  # noqa: SLF001 - the tier's own rule, applied to a listing
         trusted = True
     except ManifestError as e:
-        log.warning("%s", e)
+        log.info("%s", e)
         trusted = False
     return StateInfo(tier.name, tier.branch, step, m.digest(), m.parent, parse_time(m.created_at), trusted)
 

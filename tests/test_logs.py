@@ -5,6 +5,7 @@ import io
 import json
 import logging
 
+import pytest
 from click.testing import CliRunner
 
 from flowcheck.cli import main
@@ -84,3 +85,69 @@ def test_cli_log_format_json_from_flag_and_environment(tmp_path):
         assert any("committed" in r["msg"] and r["level"] == "info" for r in records), result.stderr
     text = runner.invoke(main, ["-v", "snapshot", "--state", state, "--step", "3", "--config", str(cfg)])
     assert text.exit_code == 0 and "INFO" in text.stderr and not text.stderr.lstrip().startswith("{")
+
+
+def test_a_repeated_warning_is_written_at_most_burst_times_per_interval_then_counted_in_one_line():
+    from flowcheck.logs import RateLimit
+
+    now = [0.0]
+    out = io.StringIO()
+    handler = configure(logging.INFO, "text", out, limit=RateLimit(burst=3, interval_s=60, clock=lambda: now[0]))
+    try:
+        log = logging.getLogger("flowcheck.test")
+        for i in range(500):
+            log.warning("push: connection from %s refused", f"10.0.0.{i}")
+        log.warning("another warning")  # a different call site has its own budget
+        log.info("push: connection from %s refused", "info is never limited")
+        now[0] = 61.0
+        log.warning("push: connection from %s refused", "10.0.1.1")  # a new window: first the summary
+        for i in range(5):
+            log.warning("%s", f"pre-formatted message {i}")  # told apart by their text, not the bare "%s"
+    finally:
+        logging.getLogger().removeHandler(handler)
+    lines = out.getvalue().splitlines()
+    refused = [line for line in lines if "refused" in line and "suppressed" not in line]
+    assert len(refused) == 3 + 1 + 1, lines
+    (summary,) = [line for line in lines if "suppressed" in line]
+    assert "suppressed 497 similar messages in the last 61 s" in summary and "10.0.0.499" in summary
+    assert lines.index(summary) < lines.index(refused[-1]) and "another warning" in out.getvalue()
+    assert sum("pre-formatted message" in line for line in lines) == 5
+
+
+def test_suppressed_counts_are_written_when_the_log_closes():
+    from flowcheck.logs import RateLimit
+
+    out = io.StringIO()
+    handler = configure(logging.INFO, "json", out, limit=RateLimit(burst=2, interval_s=3600))
+    log = logging.getLogger("flowcheck.test")
+    for _ in range(10):
+        log.warning("disk almost full")
+    logging.getLogger().removeHandler(handler)
+    handler.close()  # at exit, logging.shutdown() does this
+    records = _lines(out.getvalue())
+    assert [r["msg"] for r in records][:2] == ["disk almost full"] * 2
+    assert records[-1]["msg"].startswith("suppressed 8 similar messages") and len(records) == 3
+
+
+@pytest.mark.parametrize("log_format", ["text", "json"])
+def test_user_text_with_newlines_cannot_forge_a_log_line(log_format):
+    out = io.StringIO()
+    handler = configure(logging.INFO, log_format, out)
+    try:
+        forged = "ok\n2026-01-01 00:00:00,000 ERROR flowcheck.node: [ERROR] forged\r\x1b[2Kcleared\u2028next"
+        logging.getLogger("flowcheck.test").warning("resync requested: %s", forged)
+        try:
+            raise ValueError("multi\nline")
+        except ValueError:
+            logging.getLogger("flowcheck.test").exception("failed: %s", forged)
+    finally:
+        logging.getLogger().removeHandler(handler)
+    text = out.getvalue()
+    assert not any(line.startswith(("2026-01-01", "[ERROR]", "cleared", "next")) for line in text.splitlines())
+    if log_format == "text":
+        first = text.splitlines()[0]
+        assert first.endswith("resync requested: ok\\n2026-01-01 00:00:00,000 ERROR flowcheck.node: [ERROR] forged"
+                              "\\r\\x1b[2Kcleared\\u2028next")
+        assert "Traceback" in text  # a traceback keeps its own lines, after the one-line message
+    else:
+        assert _lines(text)[0]["msg"] == "resync requested: " + forged

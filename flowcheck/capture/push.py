@@ -8,7 +8,9 @@ inside one ``update(step)`` (copy-on-write keeps a snapshot in flight intact), s
 state about once; a part that fails or a sender that vanishes aborts the update, which marks the state
 stale — never a torn or unverified step.  With a token (flowcheck/capture/auth.py) a push is checked
 before any of it is read: an unsigned, wrongly signed or replayed frame is refused and its connection
-closed, its payload never read.
+closed, its payload never read.  Every connection is bounded (flowcheck/node/limits.py): a frame header
+must arrive within ``header_timeout_s``, a connection idles between frames only once it pushed, and the
+listener refuses connections past ``max_connections``.
 """
 from __future__ import annotations
 
@@ -30,7 +32,9 @@ from flowcheck import _native, dtypes
 from flowcheck.capture.auth import DEFAULT_TOKEN_ENV, PushGate
 from flowcheck.capture.wire import WireError, recv_exact, recv_header, reply
 from flowcheck.errors import AuthError, FlowcheckError
+from flowcheck.logs import oneline
 from flowcheck.manifest import ParentRef
+from flowcheck.node.limits import BoundedTCPServer, ConnectionLimits, ListenerStats
 from flowcheck.state import ParallelLayout, Scalars, Shard, Snapshot, StateLayout, TensorSpec
 
 log = logging.getLogger(__name__)
@@ -78,6 +82,7 @@ def parse_part(header: dict[str, Any]) -> tuple[StateLayout, list[ShardRef], int
             refs.append(ShardRef(shard, end, nbytes))
             end += nbytes
         size = int(header["payload"]["bytes"])
+        Scalars.from_json(header.get("scalars") or {})  # checked here: a bad type is this sender's error reply
     except WireError:
         raise
     except (KeyError, TypeError, ValueError, FlowcheckError) as e:
@@ -109,13 +114,16 @@ class PushReceiver:
     """Receives push frames on a TCP listener and applies complete steps to ``store``'s memory tier.
 
     ``token``: when set, only pushes signed with it are taken (``token_env`` names its variable in messages).
+    ``limits``: how long a connection may take and how many may be open (flowcheck/node/limits.py).
     """
 
     def __init__(self, store: Any, host: str = "127.0.0.1", port: int = 0, *, part_timeout_s: float = 60.0,
-                 on_step=None, token: str | None = None, token_env: str = DEFAULT_TOKEN_ENV) -> None:
+                 on_step=None, token: str | None = None, token_env: str = DEFAULT_TOKEN_ENV,
+                 limits: ConnectionLimits = ConnectionLimits()) -> None:
         self.store, self.part_timeout_s, self.on_step = store, part_timeout_s, on_step
-        self._token, self._token_env = token, token_env
+        self._token, self._token_env, self.limits = token, token_env, limits
         self.stats = PushStats()
+        self.connections = ListenerStats()
         self._lock = threading.Lock()
         self._open: _OpenStep | None = None
         self._applier: threading.Thread | None = None
@@ -126,9 +134,7 @@ class PushReceiver:
             def handle(self) -> None:
                 receiver._serve(self.request)
 
-        socketserver.ThreadingTCPServer.allow_reuse_address = True
-        self.server = socketserver.ThreadingTCPServer((host, port), Handler)
-        self.server.daemon_threads = True
+        self.server = BoundedTCPServer((host, port), Handler, limits, self.connections, name="push", busy=_busy)
         self.address = self.server.server_address
         self._thread = threading.Thread(target=self.server.serve_forever, name="push-listener", daemon=True)
 
@@ -137,7 +143,8 @@ class PushReceiver:
         return self
 
     def close(self) -> None:
-        self.server.shutdown()
+        if self._thread.is_alive():  # shutdown() waits for serve_forever, forever if it never ran
+            self.server.shutdown()
         self.server.server_close()
         with self._lock:
             current = self._open
@@ -150,9 +157,13 @@ class PushReceiver:
     def _serve(self, sock: socket.socket) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         gate = PushGate(self._token, self._token_env)
+        pushed = False  # until its first push is accepted, a connection gets header_timeout_s per frame
         while True:
             try:
-                header = recv_header(sock)
+                header = self._next_header(sock, pushed)
+            except TimeoutError:
+                self.connections.timeout()
+                return
             except (ConnectionError, OSError):
                 return
             except WireError as e:
@@ -178,19 +189,34 @@ class PushReceiver:
             try:
                 self._receive_part(sock, header)
                 reply(sock, "ack", step=header.get("step"))
+                pushed = True
             except WireError as e:
                 self.stats.rejected += 1
                 self.stats.error(str(e))
                 reply(sock, "error", message=str(e))
             except (ConnectionError, OSError) as e:
-                log.warning("push: sender lost mid-part: %s", e)
+                if isinstance(e, TimeoutError):
+                    self.connections.timeout()
+                log.warning("push: sender lost mid-part: %s", oneline(e))
                 return
+
+    def _next_header(self, sock: socket.socket, pushed: bool) -> dict[str, Any]:
+        """The next frame's header: TimeoutError unless it starts within the idle bound (``idle_timeout_s`` once the
+        connection pushed, else ``header_timeout_s``) and is complete ``header_timeout_s`` after it started."""
+        limits = self.limits
+        if pushed:
+            sock.settimeout(limits.idle_timeout_s)
+            if not sock.recv(1, socket.MSG_PEEK):
+                raise ConnectionError("the sender closed the connection")
+        header = recv_header(sock, deadline=time.monotonic() + limits.header_timeout_s)
+        sock.settimeout(limits.header_timeout_s)  # the payload: no wait for its next bytes may be longer
+        return header
 
     def _refuse(self, sock: socket.socket, e: AuthError) -> None:
         """An unauthorised push: counted, reported to its sender, and its connection closed with the payload unread."""
         self.stats.rejected += 1
         self.stats.error(str(e))
-        log.warning("push: %s (from %s)", e, _peer(sock))
+        log.warning("push: %s (from %s)", oneline(e), _peer(sock))
         with contextlib.suppress(OSError):
             reply(sock, "error", message=str(e), reason="unauthorised")
 
@@ -365,7 +391,8 @@ class PushReceiver:
         except Exception as e:  # noqa: BLE001 - an aborted step is reported, the node keeps serving
             self.stats.aborted_steps += 1
             self.stats.error(f"step {opened.step} aborted: {e}")
-            log.warning("push: step %d aborted (%s); the RAM state is stale until the next full push", opened.step, e)
+            log.warning("push: step %d aborted (%s); the RAM state is stale until the next full push", opened.step,
+                        oneline(e))
         finally:
             with self._lock:
                 if self._open is opened:
@@ -401,6 +428,12 @@ class PushReceiver:
             if opened.failed is None:
                 opened.failed = reason
             opened.cond.notify_all()
+
+
+def _busy(sock: socket.socket, limit: int) -> None:
+    """What a connection past the listener's limit is told before it is closed."""
+    reply(sock, "error", reason="busy", message=f"node busy: {limit} push connections open (serve.max_connections); "
+          "retry later")
 
 
 def _peer(sock: socket.socket) -> str:

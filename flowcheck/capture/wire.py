@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import socket
 import struct
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,11 +50,20 @@ def send_frame(sock: socket.socket, header: dict[str, Any], payload: memoryview 
         sock.sendall(payload)
 
 
-def recv_exact(sock: socket.socket, n: int, into: memoryview | None = None) -> memoryview:
-    """Exactly n bytes (into ``into`` when given); ConnectionError if the peer closes early."""
+def recv_exact(sock: socket.socket, n: int, into: memoryview | None = None,
+               deadline: float | None = None) -> memoryview:
+    """Exactly n bytes (into ``into`` when given); ConnectionError if the peer closes early.
+
+    ``deadline`` (``time.monotonic()``): TimeoutError unless all n arrive by then — a peer trickling a byte
+    at a time cannot hold the reader past it (the socket's own timeout bounds only each wait)."""
     buf = into if into is not None else memoryview(bytearray(n))
     got = 0
     while got < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"{got} of {n} bytes arrived in time")
+            sock.settimeout(left)
         k = sock.recv_into(buf[got:n], n - got)
         if k == 0:
             raise ConnectionError(f"peer closed the connection after {got} of {n} bytes")
@@ -61,14 +71,15 @@ def recv_exact(sock: socket.socket, n: int, into: memoryview | None = None) -> m
     return buf[:n]
 
 
-def recv_header(sock: socket.socket) -> dict[str, Any]:
-    head = bytes(recv_exact(sock, len(MAGIC) + 4))
+def recv_header(sock: socket.socket, deadline: float | None = None) -> dict[str, Any]:
+    """The next frame's header; ``deadline``: see ``recv_exact``."""
+    head = bytes(recv_exact(sock, len(MAGIC) + 4, deadline=deadline))
     if head[: len(MAGIC)] != MAGIC:
         raise WireError(f"expected frame magic {MAGIC!r}, found {head[:len(MAGIC)]!r}: not a flowcheck push peer")
     (size,) = _LEN.unpack(head[len(MAGIC):])
     if size > MAX_HEADER:
         raise WireError(f"frame header of {size} bytes exceeds the {MAX_HEADER}-byte limit")
-    raw = bytes(recv_exact(sock, size + 4))
+    raw = bytes(recv_exact(sock, size + 4, deadline=deadline))
     body, crc = raw[:size], _LEN.unpack(raw[size:])[0]
     if google_crc32c.value(body) != crc:
         raise WireError("frame header fails its CRC32C: damaged in transit")

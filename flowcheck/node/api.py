@@ -1,6 +1,10 @@
 """The node's HTTP control API (aiohttp, loopback by default): /status /steps /snapshot /resync /metrics.
 
 Every request passes flowcheck/node/access.py first (Host, Origin, JSON-only POSTs, the bearer token).
+Connections are bounded (flowcheck/node/limits.py): aiohttp closes one whose request head is not complete
+within ``header_timeout_s`` (its keep-alive timer runs from the connection's start, and between requests),
+reads an unread body for at most that long after answering, and the listener serves at most
+``max_connections`` at once — one more gets a 503 and is closed at once.
 """
 from __future__ import annotations
 
@@ -10,14 +14,19 @@ import threading
 from typing import Any
 
 from flowcheck.errors import FlowcheckError
+from flowcheck.node.limits import ConnectionLimits, ListenerStats, capped_site
+
+MAX_BODY = 64 << 10  # no endpoint reads a body; a client cannot make the node buffer more than this
 
 
 class ControlAPI:
     """Runs an aiohttp app on its own event-loop thread next to the node's worker threads."""
 
-    def __init__(self, node: Any, host: str, port: int, token: str | None = None) -> None:
+    def __init__(self, node: Any, host: str, port: int, token: str | None = None,
+                 limits: ConnectionLimits = ConnectionLimits()) -> None:
         self.node, self.host, self.port = node, host, port
-        self._token = token
+        self._token, self.limits = token, limits
+        self.connections = ListenerStats()
         self.loop = asyncio.new_event_loop()
         self.address: tuple[str, int] = (host, port)
         self._ready = threading.Event()
@@ -43,15 +52,17 @@ class ControlAPI:
         from flowcheck.node.access import middleware
 
         asyncio.set_event_loop(self.loop)
-        app = web.Application(middlewares=[middleware(self._token, self.host)])
+        app = web.Application(middlewares=[middleware(self._token, self.host)], client_max_size=MAX_BODY)
         app.add_routes([
             web.get("/status", self._status), web.get("/steps", self._steps), web.post("/snapshot", self._snapshot),
             web.get("/resync", self._resync_get), web.post("/resync", self._resync), web.get("/metrics", self._metrics),
         ])
-        self._runner = web.AppRunner(app, access_log=None)
+        timeout = self.limits.header_timeout_s
+        self._runner = web.AppRunner(app, access_log=None, keepalive_timeout=timeout, lingering_time=timeout)
         try:
             self.loop.run_until_complete(self._runner.setup())
-            site = web.TCPSite(self._runner, self.host, self.port)
+            site = capped_site(self._runner, self.host, self.port, self.limits.max_connections, self.connections,
+                               name="control API")
             self.loop.run_until_complete(site.start())
             sock = site._server.sockets[0]  # noqa: SLF001 - the bound port when 0 was asked
             self.address = sock.getsockname()[:2]

@@ -96,6 +96,23 @@ class _NodeCollector:
                        "Pushed parts rejected (bad header, layout, size; unsigned, wrongly signed or replayed).", rs.rejected)
         yield _counter("flowcheck_push_aborted_steps", "Pushed steps aborted (a sender lost or timed out).",
                        rs.aborted_steps)
+        yield from self._connections()
+
+    def _connections(self):
+        listeners = self.node.connections()
+        open_ = GaugeMetricFamily("flowcheck_connections_open", "Connections open per listener (push, http).",
+                                  labels=["listener"])
+        refused = CounterMetricFamily("flowcheck_connections_refused", "Connections refused at once: the listener "
+                                      "held serve.max_connections.", labels=["listener"])
+        timed_out = CounterMetricFamily("flowcheck_connections_timed_out", "Push connections closed for sending no "
+                                        "complete frame in time (serve.header_timeout_s / idle_timeout_s).",
+                                        labels=["listener"])
+        for name, counts in sorted(listeners.items()):
+            open_.add_metric([name], counts["open"])
+            refused.add_metric([name], counts["refused"])
+            if "timed_out" in counts:
+                timed_out.add_metric([name], counts["timed_out"])
+        yield from (open_, refused, timed_out)
 
     def _mirror(self):
         st, rep = self.node.mirror_stats, self.node.mirror_report  # report: None until a mirror capture runs

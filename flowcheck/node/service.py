@@ -6,6 +6,8 @@ rebuilds its view from the tiers: the newest committed step becomes the parent o
 
 The node's token comes from the environment variable ``serve.auth_token_env`` names: with it, pushes and
 control POSTs must be authorised; without it the node is unauthenticated and listens on loopback only.
+A node holds its run's lease (flowcheck/node/lease.py) from construction to ``stop()``: a second node on
+the same run and local tier fails to start, naming the first.
 """
 from __future__ import annotations
 
@@ -20,10 +22,15 @@ from flowcheck.errors import ConfigError, FlowcheckError
 from flowcheck.capture.mirror_stats import CaptureStats
 from flowcheck.capture.push import PushReceiver
 from flowcheck.config import Config, ServeConfig
+from flowcheck.logs import oneline
+from flowcheck.node.lease import RunLease
+from flowcheck.node.limits import ConnectionLimits, check_fd_limit
 from flowcheck.policy import PolicyRunner
 from flowcheck.store import Store
 
 log = logging.getLogger(__name__)
+
+MAX_REASON = 500  # characters of a resync reason kept: it is logged and shown on /status
 
 # glibc mallopt() parameters (malloc.h)
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8
@@ -76,6 +83,14 @@ class Node:
     def __init__(self, config: Config) -> None:
         self.config = config
         self._token = node_token(config.serve)  # before anything listens or touches the store
+        self.lease = RunLease(config.tiers.local.root, config.run, config.node).acquire()  # before the ports too
+        try:
+            self._build(config)
+        except BaseException:
+            self.lease.release()
+            raise
+
+    def _build(self, config: Config) -> None:
         self.store = Store(config)
         self.started = time.time()
         self.resync: dict[str, Any] | None = None  # a pending request for a full state push
@@ -83,13 +98,16 @@ class Node:
         self._recover()
         self.policy = PolicyRunner(self.store)
         host, port = ServeConfig.split(config.serve.push)
+        self.limits = ConnectionLimits.of(config.serve)
         self.receiver = PushReceiver(self.store, host, port, part_timeout_s=config.serve.part_timeout_s,
-                                     on_step=self._on_push, token=self._token, token_env=config.serve.auth_token_env)
+                                     on_step=self._on_push, token=self._token, token_env=config.serve.auth_token_env,
+                                     limits=self.limits)
         self.api = None
         self.mirror: dict[str, Any] | None = None  # progress of the mirror-capture source, when configured
         self.mirror_stats = CaptureStats()
         self.mirror_report = None  # the mirror Updater's CaptureReport, live, once a capture runs
-        self._stopped = threading.Event()
+        self._stopped = threading.Event()  # set when stop() begins: the mirror capture ends
+        self._finished = threading.Event()  # set when stop() is done: the work in flight finished, the lease released
         from flowcheck.node.metrics import NodeMetrics
 
         self._metrics = NodeMetrics(self)
@@ -118,12 +136,21 @@ class Node:
         self.policy.on_step(step)
 
     def start(self) -> Node:
+        try:
+            self._start()
+        except BaseException:
+            self.stop()  # the push port, the policy's threads and the lease are freed
+            raise
+        return self
+
+    def _start(self) -> None:
         from flowcheck.node.api import ControlAPI
 
+        check_fd_limit(self.limits)
         self.receiver.start()
         self.policy.start()
         host, port = ServeConfig.split(self.config.serve.http)
-        self.api = ControlAPI(self, host, port, token=self._token).start()
+        self.api = ControlAPI(self, host, port, token=self._token, limits=self.limits).start()
         if self.config.serve.mirror_job:
             threading.Thread(target=self._replay_mirror, name="fc-mirror", daemon=True).start()
         log.info("node: push on %s:%d, control API on http://%s:%d", *self.receiver.address, *self.api.address)
@@ -133,7 +160,6 @@ class Node:
                         "control API; listening on loopback only", env)
         else:
             log.info("node: pushes and control POSTs need the token from $%s", env)
-        return self
 
     def _replay_mirror(self) -> None:
         """Mirror capture from the configured files or live interface: decode -> replica -> RAM, snapshots by the policy."""
@@ -194,16 +220,23 @@ class Node:
         if self._stopped.is_set():
             return
         self._stopped.set()
-        self.receiver.close()
-        self.policy.stop(wait=True)
-        if self.api is not None:
-            self.api.stop()
+        try:
+            self.receiver.close()
+            self.policy.stop(wait=True)
+            if self.api is not None:
+                self.api.stop()
+        finally:
+            self.lease.release()  # last: nothing of this node writes the run any more
+            self._finished.set()
 
     def wait(self) -> None:
-        self._stopped.wait()
+        """Until ``stop()`` (from another thread: a signal handler's) has finished."""
+        self._finished.wait()
 
     # ---- what the API reports -----------------------------------------------------------
     def request_resync(self, reason: str) -> dict[str, Any]:
+        """Ask the trainer for a full state; ``reason`` may come from a client: it is kept on one line, and short."""
+        reason = oneline(reason)[:MAX_REASON]
         self.resync = {"reason": reason, "since": time.time()}
         self.resync_requests += 1
         log.warning("node: full state push (resync) requested: %s", reason,
@@ -250,7 +283,17 @@ class Node:
             "resync": self.resync,
             "mirror": self.mirror,
             "auth": "none" if self._token is None else "token",
+            "connections": self.connections(),
+            "lease": self.lease.path,
         }
+
+    def connections(self) -> dict[str, dict[str, int]]:
+        """Per listener: connections open, refused at serve.max_connections, and (push) closed for taking too long;
+        aiohttp closes slow HTTP connections itself, uncounted."""
+        out = {"push": self.receiver.connections.as_json()}
+        if self.api is not None:
+            out["http"] = {k: v for k, v in self.api.connections.as_json().items() if k != "timed_out"}
+        return out
 
     def metrics(self) -> tuple[bytes, str]:
         """Prometheus text exposition (body, content type); the families are listed in the README."""

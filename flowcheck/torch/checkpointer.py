@@ -20,6 +20,7 @@ Data-parallel replicas are not sent N times: each DP rank sends a disjoint share
 from __future__ import annotations
 
 import logging
+import select
 import socket
 import threading
 import time
@@ -36,6 +37,7 @@ from flowcheck import _native, dtypes
 from flowcheck.capture.auth import DEFAULT_TOKEN_ENV, PushSigner, read_token
 from flowcheck.capture.wire import recv_header, send_frame
 from flowcheck.errors import AuthError, ConfigError, FlowcheckError
+from flowcheck.logs import oneline
 from flowcheck.state import ParallelLayout
 from flowcheck.torch.state import _flatten_optimizer, _json_ready, capture_rng, param_names_of
 
@@ -454,7 +456,10 @@ class Checkpointer:
             self.parent = None
 
     def _connect(self) -> socket.socket:
-        """The node connection, opened (and greeted: a fresh challenge, the node's proof) on first use."""
+        """The node connection, opened (and greeted: a fresh challenge, the node's proof) on first use, and again
+        when the node closed it meanwhile (it closes push connections idle past its serve.idle_timeout_s)."""
+        if self._sock is not None and _closed_by_peer(self._sock):
+            self._drop()
         if self._sock is None:
             sock = socket.create_connection(self.address, timeout=self.timeout_s)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -471,7 +476,17 @@ class Checkpointer:
     def _failed(self, job: _Job, e: BaseException) -> None:
         self.stats.failures += 1
         self.stats.last_error = f"step {job.step}: {type(e).__name__}: {e}"
-        log.warning("checkpoint push of step %d failed (%s); training continues", job.step, e)
+        log.warning("checkpoint push of step %d failed (%s); training continues", job.step, oneline(e))
+
+
+def _closed_by_peer(sock: socket.socket) -> bool:
+    """True when an idle connection has something to read: the node only answers frames, so that is its close
+    (EOF or a reset) — sending on it would lose this save."""
+    try:
+        readable, _, _ = select.select([sock], [], [], 0)
+    except (OSError, ValueError):
+        return True
+    return bool(readable)
 
 
 def generation_at(nbytes: int) -> int:

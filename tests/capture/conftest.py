@@ -37,20 +37,27 @@ def node_token(monkeypatch) -> str:
 
 
 class NodeProcess:
-    """``env``: variables to set in the node's environment on top of this process's (None: remove one)."""
+    """``env``: variables to set in the node's environment on top of this process's (None: remove one);
+    ``serve``: more ``serve:`` fields of its config; ``nofile``: its file descriptor limit (``ulimit -n``);
+    ``local``: its local root (default ``<root>/local``), ``name``: its config's ``node:``."""
 
     def __init__(self, root: str, run: str = "gpt", every_steps: int = 1000, part_timeout_s: float = 10.0,
-                 env: dict[str, str | None] | None = None) -> None:
-        self.root, self.run, self.env = root, run, dict(env or {})
+                 env: dict[str, str | None] | None = None, serve: dict | None = None, nofile: int | None = None,
+                 local: str | None = None, name: str | None = None) -> None:
+        self.root, self.run, self.env, self.nofile = root, run, dict(env or {}), nofile
         self.push_port, self.http_port = free_port(), free_port()
-        self.config = os.path.join(root, "node.yaml")
+        self.config = os.path.join(root, f"node-{self.push_port}.yaml" if name else "node.yaml")
+        extra = "".join(f"  {k}: {v}\n" for k, v in (serve or {}).items())
         with open(self.config, "w") as f:
             f.write(
-                f"run: {run}\ntiers:\n  local:\n    root: {root}/local\n  object:\n    url: file://{root}/object\n"
+                (f"node: {name}\n" if name else "") +
+                f"run: {run}\ntiers:\n  local:\n    root: {local or root + '/local'}\n  object:\n"
+                f"    url: file://{root}/object\n"
                 f"policy:\n  local:\n    every_steps: {every_steps}\n  object:\n    every_seconds: null\n"
                 f"serve:\n  push: 127.0.0.1:{self.push_port}\n  http: 127.0.0.1:{self.http_port}\n"
-                f"  part_timeout_s: {part_timeout_s}\n"
+                f"  part_timeout_s: {part_timeout_s}\n{extra}"
             )
+        self.log_path = os.path.join(root, f"node-{self.push_port}.log" if name else "node.log")
         self.proc: subprocess.Popen | None = None
         self.token: str | None = None
 
@@ -59,11 +66,12 @@ class NodeProcess:
         return f"tcp://127.0.0.1:{self.push_port}"
 
     def start(self) -> NodeProcess:
-        self.log = open(os.path.join(self.root, "node.log"), "ab")
+        self.log = open(self.log_path, "ab")
         env = {k: v for k, v in {**os.environ, **self.env}.items() if v is not None}
         self.token = env.get(DEFAULT_TOKEN_ENV) or None  # what the node runs with; an authorised client knows it
         self.proc = subprocess.Popen([sys.executable, "-m", "flowcheck", "serve", "--config", self.config],
-                                     stdout=self.log, stderr=subprocess.STDOUT, env=env)
+                                     stdout=self.log, stderr=subprocess.STDOUT, env=env,
+                                     preexec_fn=self._limits if self.nofile is not None else None)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -75,8 +83,14 @@ class NodeProcess:
                 time.sleep(0.2)
         raise RuntimeError(f"node did not answer in 60 s: {self.tail()}")
 
+    def _limits(self) -> None:
+        if self.nofile is not None:
+            import resource
+
+            resource.setrlimit(resource.RLIMIT_NOFILE, (self.nofile, self.nofile))
+
     def tail(self) -> str:
-        with open(os.path.join(self.root, "node.log"), errors="replace") as f:
+        with open(self.log_path, errors="replace") as f:
             return f.read()[-3000:]
 
     def get(self, path: str) -> dict:
