@@ -98,6 +98,7 @@ def collect(store: Store, report: AuditReport, *, verify: bool, data: bool,
             report.problems.append(Problem(where, None, "incomplete write (not visible; GC removes it)", name, "warning"))
         if tier.branch != MAIN:
             _check_record(tier, report)
+        _check_latest(tier, report)
         for step in tier.steps():
             m = _checked(tier, step, report, verify=verify, data=data, on_bytes=on_bytes)
             if m is None:
@@ -113,6 +114,18 @@ def collect(store: Store, report: AuditReport, *, verify: bool, data: bool,
             if p.severity == "error" and p.step == node.step and p.tier in node.places:
                 node.ok = False
     return manifests
+
+
+def _check_latest(tier: Tier, report: AuditReport) -> None:
+    """The newest step a branch folder committed (its 'latest' record) must still be there, or pruned on record:
+    a newest step deleted by hand would otherwise leave the audit clean and "latest" silently older."""
+    newest = tier.latest_record()
+    if newest is None or newest in tier.steps() or any(s == newest for s, _ in tier.pruned_records()):
+        return
+    report.problems.append(Problem(
+        place(tier.name, tier.branch), newest,
+        f"expected step {newest} (the newest this tier committed, per its 'latest' record), found neither the step "
+        "nor a pruning record: a committed step was deleted outside flowcheck or lost", "latest"))
 
 
 def _check_record(tier: Tier, report: AuditReport) -> None:

@@ -114,7 +114,7 @@ def test_failed_write_leaves_nothing_visible_and_latest_unmoved(tmp_path):
     with pytest.raises(OSError):
         store.local.write(bad)
     assert store.local.steps() == [1] and store.local.incomplete() == []
-    assert store.local._get_record("latest") == b"1\n"
+    assert store.local.latest_record() == 1
     np.testing.assert_array_equal(store.local.read(1, W), global_array(make_snapshot(step=1), W))
 
 

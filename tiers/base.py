@@ -36,6 +36,7 @@ from flowcheck.manifest import (
     Producer,
     ShardEntry,
     TensorEntry,
+    canonical_json,
     check_parent,
     now_utc,
     parse,
@@ -364,7 +365,7 @@ class Tier(ABC):
             # another state was pruned at this step of this branch before (a rollback reused the number):
             # both deletions stay on record
             name = f"pruned/{step_dir(step)}.{digest.split(':')[-1][:16]}.json"
-        self._put_record(name, json.dumps(record).encode())
+        self._put_record(name, self._sealed(record))
         self._manifest_cache.pop(step, None)
         self._delete(step)
 
@@ -378,13 +379,47 @@ class Tier(ABC):
 
         out = []
         for name in self._list_records("pruned"):
-            raw = self._get_record(f"pruned/{name}")
+            rec = self._unsealed(self._get_record(f"pruned/{name}"), f"pruned/{name}")
+            if rec is None:
+                continue  # unreadable or (signing on) unsigned/forged: it explains no gap
             try:
-                rec = json.loads(raw or b"")
                 out.append((int(rec["step"]), rec.get("manifest_digest")))
-            except (ValueError, KeyError, TypeError):
-                log.warning("%s tier: unreadable pruning record %s", self.name, name)
+            except (KeyError, TypeError, ValueError):
+                log.warning("%s tier %s: unreadable pruning record %s; it explains no gap", self.name, self.rel, name)
         return out
+
+    # ---- small records: sealed with the signing key when one is set ---------------------
+    def _sealed(self, body: dict[str, Any]) -> bytes:
+        """A bookkeeping record (pruning, latest): JSON, with an HMAC when signing is on, so a hand-written
+        record can neither hide a deleted step nor move "latest"."""
+        import hmac
+
+        body = {k: v for k, v in body.items() if k != "signature"}
+        if self.signing_key:
+            body["signature"] = hmac.new(self.signing_key, canonical_json(body), "sha256").hexdigest()
+        return canonical_json(body) + b"\n"
+
+    def _unsealed(self, raw: bytes | None, name: str) -> dict[str, Any] | None:
+        """A record's body — None when it is missing, unreadable, or (signing on) unsigned or forged."""
+        import hmac
+        import json
+
+        try:
+            body = json.loads(raw) if raw is not None else None
+        except (ValueError, UnicodeDecodeError):
+            body = None
+        if not isinstance(body, dict):
+            if raw is not None:
+                log.warning("%s tier %s: record %s is not a JSON object; ignored", self.name, self.rel, name)
+            return None
+        if self.signing_key:
+            mac = body.pop("signature", None)
+            want = hmac.new(self.signing_key, canonical_json(body), "sha256").hexdigest()
+            if not isinstance(mac, str) or not hmac.compare_digest(mac, want):
+                log.warning("%s tier %s: record %s is %s; ignored (signing is on)", self.name, self.rel, name,
+                            "unsigned" if mac is None else "signed with another key or altered")
+                return None
+        return body
 
     # ---- branches (records under the run root; see flowcheck/branches.py) ----------
     def at_branch(self, branch: str) -> Tier:
@@ -420,10 +455,22 @@ class Tier(ABC):
 
     def _publish_latest(self, step: int) -> None:
         """Move the 'latest' pointer forward — only ever called after a durable commit."""
-        current = self._get_record("latest")
-        if current is not None and current.strip().isdigit() and int(current) >= step:
+        current = self.latest_record()
+        if current is not None and current >= step:
             return
-        self._put_record("latest", f"{step}\n".encode())
+        self._put_record("latest", self._sealed({"step": step}))
+
+    def latest_record(self) -> int | None:
+        """The newest step this branch folder ever committed, by its 'latest' record (sealed when signing is on;
+        a plain number from before records were JSON is read when signing is off)."""
+        raw = self._get_record("latest")
+        if raw is None:
+            return None
+        if raw.strip().isdigit():
+            return None if self.signing_key else int(raw)
+        body = self._unsealed(raw, "latest")
+        step = None if body is None else body.get("step")
+        return step if isinstance(step, int) and not isinstance(step, bool) and step >= 0 else None
 
     def verify(self, step: int, *, data: bool = True, on_bytes: Callable[[int], None] | None = None) -> list[Problem]:
         """Check one step: manifest, every file's size and digest, every shard's data digest.

@@ -5,6 +5,7 @@ Each test is the attack (or the accident) of issue 21's items 3, 5 and 13, run a
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 
 import pytest
@@ -20,8 +21,8 @@ from tests.test_store import make_store
 
 
 def _committed(store: Store, steps) -> Store:
-    for step in steps:
-        store.local.write(make_snapshot(step=step, seed=step))
+    for step in steps:  # each a child of the one before (Store.write continues the current branch)
+        store.write(make_snapshot(step=step, seed=step), "local")
     return store
 
 
@@ -112,3 +113,43 @@ def test_export_never_follows_a_planted_partial_symlink(tmp_path):
     export_file(store.local, m, str(out))
     assert victim.read_text() == "precious" and out.stat().st_size > 0
     assert sorted(p.name for p in out.parent.iterdir()) == ["model.safetensors", "model.safetensors.partial"]
+
+
+# ---- item 6: hidden deletions -------------------------------------------------------------------------
+def _audit_errors(store: Store) -> list[str]:
+    from flowcheck.audit import audit
+
+    return [str(p) for p in audit(Store(store.config), data=False).problems if p.severity == "error"]
+
+
+def test_deleting_the_newest_step_by_hand_is_an_audit_error(tmp_path):
+    import shutil
+
+    store = _committed(make_store(tmp_path, local_keep=5), (1, 2, 3))
+    assert _audit_errors(store) == []
+    shutil.rmtree(os.path.join(store.local.root, "step-000000003"))
+    errors = _audit_errors(store)
+    assert any("expected step 3" in e and "'latest' record" in e for e in errors), errors
+
+
+def test_a_hand_written_unsigned_pruning_record_hides_no_deleted_step_when_signing_is_on(tmp_path, monkeypatch):
+    import shutil
+
+    monkeypatch.setenv("FLOWCHECK_HMAC_KEY", "k" * 32)
+    store = _committed(make_store(tmp_path, local_keep=5), (1, 2, 3))
+    Store(store.config).local.delete(1)  # a deletion by GC: sealed, so it explains the gap
+    assert _audit_errors(store) == []
+    shutil.rmtree(os.path.join(store.local.root, "step-000000002"))  # the middle step, by hand
+    forged = {"step": 2, "manifest_digest": None, "branch": "main", "parent": None}
+    store.local._put_record("pruned/step-000000002.json", json.dumps(forged).encode())
+    errors = _audit_errors(store)
+    assert any("step 2" in e and ("gap" in e or "missing" in e.lower()) for e in errors), errors
+
+
+def test_a_forged_latest_record_is_ignored_when_signing_is_on(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLOWCHECK_HMAC_KEY", "k" * 32)
+    store = _committed(make_store(tmp_path), (1, 2))
+    store.local._put_record("latest", b'{"step":99}\n')
+    assert Store(store.config).local.latest_record() is None
+    store.local.write(make_snapshot(step=3, seed=3))  # the next commit writes a sealed record again
+    assert Store(store.config).local.latest_record() == 3
