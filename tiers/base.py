@@ -197,6 +197,7 @@ class Tier(ABC):
         self.signing_key = signing_key
         self.require_signature = require_signature
         self._manifest_cache: dict[int, tuple[object, Manifest]] = {}
+        self._verified: set[tuple] = set()  # shards read whole with a right digest (region reads trust them)
 
     # ---- primitives ------------------------------------------------------
     @abstractmethod
@@ -295,10 +296,27 @@ class Tier(ABC):
             raise IntegrityError(f"step {step} tensor {tensor}: the stored shards cover only part of region {reg}")
         out = allocate(tuple(s.stop - s.start for s in reg), t.dtype, f"{self.name} tier step {step} tensor {tensor}")
         for entry, (local, dest) in hits:
-            whole = self.verifies_reads and local == full_region(entry.shape)
-            # a whole shard costs no extra I/O to check: a flipped byte must not come back as data
-            out[dest] = self.read_shard(m, tensor, entry) if whole else self._read_stored(m, tensor, entry, local)
+            if not self.verifies_reads:
+                out[dest] = self._read_stored(m, tensor, entry, local)
+            elif local == full_region(entry.shape):  # a whole shard costs no extra I/O to check
+                out[dest] = self.read_shard(m, tensor, entry)
+            elif self._verified_shard(m, tensor, entry):
+                out[dest] = self._read_stored(m, tensor, entry, local)
+            else:
+                # rows of a shard never checked: only its whole digest can tell a swapped chunk (each with a
+                # valid CRC32C) from the real one, so it is read and checked whole once; the verdict is kept
+                out[dest] = self.read_shard(m, tensor, entry)[local]
+                self._verified_shard(m, tensor, entry, mark=True)
         return out
+
+    def _verified_shard(self, m: Manifest, tensor: str, entry: ShardEntry, *, mark: bool = False) -> bool:
+        """Whether this tier object has read this shard whole and found its digest right (``mark``: it has)."""
+        key = (m.step, tensor, entry.offsets, entry.digest, tuple(p.path for p in entry.location))
+        if mark:
+            if len(self._verified) > 100_000:  # a bound, not a policy: re-checking costs I/O, never correctness
+                self._verified.clear()
+            self._verified.add(key)
+        return key in self._verified
 
     def read_shard(self, manifest: Manifest, tensor: str, entry: ShardEntry, *, verify: bool = True) -> np.ndarray:
         """One whole shard, its data digest checked against the manifest."""

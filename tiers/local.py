@@ -326,7 +326,7 @@ class LocalTier(Tier):
             names = os.listdir(self.root)
         except FileNotFoundError:
             return removed
-        cutoff = time.time() - older_than_s
+        cutoff = self._disk_now(dry_run) - older_than_s
         for n in names:
             path = os.path.join(self.root, n)
             if n.endswith(".tmp") and n.startswith("step-") and os.path.getmtime(path) < cutoff:
@@ -334,6 +334,21 @@ class LocalTier(Tier):
                 if not dry_run:
                     shutil.rmtree(path, ignore_errors=True)
         return removed
+
+    def _disk_now(self, dry_run: bool) -> float:
+        """Now, never later than the disk's clock: the earlier of this host's time and the time the disk stamps
+        on a file written now (+50 ms: file times tick coarsely). Another writer's .tmp is judged on the clock
+        that stamped it (a shared disk's server), not on this host's, which may run ahead."""
+        if dry_run:
+            return time.time()
+        probe = os.path.join(self.root, ".clock")
+        try:
+            with open(probe, "wb"):
+                pass
+            return min(time.time(), os.stat(probe).st_mtime + 0.05)
+        except OSError as e:
+            log.info("local tier %s: cannot probe the disk's clock (%s); using this host's", self.root, e)
+            return time.time()
 
     def incomplete(self) -> list[str]:
         try:

@@ -670,8 +670,8 @@ class ObjectTier(Tier):
     def clean_incomplete(self, older_than_s: float, dry_run: bool = False) -> list[str]:
         """Delete step prefixes that never got a manifest, abort stale multipart uploads, and remove
         staging folders a killed upload left behind (each may hold two whole files)."""
-        cutoff = time.time() - older_than_s
-        removed = self._clean_staging(cutoff, dry_run)
+        removed = self._clean_staging(time.time() - older_than_s, dry_run)
+        cutoff = self._store_now(dry_run) - older_than_s  # the store stamps the times compared with it
         self.fs.invalidate_cache(self.root)
         try:
             entries = self._call("listing", self.fs.ls, self.root, detail=False)
@@ -692,6 +692,22 @@ class ObjectTier(Tier):
         if self.protocol in ("s3", "s3a"):
             removed += self._abort_multipart(cutoff, dry_run)
         return removed
+
+    def _store_now(self, dry_run: bool) -> float:
+        """Now, never later than the store's clock: the earlier of this host's time and the time the store stamps
+        on an object written now (+1 s: S3 keeps whole seconds). Hosts sharing a store need not agree on the
+        time; one running ahead must not judge another writer's fresh upload abandoned."""
+        if dry_run:
+            return time.time()
+        probe = self._p(".clock")
+        try:
+            # one attempt each, no retries: if the store does not answer, this host's clock will do
+            self._call_once("probing the store's clock", self.fs.pipe_file, probe, b"")
+            self.fs.invalidate_cache(self.root)
+            return min(time.time(), _mtime(self._call_once("probing the store's clock", self.fs.info, probe)) + 1.0)
+        except (OSError, FlowcheckError, ValueError, TypeError) as e:
+            log.info("object tier %s: cannot probe the store's clock (%s); using this host's", self.url, e)
+            return time.time()
 
     def _clean_staging(self, cutoff: float, dry_run: bool) -> list[str]:
         try:

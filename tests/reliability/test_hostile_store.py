@@ -8,6 +8,7 @@ import dataclasses
 import json
 import os
 
+import numpy as np
 import pytest
 
 from flowcheck.branches import Located, check_branch
@@ -153,3 +154,65 @@ def test_a_forged_latest_record_is_ignored_when_signing_is_on(tmp_path, monkeypa
     assert Store(store.config).local.latest_record() is None
     store.local.write(make_snapshot(step=3, seed=3))  # the next commit writes a sealed record again
     assert Store(store.config).local.latest_record() == 3
+
+
+# ---- item 10: a host whose clock runs ahead ------------------------------------------------------------
+def test_a_gc_on_a_host_whose_clock_runs_ahead_keeps_another_writers_fresh_tmp(tmp_path, monkeypatch):
+    """The grace of a .tmp folder (local) or a manifest-less step prefix (object) is measured on the clock that
+    stamped it — the disk's or the store's — not on the GC host's, which here runs three hours ahead."""
+    import time as _time
+
+    store = _committed(make_store(tmp_path), (1,))
+    store.promote(1)
+    fresh_local = os.path.join(store.local.root, "step-000000002.abcd.tmp")
+    old_local = os.path.join(store.local.root, "step-000000003.dead.tmp")
+    fresh_obj = tmp_path / "object" / "r1" / "step-000000002" / "attempt-000000000000"
+    for d in (fresh_local, old_local, fresh_obj):
+        os.makedirs(d)
+        with open(os.path.join(d, "data"), "wb") as f:
+            f.write(b"x")
+    two_hours_ago = _time.time() - 7200
+    os.utime(os.path.join(old_local, "data"), (two_hours_ago, two_hours_ago))
+    os.utime(old_local, (two_hours_ago, two_hours_ago))
+    real = _time.time
+    monkeypatch.setattr(_time, "time", lambda: real() + 3 * 3600)
+    gc_store = Store(dataclasses.replace(store.config, policy=dataclasses.replace(
+        store.config.policy,
+        local=dataclasses.replace(store.config.policy.local, tmp_grace_seconds=3600),
+        object=dataclasses.replace(store.config.policy.object, tmp_grace_seconds=3600))))
+    report = gc_store.gc()
+    assert os.path.exists(fresh_local) and os.path.exists(fresh_obj), report.cleaned
+    assert not os.path.exists(old_local)
+
+
+# ---- item 7: region reads are verified ---------------------------------------------------------------
+def test_a_region_read_never_returns_rows_of_a_shard_whose_bytes_were_swapped(tmp_path):
+    """Two rows of an object-tier shard swapped in place (no checksum of the file format catches it): a read
+    of one row must fail on the shard's digest, not return the other row's data."""
+    import struct
+
+    from flowcheck.errors import IntegrityError
+    from tests.helpers import W
+
+    store = _committed(make_store(tmp_path), (1,))
+    store.promote(1)
+    m = store.object.manifest(1)
+    entry = next(e for e in m.tensors[W].shards if e.offsets == (0, 0))
+    piece = entry.location[0]
+    path = tmp_path / "object" / "r1" / piece.path
+    raw = bytearray(path.read_bytes())
+    (n,) = struct.unpack("<Q", raw[:8])
+    begin, _end = json.loads(raw[8:8 + n])[piece.key]["data_offsets"]
+    row = 6 * 4
+    a, b = 8 + n + begin, 8 + n + begin + row
+    raw[a:a + row], raw[b:b + row] = raw[b:b + row], raw[a:a + row]
+    path.write_bytes(bytes(raw))
+    reader = Store(store.config).object
+    with pytest.raises(IntegrityError, match="digest"):
+        reader.read(1, W, (slice(0, 1),))
+    # an intact shard's rows still come back (and only its first region read reads it whole)
+    want = make_snapshot(step=1, seed=1)
+    got = reader.read(1, W, (slice(5, 6),))
+    full = np.concatenate([want.array(s) for s in sorted((s for s in want.data if s.tensor == W),
+                                                         key=lambda s: s.offsets)])
+    assert got.tobytes() == full[5:6].tobytes()
