@@ -164,14 +164,15 @@ class Store:
             return self.commit(snapshot, tier, parent, progress=progress)
 
     def commit(self, snapshot: Snapshot, tier: str, parent: ParentRef | None, *,
-               progress: Progress | None = None) -> Manifest:
+               progress: Progress | None = None, hist: History | None = None) -> Manifest:
         """Commit a state to the branch it belongs on (flowcheck/branches.py).
 
         The same state already committed at its step is a no-op (retries, promotions); a different state
-        at an existing step is never dropped or overwritten: it goes to a new branch.
+        at an existing step is never dropped or overwritten: it goes to a new branch. ``hist``: a listing
+        the caller just took with ``tier`` live, under its lock (not listed again).
         """
         with self._locks[tier]:
-            hist = self.history(live={tier})
+            hist = hist or self.history(live={tier})
             if snapshot.origin is not None:  # a stored state copied between tiers keeps its branch
                 branch, record = self._origin_branch(hist, snapshot.origin)
             else:
@@ -246,18 +247,14 @@ class Store:
             self._in_use.add((src, at))
         try:
             with self._locks[dst]:
-                target = self.tier(dst, at.branch)
-                try:
-                    present = at.step in target.steps()
-                except TierError as e:
-                    raise TierError(f"{dst} tier: step {at} was not promoted (nothing of it was written): {e}") from e
-                if present:
-                    return target.manifest(at.step)
-                try:
+                try:  # one listing of the target: whether it holds the state, and where a new one goes
                     hist = self.history(live={dst})
                 except TierError as e:
                     raise TierError(f"{dst} tier: step {at} was not promoted (nothing of it was written): {e}") from e
-                return self.commit(snap, dst, snap.origin.parent if snap.origin else None, progress=progress)
+                if any(s.tier == dst and Located(s.step, s.branch) == at for s in hist.states):
+                    return self.tier(dst, at.branch).manifest(at.step)
+                return self.commit(snap, dst, snap.origin.parent if snap.origin else None, progress=progress,
+                                   hist=hist)
         finally:
             self._in_use.discard((src, at))
 
