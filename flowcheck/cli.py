@@ -299,7 +299,9 @@ def snapshot(config_path, state_path, step, tier):
         snap = load_state_file(state_path, store.config.run, step)
     with _bytes_bar(f"write step {step} to the {tier} tier") as bar:
         m = store.write(snap, tier, progress=bar)
-    click.echo(f"committed step {m.step} to the {tier} tier: {len(m.tensors)} tensors, {_size(m.nbytes)}, digest {m.digest()}")
+    held = store.history([tier]).by_digest(m.digest())
+    at = held[0] if held else m.step  # "7@root-7" when a different state already held step 7: both are kept
+    click.echo(f"committed step {at} to the {tier} tier: {len(m.tensors)} tensors, {_size(m.nbytes)}, digest {m.digest()}")
 
 
 @main.command()

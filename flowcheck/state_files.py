@@ -7,8 +7,6 @@ from flowcheck.state import Snapshot
 
 def load_state_file(path: str, run: str, step: int) -> Snapshot:
     """A snapshot of a state file; torch files are read with ``weights_only=True`` (never unpickled freely)."""
-    import torch
-
     from flowcheck.torch import snapshot_from_torch
 
     if path.endswith(".safetensors"):
@@ -18,10 +16,10 @@ def load_state_file(path: str, run: str, step: int) -> Snapshot:
             return snapshot_from_torch(run, step, load_file(path), rng=False, source="import")
         except Exception as e:  # safetensors raises its own error type for a damaged file
             raise FormatError(f"{path}: not a readable safetensors file ({e})") from e
-    try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # torch raises UnpicklingError / RuntimeError for bad or unsafe files
-        raise FormatError(f"{path}: not a torch state file loadable with weights_only=True ({e})") from e
+    from flowcheck.restore.unpickle import load_pt
+
+    # one loader for every torch file flowcheck reads: an unsafe global is named on one line, never run
+    obj = load_pt(path, path, hint="save the state as tensors only (or as .safetensors) and snapshot that")
     if not isinstance(obj, dict):
         raise FormatError(f"{path}: expected a state_dict (a dict of tensors) or {{'model', 'optimizer'}}, found {type(obj).__name__}")
     if "model" in obj and isinstance(obj["model"], dict):

@@ -194,7 +194,7 @@ class Store:
                 target.put_branch_record(record)
             if record is not None and record.name not in hist.records:
                 log.info("%s tier: step %d starts branch %s (fork: %s)", tier, snapshot.step, branch, record.fork)
-            elif branch != MAIN and record is None:
+            elif branch != MAIN and branch not in hist.records:
                 log.warning("%s tier: branch %s has no fork record; audit will report it", tier, branch)
             return target.write(snapshot, parent, progress=progress)
 

@@ -88,10 +88,11 @@ def load_dcp_metadata(path: str, trust_pickle: bool = False) -> Any:
         raise FormatError(f"{path}: not a readable DCP metadata file ({_one_line(e)})") from e
 
 
-def load_pt(source: str | bytes, where: str, trust_pickle: bool = False) -> Any:
+def load_pt(source: str | bytes, where: str, trust_pickle: bool = False, *, hint: str = TRUST_HINT) -> Any:
     """A ``torch.save`` file (a path, or its bytes) through torch's ``weights_only`` loader.
 
-    Only ``--trust-pickle`` lifts the allow-list (``weights_only=False``).
+    Only ``--trust-pickle`` lifts the allow-list (``weights_only=False``); ``hint`` ends a refusal (a command
+    without that option says what to do instead).
     """
     import torch
 
@@ -101,7 +102,7 @@ def load_pt(source: str | bytes, where: str, trust_pickle: bool = False) -> Any:
             return torch.load(f, map_location="cpu", weights_only=not trust_pickle)
     except pickle.UnpicklingError as e:  # weights_only met a global outside the allow-list
         raise FormatError(f"{where}: refused to unpickle {_refused_global(e)} (flowcheck loads only tensors, "
-                          f"containers and argparse.Namespace from a checkpoint); {TRUST_HINT}") from e
+                          f"containers and argparse.Namespace from a checkpoint: torch's weights_only loader); {hint}") from e
     except Exception as e:  # noqa: BLE001 - torch raises RuntimeError/EOFError/OSError/... for damaged files
         raise FormatError(f"{where}: cannot read as a torch file ({_one_line(e)})") from e
 
@@ -111,8 +112,9 @@ def _refused_global(e: Exception) -> str:
     m = re.search(r"GLOBAL ([\w.]+)", text)
     if m:
         return f"global {m.group(1)}"
-    m = re.search(r"(Unsupported[^\n]*|WeightsUnpickler error:[^\n]*)", text)
-    return m.group(1).strip()[:200] if m else _one_line(e)
+    # "Unsupported operand 149" and the like: the first line after torch's own "WeightsUnpickler error:" label
+    m = re.search(r"WeightsUnpickler error:\s*([^\n]+)", text) or re.search(r"(Unsupported[^\n]*)", text)
+    return f"a pickle ({m.group(1).strip()[:200]})" if m else _one_line(e)
 
 
 def _one_line(e: BaseException) -> str:
