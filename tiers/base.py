@@ -304,9 +304,8 @@ class Tier(ABC):
                 out[dest] = self._read_stored(m, tensor, entry, local)
             else:
                 # rows of a shard never checked: only its whole digest can tell a swapped chunk (each with a
-                # valid CRC32C) from the real one, so it is read and checked whole once; the verdict is kept
+                # valid CRC32C) from the real one, so it is read and checked whole once (read_shard keeps the verdict)
                 out[dest] = self.read_shard(m, tensor, entry)[local]
-                self._verified_shard(m, tensor, entry, mark=True)
         return out
 
     def _verified_shard(self, m: Manifest, tensor: str, entry: ShardEntry, *, mark: bool = False) -> bool:
@@ -329,6 +328,8 @@ class Tier(ABC):
                     f"(stored in {', '.join(shard_files(manifest, entry))}): data digest {got} != manifest {entry.digest}; "
                     "this copy is damaged — read the step from another tier"
                 )
+        if verify:
+            self._verified_shard(manifest, tensor, entry, mark=True)  # later region reads of it may trust it
         return arr
 
     def _read_stored(self, manifest: Manifest, tensor: str, entry: ShardEntry, region: tuple[slice, ...]) -> np.ndarray:
