@@ -182,7 +182,8 @@ def _rollback_end_to_end(tmp_path, object_url: str) -> None:
     cli = [sys.executable, "-m", "flowcheck"]
     audit = subprocess.run(cli + ["audit", "--config", node.config], capture_output=True, text=True, env=env)
     assert audit.returncode == 0, audit.stdout + audit.stderr
-    assert "fork" in audit.stdout
+    # both branches are audited; the "[info] fork" line needs the fork-point state, which GC may have pruned
+    assert "on 2 branches" in audit.stdout, audit.stdout
     shown = subprocess.run(cli + ["show", "--step", str(abandoned[-1]), "--branch", MAIN, "--config", node.config],
                            capture_output=True, text=True, env=env)
     assert shown.returncode == 0 and store.local.manifest(abandoned[-1]).digest() in shown.stdout, shown.stdout
