@@ -249,7 +249,7 @@ class Plan:
     cost: CostView | None
 
     def to_json(self) -> dict:
-        """The ``--json`` document (field meanings: :mod:`flowcheck.plan_cli`)."""
+        """The ``--json`` document (field meanings: :mod:`flowcheck.cli.plan`)."""
         i = self.inputs
         return {
             "nodes": i.nodes, "gpus": i.gpus, "failures_per_day": i.failures_per_day,

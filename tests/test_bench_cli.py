@@ -8,7 +8,7 @@ import sys
 
 from click.testing import CliRunner
 
-from flowcheck.bench_cli import find_benchmarks, load_run_all
+from flowcheck.cli.bench import find_benchmarks, load_run_all
 from flowcheck.cli import main
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

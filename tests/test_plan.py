@@ -46,7 +46,7 @@ from flowcheck.plan import (
     usd_per_day_lost,
     young_interval,
 )
-from flowcheck.plan_cli import plan_command
+from flowcheck.cli.plan import plan_command
 
 MIN, HOUR, DAY = 60.0, 3600.0, 86400.0
 RSC1_FAILURES_PER_NODE_DAY = 6.50 / 1000

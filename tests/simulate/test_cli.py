@@ -7,7 +7,7 @@ import pytest
 from click.testing import CliRunner
 
 from flowcheck.capture.job import load_job
-from flowcheck.simulate.cli import simulate_command
+from flowcheck.cli.simulate import simulate_command
 
 
 def test_simulate_writes_job_pcaps_and_truth(tmp_path):

@@ -236,7 +236,7 @@ def _render(p: Plan) -> list[str]:
                    "needs --state-gb.")
 @click.option("--state-gb", type=click.FloatRange(min=0, min_open=True),
               help="Checkpoint size, GB (for --from-benchmarks).")
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output (fields: flowcheck.plan_cli docs).")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output (fields: flowcheck.cli.plan docs).")
 @click.pass_context
 def plan_command(ctx, config_path, gpus, gpus_per_node, rate, mtbf_hours, restart_min, iteration_s, save, restore,
                  capture, intervals, gpu_node_usd_h, ckpt_node_usd_h, ckpt_nodes, bench_path, state_gb, as_json):

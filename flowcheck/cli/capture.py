@@ -6,6 +6,8 @@ import sys
 
 import click
 
+from flowcheck.cli.common import config_option
+
 
 def _load_job(path: str):
     from flowcheck.capture.job import load_job
@@ -30,9 +32,8 @@ def decode_command(job_path, pcaps, more, as_json, dump_dir):
     Example:
       flowcheck decode --job sim/job.yaml --pcap sim/mirror-r0-out.pcap sim/mirror-r1-out.pcap --json
     """
-    from flowcheck.capture.decode import Decoded, decode, dump, read_all, report
-
     from flowcheck import progress
+    from flowcheck.capture.decode import Decoded, decode, dump, read_all, report
 
     job = _load_job(job_path)
     info = Decoded()
@@ -84,8 +85,7 @@ def _live(job, info, interface: str, duration_s: float | None, max_frames: int |
 
 
 @click.command("capture")
-@click.option("--config", "config_path", envvar="FLOWCHECK_CONFIG", type=click.Path(dir_okay=False),
-              help="Store/policy YAML (default: $FLOWCHECK_CONFIG, else embedded defaults).")
+@config_option
 @click.option("--job", "job_path", required=True, type=click.Path(dir_okay=False), help="Job description YAML.")
 @click.option("--pcap", "pcaps", multiple=True, type=click.Path(dir_okay=False), help="pcap/pcapng file(s).")
 @click.argument("more", nargs=-1, type=click.Path(dir_okay=False))
@@ -115,7 +115,13 @@ def capture_command(config_path, job_path, pcaps, more, interface, duration_s, m
     from flowcheck import config as config_mod
     from flowcheck import progress
     from flowcheck.capture.decode import Decoded, decode, read_all
-    from flowcheck.capture.mirror import ResyncSource, Updater, initial_replica, publish_to, run_pipeline
+    from flowcheck.capture.mirror import (
+        ResyncSource,
+        Updater,
+        initial_replica,
+        publish_to,
+        run_pipeline,
+    )
     from flowcheck.policy import PolicyRunner
     from flowcheck.store import open_store
 

@@ -11,13 +11,26 @@ import os
 import shutil
 from collections.abc import Callable
 
-from flowcheck.config import Config, LocalConfig, ObjectConfig, PolicyConfig, TierPolicy, TiersConfig
+from flowcheck.config import (
+    Config,
+    LocalConfig,
+    ObjectConfig,
+    PolicyConfig,
+    TierPolicy,
+    TiersConfig,
+)
 
 
 def run_mirror_demo(workdir: str, *, iters: int = 20, loss: float = 0.02, echo: Callable[[str], None] = print) -> dict:
     from flowcheck.capture.decode import Decoded, decode, read_all
     from flowcheck.capture.job import load_job
-    from flowcheck.capture.mirror import ResyncSource, Updater, initial_replica, publish_to, run_pipeline
+    from flowcheck.capture.mirror import (
+        ResyncSource,
+        Updater,
+        initial_replica,
+        publish_to,
+        run_pipeline,
+    )
     from flowcheck.policy import PolicyRunner
     from flowcheck.restore.diff import diff_step, report
     from flowcheck.simulate import SimOptions, simulate

@@ -1,4 +1,4 @@
-"""``flowcheck simulate``: the click command (registered by flowcheck/cli.py)."""
+"""``flowcheck simulate``: the click command (registered by flowcheck/cli/__init__.py)."""
 from __future__ import annotations
 
 import click
