@@ -345,9 +345,18 @@ def format_chain(links: list[Link], *, keep: int = 12) -> str:
     return "step " + " <- ".join(parts)
 
 
+@dataclass(frozen=True)
+class StepCheck:
+    """What `show` prints of one state's verification: ``ok`` is False on any damage or disagreement."""
+
+    ok: bool
+    status: str
+    lines: list[str]
+
+
 def step_checks(store: Store, manifest: Manifest, *, data: bool, branch: str = MAIN,
-                progress: Progress | None = None) -> tuple[str, list[str]]:
-    """Verify one state (``manifest``, on ``branch``) in every tier holding it: (overall status, one line per tier).
+                progress: Progress | None = None) -> StepCheck:
+    """Verify one state (``manifest``, on ``branch``) in every tier holding it: overall status, one line per tier.
 
     Always: the manifest re-read (integrity), its signature, and that every tier holds the same
     state (manifest digest).  With ``data``: every file's size and digest and every shard's data digest.
@@ -383,4 +392,4 @@ def step_checks(store: Store, manifest: Manifest, *, data: bool, branch: str = M
         status = "verified: manifests, files and shard data"
     else:
         status = "manifests verified; files and data not re-read (add --verify)"
-    return status, lines
+    return StepCheck(not bad, status, lines)

@@ -34,7 +34,7 @@ FORMAT_VERSION = 1
 # computing a digest that leaves ``nodes`` out.
 MULTI_NODE_VERSION = 2
 KNOWN_VERSIONS = (FORMAT_VERSION, MULTI_NODE_VERSION)
-SOURCES = ("mirror", "push", "import", "restore")
+SOURCES = ("mirror", "push", "import", "restore", "snapshot")
 MAX_TENSOR_BYTES = 1 << 63  # numpy and the byte offsets of every format are int64
 
 

@@ -21,7 +21,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from flowcheck.config import PolicyConfig
-from flowcheck.errors import StaleStateError
+from flowcheck.errors import StaleStateError, StepNotFoundError
 from flowcheck.manifest import Manifest
 from flowcheck.store import Store
 
@@ -124,8 +124,12 @@ class PolicyRunner:
     def snapshot_now(self, timeout: float | None = None) -> Manifest:
         """Persist the RAM state to the local tier now (the API's /snapshot), after any local job in flight.
 
-        Returns the step's manifest (also when that step was committed already); raises what the store raises.
+        Returns the step's manifest (also when that step was committed already); raises what the store raises,
+        and StepNotFoundError (not a job failure: nothing is logged) when no trainer has pushed a step yet.
         """
+        if self.store.memory.step is None:
+            raise StepNotFoundError(f"run {self.store.config.run!r}: the node holds no state yet (no trainer has pushed "
+                                    "a step): nothing to snapshot")
         fut = self._pools["local"].submit(self._timed, "local", self._snapshot_any, time.monotonic(), True)
         return fut.result(timeout)
 

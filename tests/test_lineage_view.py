@@ -137,8 +137,9 @@ def test_show_names_a_break_in_the_chain(tmp_path):
     shutil.rmtree(tmp_path / "local" / "r1" / "step-000000020")  # lost, not pruned by GC
     out = _run("show", "--step", "30", "--config", store_config(tmp_path))
     assert "chain      step 30 [local] <- 20 (MISSING: not in any tier and not pruned by GC (lineage gap))" in out
-    dot = _run("lineage", "--format", "dot", "--config", store_config(tmp_path))
-    assert "missing\\n(lineage gap)" in dot and "fillcolor=khaki1" in dot
+    drawn = CliRunner().invoke(main, ["lineage", "--format", "dot", "--config", store_config(tmp_path)])
+    assert drawn.exit_code == 1  # a lost step is an audit error: the drawing is written, and the exit says so
+    assert "missing\\n(lineage gap)" in drawn.output and "fillcolor=khaki1" in drawn.output
 
 
 def test_restore_takes_a_step_of_another_branch_with_branch(forked, tmp_path):

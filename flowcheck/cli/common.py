@@ -101,8 +101,8 @@ _DIGEST_PREFIX = re.compile(r"sha256:[0-9a-fA-F]{1,64}")
 
 def step_arg(step: str) -> int | str:
     """--step as the store resolves it (flowcheck/branches.py): a number, 'latest', or a digest prefix."""
-    if step == "latest":
-        return step
+    if step.lower() == "latest":
+        return "latest"
     if _DIGEST_PREFIX.fullmatch(step):
         return step.lower()
     if not (step.isascii() and step.isdigit()):
@@ -149,3 +149,15 @@ def echo_over(bar):
                 click.echo(message, **kw)
 
     return echo
+
+
+def committed(store, tier: str, write):
+    """Run ``write()`` (a commit to ``tier``) and say what it did: ``(manifest, "committed step 7@root-7")``, or
+    ``"step 7 is already committed with this content: nothing written"`` when the same state was there before."""
+    before = {s.digest for s in store.history([tier]).states}
+    m = write()
+    held = store.history([tier]).by_digest(m.digest())
+    at = held[0] if held else m.step  # "7@root-7" when a different state already held step 7: both are kept
+    if m.digest() in before:
+        return m, f"step {at} is already committed in the {tier} tier with this content: nothing written"
+    return m, f"committed step {at} to the {tier} tier"

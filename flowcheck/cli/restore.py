@@ -11,6 +11,7 @@ from flowcheck.cli.common import (
     at_text,
     branch_option,
     bytes_bar,
+    committed,
     config_option,
     handled,
     human,
@@ -25,7 +26,9 @@ from flowcheck.cli.common import (
 @click.option("--step", required=True, help=STEP_HELP)
 @branch_option
 @click.option("--run", default=None, help="Run name (default: the config's run).")
-@click.option("--format", "fmt", default="safetensors", type=click.Choice(["safetensors", "torch"]), help="Output format.")
+@click.option("--format", "fmt", default=None, type=click.Choice(["safetensors", "torch"]),
+              help="Output format (default: from --out's extension: .safetensors, or .pt/.pth/.bin for torch; "
+                   "safetensors for any other).")
 @click.option("--out", required=True, type=click.Path(dir_okay=False), help="Output file.")
 @click.option("--from", "prefer", default="auto", type=click.Choice(["auto", "local", "object"]), help="Tier to read.")
 @click.option("--no-optim", is_flag=True, help="Model tensors only.")
@@ -44,12 +47,29 @@ def export(config_path, step, branch, run, fmt, out, prefer, no_optim):
     from flowcheck.restore import export_file
     from flowcheck.restore.source import open_step
 
+    fmt = _export_format(out, fmt)
     store = reading_store(config_path, run)
     tier, m = open_step(store, step_arg(step), prefer, branch)
     at = at_text(m, tier)
     with bytes_bar(f"export step {at} from the {tier.name} tier") as bar:
         size, digest = export_file(tier, m, out, fmt=fmt, include_optimizer=not no_optim, progress=bar)
     click.echo(f"exported step {at} from the {tier.name} tier to {out} ({human(size)}, {digest})")
+
+
+_BY_EXTENSION = {".safetensors": "safetensors", ".pt": "torch", ".pth": "torch", ".bin": "torch"}
+
+
+def _export_format(out: str, fmt: str | None) -> str:
+    """--format, else the one --out's extension names; a file named for one format never holds the other
+    (`torch.load` cannot read safetensors, nor the reverse)."""
+    ext = os.path.splitext(out)[1].lower()
+    implied = _BY_EXTENSION.get(ext)
+    if fmt is None:
+        return implied or "safetensors"
+    if implied is not None and implied != fmt:
+        raise click.BadParameter(f"--out {out} names a {implied} file ({ext}) but --format is {fmt}: "
+                                 f"expected matching ones; change the extension or --format", param_hint="--format")
+    return fmt
 
 
 @click.command()
@@ -127,9 +147,9 @@ def import_(config_path, run, step, arch_path, tier, trust_pickle, source):
 
     store = store_for(config_path, progress=True, run=run)
     arch = load_arch(arch_path) if arch_path else None
-    m = import_into(store, source, step, arch=arch, tier=tier, trust_pickle=trust_pickle)
+    m, said = committed(store, tier, lambda: import_into(store, source, step, arch=arch, tier=tier, trust_pickle=trust_pickle))
     click.echo(
-        f"committed step {m.step} of run {m.run} to the {tier} tier ({m.producer.source}, "
+        f"{said} (run {m.run}, {m.producer.source}, "
         f"source layout TP={m.source_layout.tp} PP={m.source_layout.pp} VPP={m.source_layout.vpp}): "
         f"{len(m.tensors)} tensors, {human(m.nbytes)}, digest {m.digest()}"
     )

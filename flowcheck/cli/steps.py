@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 import click
 
@@ -11,6 +12,7 @@ from flowcheck.cli.common import (
     STEP_HELP,
     branch_option,
     bytes_bar,
+    committed,
     config_option,
     handled,
     human,
@@ -46,12 +48,12 @@ def ls_cmd(config_path, run, as_json):
     click.echo(f"run {store.config.run}   current branch {current}   local {store.local.root}   "
                f"object {store.object.url if store.object else '-'}")
     width = max([len("branch")] + [len(r["branch"]) + 2 for r in rows])
-    click.echo(f"{'tier':7} {'branch':{width}} {'step':>9} {'size':>10}  {'created (UTC)':27} {'source':7} status")
+    click.echo(f"{'tier':7} {'branch':{width}} {'step':>9} {'size':>10}  {'created (UTC)':27} {'source':8} status")
     for r in rows:
         step = "-" if r["step"] is None else str(r["step"])
         branch = r["branch"] + (" *" if r["current"] else "")
         click.echo(f"{r['tier']:7} {branch:{width}} {step:>9} {human(r['bytes']):>10}  {r['created_at']:27} "
-                   f"{r['source']:7} {r['status']}")
+                   f"{r['source']:8} {r['status']}")
     if not rows:
         click.echo("(no steps yet: run `flowcheck demo` or a checkpoint node)")
 
@@ -84,7 +86,7 @@ def _ls_rows(tier, current: str) -> list[dict]:
 def show(config_path, step, branch, prefer, as_json, verify):
     """Summarise one state's manifest: producer, branch, parent chain back to the first step (across
     branches), tensors, files, tiers holding it, and its verification status (manifest integrity,
-    signature, same digest in every tier; --verify adds file and shard data digests).
+    signature, same digest in every tier; --verify adds file and shard data digests). Exits 1 when a check fails.
 
     \b
     Example:
@@ -118,12 +120,13 @@ def show(config_path, step, branch, prefer, as_json, verify):
     click.echo(f"chain      {format_chain(parent_chain(store, m))}")
     if verify:
         with bytes_bar(f"verify step {at} (files and shard data)") as bar:
-            status, per_tier = step_checks(store, m, data=True, branch=at.branch, progress=bar)
+            check = step_checks(store, m, data=True, branch=at.branch, progress=bar)
     else:
-        status, per_tier = step_checks(store, m, data=False, branch=at.branch)
-    click.echo(f"status     {status}")
-    for line in per_tier:
+        check = step_checks(store, m, data=False, branch=at.branch)
+    click.echo(f"status     {check.status}")
+    for line in check.lines:
         click.echo(f"           {line}")
+    sys.exit(0 if check.ok else 1)
 
 
 def _branch_summary(hist, branch: str) -> str:
@@ -160,10 +163,8 @@ def snapshot(config_path, state_path, step, tier):
     with _progress.activity(f"read {os.path.basename(state_path)}"):
         snap = load_state_file(state_path, store.config.run, step)
     with bytes_bar(f"write step {step} to the {tier} tier") as bar:
-        m = store.write(snap, tier, progress=bar)
-    held = store.history([tier]).by_digest(m.digest())
-    at = held[0] if held else m.step  # "7@root-7" when a different state already held step 7: both are kept
-    click.echo(f"committed step {at} to the {tier} tier: {len(m.tensors)} tensors, {human(m.nbytes)}, digest {m.digest()}")
+        m, said = committed(store, tier, lambda: store.write(snap, tier, progress=bar))
+    click.echo(f"{said}: {len(m.tensors)} tensors, {human(m.nbytes)}, digest {m.digest()}")
 
 
 @click.command()
@@ -208,8 +209,11 @@ def gc(config_path, dry_run):
         report = store_for(config_path).gc(dry_run=dry_run, progress=bar)
     verb = "would delete" if dry_run else "deleted"
     for tier, deleted in report.deleted.items():
-        gone = states_text(deleted) if deleted else "none"
-        click.echo(f"{tier}: {verb} steps {gone}; keeps {states_text(report.kept.get(tier, {}))}")
+        kept = states_text(report.kept.get(tier, {}))
+        if deleted:
+            click.echo(f"{tier}: {verb} steps {states_text(deleted)}; keeps {kept}")
+        else:
+            click.echo(f"{tier}: nothing to delete; keeps {kept}" if report.kept.get(tier) else f"{tier}: no steps")
         for at in deleted:
             click.echo(f"{tier}:   {at}: {report.why.get(tier, {}).get(at, 'no reason recorded')}")
         for path in report.cleaned.get(tier, []):

@@ -104,7 +104,8 @@ def lineage(config_path, fmt, out, verify):
     """Draw the run's lineage tree: one node per state (step@branch off main, source, tiers holding it),
     coloured by audit status (green verified, yellow warning, red damaged, grey unverified); a rollback or
     restore forks a branch (text: ├─ per branch; dot/png: a box per branch, bold edges out of the fork).
-    png needs Graphviz's `dot` (Debian package graphviz).
+    png needs Graphviz's `dot` (Debian package graphviz). Exits 1 when a state is damaged or the chain is broken,
+    as audit does (the drawing is still written).
 
     \b
     Example:
@@ -131,4 +132,5 @@ def lineage(config_path, fmt, out, verify):
             f.write(dumps(report, fmt) + "\n")
     else:
         click.echo(dumps(report, fmt))
+    sys.exit(0 if report.ok and all(n.ok for n in report.nodes.values()) else 1)
 

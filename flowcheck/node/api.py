@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import threading
 from typing import Any
 
 from flowcheck.errors import FlowcheckError
 from flowcheck.node.limits import ConnectionLimits, ListenerStats, capped_site
+
+log = logging.getLogger(__name__)
 
 MAX_BODY = 64 << 10  # no endpoint reads a body; a client cannot make the node buffer more than this
 
@@ -91,6 +94,7 @@ class ControlAPI:
             # through the policy's local worker: after a snapshot in flight, timed like the policy's own
             m = await asyncio.get_running_loop().run_in_executor(None, self.node.policy.snapshot_now)
         except FlowcheckError as e:
+            log.warning("POST /snapshot refused: %s", e, extra={"event": "snapshot_refused"})
             return self._json({"error": str(e)}, 409)
         return self._json({"step": m.step, "digest": m.digest(), "tier": "local"})
 
