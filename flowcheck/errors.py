@@ -35,6 +35,18 @@ class StepNotFoundError(FlowcheckError, FileNotFoundError):
     """
 
 
+class StepPrunedError(StepNotFoundError):
+    """The step asked for was deleted on purpose (by GC or ``Store.delete``): ``record`` is its pruning record
+    (a ``flowcheck.tiers.records.PrunedRecord``), so a caller can say when and by whom."""
+
+    def __init__(self, message: str, record: object = None) -> None:
+        super().__init__(message)
+        self.record = record
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
 class AmbiguousStepError(StepNotFoundError):
     """A step reference matches several states (a digest prefix on two branches); the message lists them."""
 
@@ -60,6 +72,18 @@ class FormatError(FlowcheckError, ValueError):
 
 class TierError(FlowcheckError, OSError):
     """A tier cannot be reached or written (unreachable endpoint, read-only dir, ...)."""
+
+
+class TierMissingError(TierError):
+    """A configured tier does not exist: no such S3 bucket, a ``file://`` folder whose parent folder is missing too.
+
+    Not a FileNotFoundError on purpose: listings read "not found" as "nothing stored", and this error must never
+    be taken for an empty store.  The message names the bucket or folder, the URL and the config field."""
+
+
+class TierAccessError(TierError, PermissionError):
+    """A tier refuses this process: no credentials, an invalid access key, access denied (403).  Permanent: never
+    retried; the message carries the standard AWS hint (or the folder's permissions for ``file://``)."""
 
 
 class OutputError(FlowcheckError, OSError):

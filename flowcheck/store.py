@@ -11,35 +11,30 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from flowcheck import config as config_mod
+from flowcheck import pruning, tier_check
 from flowcheck.branches import MAIN, BranchRecord, History, Located, StateInfo, check_branch, parse_time
 from flowcheck.config import Config
-from flowcheck.errors import FlowcheckError, ManifestError, StepNotFoundError, TierError
+from flowcheck.errors import FlowcheckError, ManifestError, StepNotFoundError, StepPrunedError, TierError
 from flowcheck.manifest import Manifest, ParentRef, signing_key
-from flowcheck.progress import Progress, counter
+from flowcheck.progress import Progress
+from flowcheck.pruning import DeleteReport, GcReport
 from flowcheck.state import Snapshot
-from flowcheck.tiers import retention
+from flowcheck.tier_check import TierState
+from flowcheck.tiers import fallback
 from flowcheck.tiers.base import Tier, with_origin
 from flowcheck.tiers.local import LocalTier
 from flowcheck.tiers.memory import MemoryTier
+from flowcheck.tiers.records import PrunedRecord
 
 log = logging.getLogger(__name__)
 
 TIER_NAMES = ("memory", "local", "object")
-
-
-@dataclass
-class GcReport:
-    deleted: dict[str, list[Located]] = field(default_factory=dict)
-    kept: dict[str, dict[Located, str]] = field(default_factory=dict)
-    why: dict[str, dict[Located, str]] = field(default_factory=dict)  # deleted state -> the rule that let it go
-    cleaned: dict[str, list[str]] = field(default_factory=dict)
-    dry_run: bool = False
+__all__ = ["Store", "open_store", "GcReport", "DeleteReport", "TierState", "PrunedRecord"]
 
 
 class Store:
@@ -69,7 +64,7 @@ class Store:
             staging = cfg.staging_dir or os.path.join(self.config.tiers.local.root, ".staging")
             self._object = ObjectTier(cfg, self.config.run, staging_dir=staging, progress=self.progress,
                                       cluster=self.config.cluster, grace_s=self.config.policy.object.tmp_grace_seconds,
-                                      **self._tier_kw)
+                                      own_staging=not cfg.staging_dir, **self._tier_kw)
         return self._object
 
     def tiers(self, include_memory: bool = True) -> list[Tier]:
@@ -249,8 +244,8 @@ class Store:
             with self._locks[dst]:
                 try:  # one listing of the target: whether it holds the state, and where a new one goes
                     hist = self.history(live={dst})
-                except TierError as e:
-                    raise TierError(f"{dst} tier: step {at} was not promoted (nothing of it was written): {e}") from e
+                except TierError as e:  # the same kind (TierMissingError, TierAccessError), with what it means here
+                    raise type(e)(f"{dst} tier: step {at} was not promoted (nothing of it was written): {e}") from e
                 if any(s.tier == dst and Located(s.step, s.branch) == at for s in hist.states):
                     return self.tier(dst, at.branch).manifest(at.step)
                 return self.commit(snap, dst, snap.origin.parent if snap.origin else None, progress=progress,
@@ -260,10 +255,12 @@ class Store:
 
     # ---- reading ---------------------------------------------------------------
     def locate(self, step: int | str, prefer: str = "auto", branch: str | None = None) -> tuple[Tier, int]:
-        """The fastest tier holding a state, opened at its branch, and its step number.
+        """The fastest tier holding a state, opened at its branch, and its step number (where it is; to read it,
+        ``open_step``).
 
         ``step``: a number or ``latest`` (on ``branch``, default the current branch: see flowcheck/branches.py)
-        or a ``sha256:`` manifest-digest prefix."""
+        or a ``sha256:`` manifest-digest prefix. A state that was deleted on purpose raises StepPrunedError
+        (a StepNotFoundError) saying when and by what."""
         tiers = self.tiers() if prefer == "auto" else [self.tier(prefer)]
         hist = self.history()
         mem = self.memory
@@ -271,18 +268,7 @@ class Store:
             path = hist.path(hist.current())
             if not path or (mem.step > max(path) and any(s.digest == mem.head.manifest_digest for s in hist.states)):
                 return mem, mem.step
-        if not hist.states:
-            what = "any step" if step == "latest" else f"step {step}"
-            raise StepNotFoundError(f"run {self.config.run!r} has no committed step in any tier (asked for {what}); "
-                                    "run `flowcheck snapshot` or the demo first")
-        try:
-            at = hist.resolve(step, branch)
-        except StepNotFoundError as e:
-            elsewhere = self._other_runs_holding(step)
-            if not elsewhere:
-                raise
-            raise type(e)(f"{e}; run{'s' if len(elsewhere) > 1 else ''} {', '.join(elsewhere)} of this store "
-                          f"hold{'s' if len(elsewhere) == 1 else ''} a step {step}: add --run {elsewhere[0]}") from None
+        at = self.resolve(step, branch, hist)
         for t in tiers:
             if t is mem:
                 if mem.step == at.step and mem.head is not None and any(
@@ -293,9 +279,68 @@ class Store:
             if at.step in bt.steps():
                 return bt, at.step
         holders = sorted({s.tier for s in hist.states if Located(s.step, s.branch) == at})
+        gone = [r.describe() for r in (self.tier(prefer, at.branch).pruned_entries() if prefer in ("local", "object")
+                                       else ()) if r.step == at.step]
         raise StepNotFoundError(
             f"step {at} of run {self.config.run!r} is not committed in {prefer if prefer != 'auto' else 'any tier'}"
-            f"{' (held by: ' + ', '.join(holders) + ')' if holders else ''}")
+            f"{' (held by: ' + ', '.join(holders) + ')' if holders else ''}"
+            f"{'; the ' + prefer + ' tier copy was ' + gone[-1] if gone else ''}")
+
+    def resolve(self, step: int | str, branch: str | None = None, hist: History | None = None) -> Located:
+        """The state a reference names (``History.resolve``), with the errors saying more: another run of the
+        store holds that step (add --run), or the state was deleted on purpose (StepPrunedError)."""
+        hist = hist or self.history()
+        try:
+            if not hist.states:
+                what = "any step" if step == "latest" else f"step {step}"
+                raise StepNotFoundError(f"run {self.config.run!r} has no committed step in any tier (asked for "
+                                        f"{what}); run `flowcheck snapshot` or the demo first")
+            return hist.resolve(step, branch)
+        except StepNotFoundError as e:
+            gone = pruning.pruned_message(self, step, branch)
+            if gone is not None:
+                raise StepPrunedError(*gone) from None
+            elsewhere = self._other_runs_holding(step)
+            if not elsewhere:
+                raise
+            raise type(e)(f"{e}; run{'s' if len(elsewhere) > 1 else ''} {', '.join(elsewhere)} of this store "
+                          f"hold{'s' if len(elsewhere) == 1 else ''} a step {step}: add --run {elsewhere[0]}") from None
+
+    def open_step(self, step: int | str, prefer: str = "auto", branch: str | None = None) -> tuple[Tier, Manifest]:
+        """The persistent tier to read a state from (opened at its branch; RAM is read through its stored copy)
+        and its manifest.
+
+        With ``prefer="auto"`` the tier is a FallbackTier (tiers/fallback.py): a shard, region or manifest
+        found damaged there is read from the next tier holding the same manifest digest, with a WARNING naming
+        the damaged tier, step and file. An explicit tier is that tier alone: its errors stand."""
+        t, n = self._stored(step, prefer, branch)
+        return self._checked(t, n, prefer)
+
+    def _stored(self, step: int | str, prefer: str, branch: str | None) -> tuple[Tier, int]:
+        """``locate``, with RAM replaced by a stored copy of its state (a digest names it: a bare step number
+        may name another branch's state)."""
+        t, n = self.locate(step, prefer, branch)
+        if t is not self.memory:
+            return t, n
+        ref = step if isinstance(step, str) and step.startswith("sha256:") else n
+        stored = [x.name for x in self.tiers(include_memory=False)] if prefer in ("auto", "memory") else [prefer]
+        for i, name in enumerate(stored):
+            try:
+                return self.locate(ref, name, branch)
+            except StepNotFoundError:
+                if i == len(stored) - 1:
+                    raise
+        raise AssertionError("unreachable")
+
+    def _checked(self, t: Tier, n: int, prefer: str) -> tuple[Tier, Manifest]:
+        """(tier to read, manifest): under ``auto`` a persistent tier falls back to intact copies elsewhere."""
+        if prefer != "auto" or t is self.memory:
+            return t, t.manifest(n)
+
+        def others() -> list[Tier]:
+            return [self.tier(o.name, t.branch) for o in self.tiers(include_memory=False) if o.name != t.name]
+
+        return fallback.open_checked(t, n, others)
 
     def runs(self) -> list[str]:
         """The runs the local tier holds (folders with a committed step, on any branch)."""
@@ -321,71 +366,55 @@ class Store:
         return out
 
     def find(self, step: int | str, prefer: str = "auto", branch: str | None = None) -> Tier:
-        """The fastest tier (opened at the state's branch) that holds a committed state; see ``locate``."""
+        """The fastest tier (opened at the state's branch) that holds a committed state; see ``locate``. Where it
+        is, not a reader: read through ``open_step`` / ``load`` / ``read`` to fall back on damage."""
         return self.locate(step, prefer, branch)[0]
 
     def manifest(self, step: int | str, prefer: str = "auto", branch: str | None = None) -> Manifest:
         t, n = self.locate(step, prefer, branch)
-        return t.manifest(n)
+        return self._checked(t, n, prefer)[1]
 
     def read(self, step: int | str, tensor: str, region: Any = None, prefer: str = "auto",
              branch: str | None = None) -> np.ndarray:
         t, n = self.locate(step, prefer, branch)
-        return t.read(n, tensor, region)
+        t, m = self._checked(t, n, prefer)
+        return t.read(n, tensor, region, manifest=m)
 
     def load(self, step: int | str, prefer: str = "auto", branch: str | None = None) -> Snapshot:
-        t, n = self.locate(step, prefer, branch)
-        if t is self.memory:  # a stored copy of what RAM holds: a digest names it (a bare step number may name
-            ref = step if isinstance(step, str) and step.startswith("sha256:") else n  # another branch's state)
-            stored = [x.name for x in self.tiers(include_memory=False)] if prefer == "auto" else [prefer]
-            for i, name in enumerate(stored):
-                try:
-                    t, n = self.locate(ref, name, branch)
-                    break
-                except StepNotFoundError:
-                    if i == len(stored) - 1:
-                        raise
-        return t.load(n)
+        """A lazy snapshot of a stored state (``prefer="memory"``: RAM's); under ``auto`` shards found damaged
+        are read from another tier's intact copy (see ``open_step``)."""
+        if prefer == "memory":
+            t, n = self.locate(step, prefer, branch)
+            return t.load(n)
+        t, m = self.open_step(step, prefer, branch)
+        return t.load(m.step)
 
-    # ---- retention ---------------------------------------------------------------
+    # ---- deleting on purpose (flowcheck/pruning.py) ------------------------------------
     def gc(self, dry_run: bool = False, tiers: list[str] | None = None, *, progress: Progress | None = None) -> GcReport:
         """Apply each tier's retention policy along the current branch; clean abandoned partial writes.
 
         ``progress`` counts committed states (listed first, for the total) as each is kept or deleted."""
-        report = GcReport(dry_run=dry_run)
-        chosen = [t for t in self.tiers(include_memory=False) if tiers is None or t.name in tiers]
-        hist = self.history(live={t.name for t in chosen})
-        done = counter(progress, sum(1 for s in hist.states if s.tier in {t.name for t in chosen})
-                       if progress is not None else 0)
-        current = hist.current()
-        on_path = {Located(n, b) for n, b in hist.path(current).items()}
-        abandoned_at: dict[str, Any] = {}
-        for s in hist.states:
-            if Located(s.step, s.branch) not in on_path and s.created_at is not None:
-                abandoned_at[s.branch] = max(abandoned_at.get(s.branch, s.created_at), s.created_at)
-        for t in chosen:
-            with self._locks[t.name]:
-                policy = getattr(self.config.policy, t.name)
-                # a state that fails its signature check is kept and counts for nothing, as an unreadable one
-                infos = [retention.StepInfo(s.step, s.created_at if s.trusted else None, s.branch,
-                                            Located(s.step, s.branch) in on_path, abandoned_at.get(s.branch))
-                         for s in hist.states if s.tier == t.name]
-                plan = retention.plan(infos, policy)
-                report.kept[t.name] = plan.keep
-                report.deleted[t.name] = [k for k in plan.delete if (t.name, k) not in self._in_use]
-                report.why[t.name] = {k: plan.why_deleted[k] for k in report.deleted[t.name]}
-                done(len(infos) - len(report.deleted[t.name]))
-                for k in report.deleted[t.name]:
-                    try:
-                        if not dry_run:
-                            self.tier(t.name, k.branch).delete(k.step)
-                    except StepNotFoundError:  # a shared object store: another node's GC was first
-                        log.info("gc: %s tier step %s was already deleted", t.name, k)
-                    done(1)
-                report.cleaned[t.name] = [
-                    p for bt in self.branch_tiers(t.name) for p in bt.clean_incomplete(policy.tmp_grace_seconds,
-                                                                                       dry_run=dry_run)]
-        return report
+        return pruning.gc(self, dry_run, tiers, progress=progress)
+
+    def delete(self, step: int | str, tier: str | None = None, branch: str | None = None, *,
+               force: bool = False) -> DeleteReport:
+        """Delete one committed state from ``tier`` (None: every persistent tier holding it), leaving the pruning
+        record GC leaves (audit then reads the gap as deliberate). ``step``: a number or ``latest`` on ``branch``
+        (default the current branch) or a ``sha256:`` digest prefix. The newest state of the current branch
+        (the head) is refused with a FlowcheckError unless ``force=True``; StepNotFoundError when it is not held."""
+        return pruning.delete(self, step, tier, branch, force=force)
+
+    def pruned(self, step: int | str, branch: str | None = None) -> PrunedRecord | None:
+        """The pruning record of a state no tier holds any more (deleted by GC or ``delete``; its ``pruned_at``
+        and ``by`` say when and how — None for records older than those fields), else None."""
+        return pruning.pruned(self, step, branch)
+
+    def check_tiers(self) -> list[TierState]:
+        """Each persistent tier's state, fastest first, for reading commands (flowcheck/tier_check.py): a local
+        root or ``file://`` folder not created yet is empty (``created=False``); an existing tier holding nothing
+        of the run is ``empty``. A configured tier that does not exist raises TierMissingError (no such S3
+        bucket; a ``file://`` folder whose parent is missing too), refused credentials TierAccessError."""
+        return tier_check.check_tiers(self)
 
 
 def _state_info(tier: Tier, step: int) -> StateInfo:

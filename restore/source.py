@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from flowcheck.errors import FormatError, StepNotFoundError
+from flowcheck.errors import FormatError, ManifestError
 from flowcheck.manifest import Manifest
 from flowcheck.restore.arch import ModelArch
 from flowcheck.restore.assemble import assemble_tensor
@@ -97,14 +97,12 @@ class StepReader:
 
 def open_step(store: Any, step: int | str, prefer: str = "auto", branch: str | None = None) -> tuple[Tier, Manifest]:
     """The fastest persistent tier holding ``step`` (a number or 'latest' on ``branch``, default the current
-    branch; or a ``sha256:`` digest prefix), opened at the state's branch, and its manifest."""
-    tier, number = store.locate(step, prefer, branch)
-    if tier is store.memory:  # the in-process memory tier only exists inside a node
-        try:
-            tier, number = store.locate(number, "local", branch)
-        except StepNotFoundError:
-            tier, number = store.locate(number, "object", branch)
-    return tier, tier.manifest(number)
+    branch; or a ``sha256:`` digest prefix), opened at the state's branch, and its manifest.
+
+    ``prefer="auto"``: a copy found damaged while reading (a shard's digest, a zarr CRC, a safetensors header)
+    is read from another tier holding the same state, with a WARNING naming the damaged tier, step and file
+    (``Store.open_step``, tiers/fallback.py); an explicit tier never falls back."""
+    return store.open_step(step, prefer, branch)
 
 
 def arch_of(manifest: Manifest) -> ModelArch:
@@ -115,3 +113,36 @@ def arch_of(manifest: Manifest) -> ModelArch:
             "(Megatron argument names); give it with --arch FILE.yaml"
         )
     return ModelArch.from_mapping(raw, f"step {manifest.step} manifest scalars.extra.model")
+
+
+# what `flowcheck import` (and a pushing trainer) keep of Megatron in scalars.extra.megatron, as restore reads it
+_MEGATRON_FIELDS = {
+    "args": (dict, "an object of Megatron arguments"),
+    "opt_param_scheduler": (dict, "an object"),
+    "param_groups": (list, "a list of objects"),
+    "num_floating_point_operations_so_far": ((int, float), "a number"),
+}
+
+
+def megatron_extra(m: Manifest) -> dict[str, Any]:
+    """``scalars.extra.megatron``, every field restore reads of the type it reads it as."""
+    raw = (m.scalars.get("extra") or {}).get(MEGATRON_KEY)
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise bad_field(m, f"extra.{MEGATRON_KEY}", "an object", raw)
+    for key, (kind, expected) in _MEGATRON_FIELDS.items():
+        value = raw.get(key)
+        if value is not None and (not isinstance(value, kind) or isinstance(value, bool)):
+            raise bad_field(m, f"extra.{MEGATRON_KEY}.{key}", expected, value)
+    if not all(isinstance(g, dict) for g in raw.get("param_groups") or []):
+        raise bad_field(m, f"extra.{MEGATRON_KEY}.param_groups", "a list of objects", raw["param_groups"])
+    return raw
+
+
+def bad_field(m: Manifest, field_: str, expected: str, found: Any) -> ManifestError:
+    """A stored scalar restore cannot use, named by its manifest field."""
+    shown = repr(found)
+    shown = shown if len(shown) <= 80 else shown[:77] + "..."
+    return ManifestError(f"step {m.step} of run {m.run}: manifest field 'scalars.{field_}': expected {expected}, found "
+                         f"{shown}; restore cannot build the checkpoint's args and optimizer from it")

@@ -121,9 +121,9 @@ def test_the_same_content_again_is_a_no_op_that_says_so(store):
     first = run("import", "--step", "20", str(tmp / "m.safetensors"), "--config", cfg)
     assert first.exit_code == 0 and first.output.startswith("committed step 20"), first.output
     again = run("import", "--step", "20", str(tmp / "m.safetensors"), "--config", cfg)
-    assert again.exit_code == 0 and "already committed in the local tier with this content: nothing written" in again.output
+    assert again.exit_code == 0 and "of run r is already committed in the local tier with this content: nothing written" in again.output
     snap = run("snapshot", "--state", str(tmp / "state.pt"), "--step", "5", "--config", cfg)
-    assert snap.exit_code == 0 and "step 5 is already committed" in snap.output
+    assert snap.exit_code == 0 and "step 5 of run r is already committed" in snap.output
 
 
 def test_export_takes_the_format_from_the_extension_and_refuses_a_mismatch(store):
@@ -174,3 +174,87 @@ def test_post_snapshot_on_an_empty_node_answers_409_and_logs_one_line(node):  # 
 def test_ci_fails_when_pytest_collects_nothing():
     script = open(os.path.join(os.path.dirname(__file__), "..", ".ci", "run")).read()
     assert "-eq 5" not in script and "rc=0" not in script  # exit 5 is not turned into success any more
+
+
+def _s3_config(tmp_path, url: str) -> str:
+    cfg = tmp_path / "s3.yaml"
+    cfg.write_text(f"run: r\ntiers:\n  local: {{root: {tmp_path / 'l3'}}}\n  object: {{url: '{url}'}}\n")
+    return str(cfg)
+
+
+@pytest.mark.parametrize("command", ["ls", "audit"])
+def test_a_missing_bucket_is_an_error_naming_it_not_an_empty_store(s3_env, tmp_path, command):
+    cfg = _s3_config(tmp_path, "s3://nosuchbucket-flowcheck/ckpt")
+    line = one_error_line(run(command, "--config", cfg))
+    assert "nosuchbucket-flowcheck" in line and "tiers.object.url" in line
+
+
+@pytest.mark.parametrize("command", ["ls", "audit"])
+def test_an_existing_empty_bucket_says_so(s3_bucket, tmp_path, command):
+    cfg = _s3_config(tmp_path, f"{s3_bucket}/ckpt")
+    result = run(command, "--config", cfg)
+    assert result.exit_code == 0, result.output
+    assert f"object tier {s3_bucket}/ckpt exists and holds no steps of run r" in result.output
+
+
+def test_delete_leaves_a_pruned_record_and_refuses_the_head_without_force(store):
+    tmp, cfg = store
+    torch.save({"w": torch.zeros(8)}, tmp / "s6.pt")
+    assert run("snapshot", "--state", str(tmp / "s6.pt"), "--step", "6", "--config", cfg).exit_code == 0
+    line = one_error_line(run("delete", "--step", "6", "--config", cfg))
+    assert "--force" in line
+    deleted = run("delete", "--step", "5", "--config", cfg)
+    assert deleted.exit_code == 0 and deleted.output.startswith("deleted step 5 of run r from the local tier"), deleted.output
+    assert run("audit", "--config", cfg).exit_code == 0  # a deliberate gap, not a lost step
+    shown = one_error_line(run("show", "--step", "5", "--config", cfg))
+    assert "was deleted on request at 20" in shown  # and when (an ISO date)
+    forced = run("delete", "--step", "6", "--force", "--config", cfg)
+    assert forced.exit_code == 0 and "it was the current branch's head" in forced.output
+
+
+def test_show_of_a_step_gc_removed_says_pruned_by_gc_and_when(store):
+    tmp, cfg = store
+    with open(cfg, "a") as f:
+        f.write("policy:\n  local: {keep_last: 1, keep_hourly: 0, keep_daily: 0}\n")
+    torch.save({"w": torch.zeros(8)}, tmp / "s6.pt")
+    assert run("snapshot", "--state", str(tmp / "s6.pt"), "--step", "6", "--config", cfg).exit_code == 0
+    gc = run("gc", "--config", cfg)
+    assert gc.exit_code == 0 and "local: deleted steps [5]" in gc.output, gc.output
+    assert "was pruned by GC at 20" in one_error_line(run("show", "--step", "5", "--config", cfg))
+    missing = one_error_line(run("show", "--step", "4", "--config", cfg))
+    assert "pruned" not in missing
+
+
+def test_restore_force_replaces_only_a_checkpoint_directory(store):
+    tmp, cfg = store
+    _safetensors_with_arch(tmp / "m.safetensors")
+    assert run("import", "--step", "20", str(tmp / "m.safetensors"), "--config", cfg).exit_code == 0
+    precious = tmp / "home"
+    precious.mkdir()
+    (precious / "thesis.tex").write_text("years of work")
+    args = ["restore", "--step", "20", "--tp", "2", "--config", cfg, "--force", "--out"]
+    line = one_error_line(run(*args, str(precious)))
+    assert "expected a directory holding a Megatron checkpoint" in line and "thesis.tex" in line
+    assert (precious / "thesis.tex").read_text() == "years of work"
+    assert run(*args, str(tmp / "ckpt")).exit_code == 0  # a new directory
+    again = run(*args, str(tmp / "ckpt"))  # a previous restore is replaced
+    assert again.exit_code == 0, again.output
+    (tmp / "empty").mkdir()
+    assert run(*args, str(tmp / "empty")).exit_code == 0
+
+
+def test_a_weights_only_restore_says_so_and_prints_the_megatron_flags(store):
+    tmp, cfg = store
+    _safetensors_with_arch(tmp / "m.safetensors")
+    assert run("import", "--step", "20", str(tmp / "m.safetensors"), "--config", cfg).exit_code == 0
+    result = run("restore", "--step", "20", "--tp", "2", "--format", "megatron", "--out", str(tmp / "c"), "--config", cfg)
+    assert result.exit_code == 0, result.output
+    assert "resumes: model weights only (no optimizer state)" in result.output
+    assert "--no-load-optim" in result.output and "--no-load-rng" in result.output
+
+
+def test_restore_help_describes_run_from_and_no_optim():
+    text = " ".join(run("restore", "--help").output.split())
+    assert "--run TEXT The run to read (default: the config's run" in text
+    assert "--from [auto|memory|local|object] The tier to read. auto (default): the fastest tier holding the step" in text
+    assert "--no-optim Write model weights only" in text and "--no-load-optim" in text

@@ -10,40 +10,24 @@ from __future__ import annotations
 import logging
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, replace
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from flowcheck import __version__, dtypes
+from flowcheck import dtypes
 from flowcheck.branches import MAIN, RECORD, BranchRecord, branch_root, check_branch
 from flowcheck.digest import data_digest
-from flowcheck.errors import (
-    FlowcheckError,
-    IntegrityError,
-    ManifestError,
-    StepNotFoundError,
-    TensorNotFoundError,
-    TooLargeError,
-)
-from flowcheck.manifest import (
-    FORMAT_VERSION,
-    FileEntry,
-    Manifest,
-    ParentRef,
-    Piece,
-    Producer,
-    ShardEntry,
-    TensorEntry,
-    canonical_json,
-    check_parent,
-    now_utc,
-    parse,
-    validated_bytes,
-)
+from flowcheck.errors import FlowcheckError, IntegrityError, ManifestError, StepNotFoundError, TensorNotFoundError
+from flowcheck.manifest import Manifest, ParentRef, ShardEntry, check_parent, parse, validated_bytes
 from flowcheck.progress import Progress
 from flowcheck.state import Shard, Snapshot
+from flowcheck.tiers import records
+from flowcheck.tiers.records import PrunedRecord
+# re-exported: tiers import these from here
+from flowcheck.tiers.regions import allocate, full_region, normalize_region, too_large  # noqa: F401
+from flowcheck.tiers.step_manifest import make_manifest, shard_digests, shard_files, with_origin  # noqa: F401
 
 log = logging.getLogger(__name__)
 
@@ -75,110 +59,6 @@ class Problem:
     def __str__(self) -> str:
         where = f"step {self.step}" if self.step is not None else "tier"
         return f"[{self.severity}] {self.tier} {where}: {self.what}{' (' + self.path + ')' if self.path else ''}"
-
-
-def full_region(shape: tuple[int, ...]) -> tuple[slice, ...]:
-    return tuple(slice(0, n) for n in shape)
-
-
-def normalize_region(region: Any, shape: tuple[int, ...], name: str) -> tuple[slice, ...]:
-    """Turn None / a tuple of slices (steps of 1) into bounded slices within ``shape``."""
-    if region is None:
-        return full_region(shape)
-    if not isinstance(region, tuple):
-        region = (region,)
-    if len(region) > len(shape):
-        raise IndexError(f"{name}: region has {len(region)} dimensions, tensor has {len(shape)}")
-    out = []
-    for sl, n in zip(region + (slice(None),) * (len(shape) - len(region)), shape):
-        if not isinstance(sl, slice) or sl.step not in (None, 1):
-            raise IndexError(f"{name}: regions are tuples of contiguous slices, found {sl!r}")
-        start, stop, _ = sl.indices(n)
-        out.append(slice(start, max(start, stop)))
-    return tuple(out)
-
-
-def allocate(shape: tuple[int, ...], dtype: str, what: str, *, zeroed: bool = False) -> np.ndarray:
-    """``np.empty`` (``np.zeros``) for a tensor a manifest describes: a size this machine cannot hold (a genuine
-    giant, or a forged manifest) is a TooLargeError naming it, never a bare MemoryError."""
-    try:
-        return (np.zeros if zeroed else np.empty)(shape, dtype=dtypes.dtype(dtype).storage)
-    except MemoryError as e:
-        raise too_large(what, shape, dtype) from e
-
-
-def too_large(what: str, shape: tuple[int, ...], dtype: str) -> TooLargeError:
-    nbytes = math.prod(shape) * dtypes.dtype(dtype).itemsize
-    return TooLargeError(
-        f"{what}: cannot allocate {nbytes:,} bytes for {dtype}{list(shape)}: expected a tensor that fits in this "
-        "machine's memory, found one that does not; if the step is genuine read it on a larger machine (or by "
-        "regions), else its manifest was forged — `flowcheck audit` checks it"
-    )
-
-
-def make_manifest(
-    snapshot: Snapshot,
-    *,
-    node: str,
-    parent: ParentRef | None,
-    digests: dict[Shard, str],
-    locations: dict[Shard, tuple[Piece, ...]],
-    files: Iterable[FileEntry],
-) -> Manifest:
-    """The manifest of a snapshot written to a tier; a read-back snapshot keeps its identity."""
-    by_tensor: dict[str, list[ShardEntry]] = {}
-    for shard in snapshot.data:
-        entry = ShardEntry(shard.offsets, shard.shape, digests[shard], locations[shard])
-        by_tensor.setdefault(shard.tensor, []).append(entry)
-    tensors = {
-        spec.name: TensorEntry(spec.dtype, spec.shape, spec.role, tuple(by_tensor.get(spec.name, ())))
-        for spec in snapshot.layout.tensors
-    }
-    origin: Manifest | None = snapshot.origin
-    return Manifest(
-        run=snapshot.run,
-        step=snapshot.step,
-        created_at=origin.created_at if origin else now_utc(),
-        producer=origin.producer if origin else Producer(node, __version__, snapshot.source),
-        parent=origin.parent if origin else parent,
-        layout_digest=snapshot.layout.digest(),
-        source_layout=snapshot.layout.source,
-        tensors=tensors,
-        files=tuple(sorted(files, key=lambda f: f.path)),
-        scalars=origin.scalars if origin else snapshot.scalars.to_json(),
-        buckets=snapshot.layout.buckets,
-        # a merged multi-node step keeps its node list (and so its digest) in every tier it is copied to
-        format_version=origin.format_version if origin else FORMAT_VERSION,
-        nodes=origin.nodes if origin else (),
-    )
-
-
-def shard_digests(snapshot: Snapshot, arrays: dict[Shard, np.ndarray]) -> dict[Shard, str]:
-    """Data digests, checked against the origin manifest when the snapshot was read back."""
-    out = {s: data_digest(a) for s, a in arrays.items()}
-    if snapshot.origin is not None:
-        for shard, got in out.items():
-            want = _origin_digest(snapshot.origin, shard)
-            if got != want:
-                raise IntegrityError(
-                    f"step {snapshot.step} tensor {shard.tensor} shard {shard.offsets}: data digest {got} "
-                    f"does not match the manifest's {want}; the source copy is damaged"
-                )
-    return out
-
-
-def _origin_digest(m: Manifest, shard: Shard) -> str:
-    for s in m.tensors[shard.tensor].shards:
-        if s.offsets == shard.offsets and s.shape == shard.shape:
-            return s.digest
-    raise KeyError(shard)
-
-
-def shard_files(manifest: Manifest, entry: ShardEntry) -> list[str]:
-    """The manifest's files holding a shard: its pieces' files, or the files under its zarr array."""
-    pieces = {p.path for p in entry.location}
-    found = [f.path for f in manifest.files if f.path in pieces or any(f.path.startswith(p + "/") for p in pieces)]
-    return found or sorted(pieces) or ["(no file)"]
 
 
 class Tier(ABC):
@@ -364,29 +244,28 @@ class Tier(ABC):
             m.run, m.step, m.layout(), data, Scalars.from_json(m.scalars), source=m.producer.source, origin=m
         )
 
-    def delete(self, step: int) -> None:
-        """Delete a committed step, leaving a pruning record so audit knows the gap is deliberate."""
+    def exists(self) -> bool:
+        """Whether the tier's configured root exists: True; False when it is not created yet (a new store: reading
+        it finds nothing, the first write creates it); raises TierMissingError when the configuration names
+        something that cannot be written without fixing it (see each tier)."""
+        return True
+
+    def delete(self, step: int, *, by: str = "gc") -> PrunedRecord:
+        """Delete a committed step, leaving a pruning record (``by``: "gc" or "delete") so audit knows the gap is
+        deliberate and ``show`` can say when it went; returns the record."""
         if step not in self.steps():
             raise StepNotFoundError(f"{self.name} tier: step {step} is not committed; nothing to delete")
-        digest, parent = None, None  # unreadable manifest: the record still says the step went on purpose
         try:
-            m = self.manifest(step, check_signature=False)
-            digest = m.digest()
-            parent = None if m.parent is None else {"step": m.parent.step, "manifest_digest": m.parent.manifest_digest}
+            m: Manifest | None = self.manifest(step, check_signature=False)
         except FlowcheckError:
-            pass
-        import json
-
-        record = {"step": step, "manifest_digest": digest, "branch": self.branch, "parent": parent}
-        name = f"pruned/{step_dir(step)}.json"
-        earlier = self._get_record(name)
-        if earlier is not None and digest is not None and digest.encode() not in earlier:
-            # another state was pruned at this step of this branch before (a rollback reused the number):
-            # both deletions stay on record
-            name = f"pruned/{step_dir(step)}.{digest.split(':')[-1][:16]}.json"
-        self._put_record(name, self._sealed(record))
+            m = None  # unreadable manifest: the record still says the step went on purpose
+        body = records.record_body(step, self.branch, m, by)
+        name = records.record_name(step, step_dir(step), body["manifest_digest"],
+                                   self._get_record(f"{records.PRUNED}/{step_dir(step)}.json"))
+        self._put_record(name, self._sealed(body))
         self._manifest_cache.pop(step, None)
         self._delete(step)
+        return records.parse_record(body, self.name, self.branch)
 
     def pruned(self) -> dict[int, str | None]:
         """Steps deleted on purpose (by GC) -> their manifest digests (the newest record per step)."""
@@ -394,51 +273,27 @@ class Tier(ABC):
 
     def pruned_records(self) -> list[tuple[int, str | None]]:
         """Every deletion on record: (step, manifest digest) — a step number may have been pruned twice."""
-        import json
+        return [(r.step, r.manifest_digest) for r in self.pruned_entries()]
 
+    def pruned_entries(self) -> list[records.PrunedRecord]:
+        """Every deletion on record in this branch folder, with when and by what (tiers/records.py)."""
         out = []
-        for name in self._list_records("pruned"):
-            rec = self._unsealed(self._get_record(f"pruned/{name}"), f"pruned/{name}")
-            if rec is None:
+        for name in self._list_records(records.PRUNED):
+            body = self._unsealed(self._get_record(f"{records.PRUNED}/{name}"), f"{records.PRUNED}/{name}")
+            if body is None:
                 continue  # unreadable or (signing on) unsigned/forged: it explains no gap
             try:
-                out.append((int(rec["step"]), rec.get("manifest_digest")))
+                out.append(records.parse_record(body, self.name, self.branch))
             except (KeyError, TypeError, ValueError):
                 log.warning("%s tier %s: unreadable pruning record %s; it explains no gap", self.name, self.rel, name)
         return out
 
     # ---- small records: sealed with the signing key when one is set ---------------------
     def _sealed(self, body: dict[str, Any]) -> bytes:
-        """A bookkeeping record (pruning, latest): JSON, with an HMAC when signing is on, so a hand-written
-        record can neither hide a deleted step nor move "latest"."""
-        import hmac
-
-        body = {k: v for k, v in body.items() if k != "signature"}
-        if self.signing_key:
-            body["signature"] = hmac.new(self.signing_key, canonical_json(body), "sha256").hexdigest()
-        return canonical_json(body) + b"\n"
+        return records.seal(body, self.signing_key)
 
     def _unsealed(self, raw: bytes | None, name: str) -> dict[str, Any] | None:
-        """A record's body — None when it is missing, unreadable, or (signing on) unsigned or forged."""
-        import hmac
-        import json
-
-        try:
-            body = json.loads(raw) if raw is not None else None
-        except (ValueError, UnicodeDecodeError):
-            body = None
-        if not isinstance(body, dict):
-            if raw is not None:
-                log.warning("%s tier %s: record %s is not a JSON object; ignored", self.name, self.rel, name)
-            return None
-        if self.signing_key:
-            mac = body.pop("signature", None)
-            want = hmac.new(self.signing_key, canonical_json(body), "sha256").hexdigest()
-            if not isinstance(mac, str) or not hmac.compare_digest(mac, want):
-                log.warning("%s tier %s: record %s is %s; ignored (signing is on)", self.name, self.rel, name,
-                            "unsigned" if mac is None else "signed with another key or altered")
-                return None
-        return body
+        return records.unseal(raw, self.signing_key, f"{self.name} tier {self.rel}: record {name}")
 
     # ---- branches (records under the run root; see flowcheck/branches.py) ----------
     def at_branch(self, branch: str) -> Tier:
@@ -556,7 +411,3 @@ class _Loader:
 
     def __call__(self) -> np.ndarray:
         return self.tier.read_shard(self.manifest, self.tensor, self.entry, verify=self.verify)
-
-
-def with_origin(snapshot: Snapshot, origin: Manifest | None) -> Snapshot:
-    return replace(snapshot, origin=origin)

@@ -26,7 +26,15 @@ import numpy as np
 from flowcheck import dtypes
 from flowcheck.config import LocalConfig
 from flowcheck.digest import file_digest
-from flowcheck.errors import FlowcheckError, FormatError, IntegrityError, StepExistsError, StepNotFoundError, TierError
+from flowcheck.errors import (
+    FlowcheckError,
+    FormatError,
+    IntegrityError,
+    StepExistsError,
+    StepNotFoundError,
+    TierError,
+    TierMissingError,
+)
 from flowcheck.manifest import FileEntry, Manifest, ParentRef, Piece, ShardEntry
 from flowcheck.progress import Progress, counter
 from flowcheck.state import Shard, Snapshot
@@ -70,6 +78,15 @@ class LocalTier(Tier):
 
     def at_branch(self, branch: str) -> LocalTier:
         return LocalTier(self.config, self.run, branch=branch, **self._same_kw())
+
+    def exists(self) -> bool:
+        """Whether ``tiers.local.root`` exists. A missing root is a store not created yet (False): the first
+        snapshot creates it, and reading it finds nothing. A file where the folder should be: TierMissingError."""
+        root = self.config.root
+        if os.path.exists(root) and not os.path.isdir(root):
+            raise TierMissingError(f"local tier: expected a folder at {root} (tiers.local.root), found a file; "
+                                   "point tiers.local.root at a folder")
+        return os.path.isdir(root)
 
     # ---- listing / manifests ---------------------------------------------
     def _committed_steps(self) -> list[int]:

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from flowcheck.errors import TierError
+from flowcheck.errors import TierAccessError, TierError, TierMissingError
 
 log = logging.getLogger(__name__)
 
@@ -71,24 +71,65 @@ class RetryPolicy:
 
 _PERMANENT_ERRNO = {errno.EINVAL, errno.EACCES, errno.EPERM, errno.ENOENT, errno.ENOSPC, errno.EROFS}
 
+AWS_CREDENTIALS_HINT = ("set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE, see "
+                        "https://docs.aws.amazon.com/cli/latest/userguide/cli-configure-envvars.html")
+# botocore raises these before any request is sent: no attempt can find credentials the first one did not
+_NO_CREDENTIALS = {"NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError", "ProfileNotFound",
+                   "NoAuthTokenError", "UnauthorizedSSOTokenError", "SSOTokenLoadError"}
+_DENIED = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken",
+           "TokenRefreshRequired", "AllAccessDisabled", "AccountProblem", "InvalidClientTokenId", "403"}
+
+
+def access_problem(e: BaseException | None) -> str | None:
+    """Why a store refuses this process, by the error or its causes: ``"credentials"`` (none found),
+    ``"denied"`` (an invalid key, a bad signature, 403), ``"no-bucket"`` (NoSuchBucket); None otherwise."""
+    for link in _chain(e):
+        if type(link).__name__ in _NO_CREDENTIALS:
+            return "credentials"
+        code = _error_code(link)
+        if code == "NoSuchBucket":
+            return "no-bucket"
+        if code in _DENIED:
+            return "denied"
+    return None
+
+
+def _error_code(e: BaseException) -> str | None:
+    response = getattr(e, "response", None)
+    if isinstance(response, dict):
+        return str(response.get("Error", {}).get("Code") or response.get("ResponseMetadata", {}).get("HTTPStatusCode"))
+    return None
+
+
+def _chain(e: BaseException | None, limit: int = 8):
+    """``e`` and the errors it was raised from (``__cause__``, else an unsuppressed ``__context__``)."""
+    for _ in range(limit):
+        if e is None:
+            return
+        yield e
+        e = e.__cause__ if e.__cause__ is not None else None if e.__suppress_context__ else e.__context__
+
 
 def transient(e: BaseException) -> bool:
     """Whether an error may go away by trying again: 5xx, SlowDown, resets, read timeouts and short
-    bodies do; bad requests, permissions and an endpoint that cannot be connected to do not (a
-    refused connection is a wrong URL or an outage longer than any retry budget: fail fast)."""
-    seen = 0
-    while e is not None and seen < 8:
-        name = type(e).__name__
+    bodies do; bad requests, missing credentials, permissions, a missing bucket and an endpoint that
+    cannot be connected to do not (a refused connection is a wrong URL or an outage longer than any
+    retry budget: fail fast)."""
+    if access_problem(e) is not None:
+        return False  # no credentials, access denied, no such bucket: trying again changes nothing
+    for link in _chain(e):
+        if isinstance(link, (TierAccessError, TierMissingError)):
+            return False
+        name = type(link).__name__
         if name in ("EndpointConnectionError", "ConnectTimeoutError", "ClientConnectorError", "InvalidURL"):
             return False
-        status = getattr(e, "response", None)
+        status = getattr(link, "response", None)
         if isinstance(status, dict):
             code = status.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
             if 400 <= code < 500 and code not in (408, 409, 429):
                 return False
-        if isinstance(e, OSError) and e.errno in _PERMANENT_ERRNO:
+        if isinstance(link, OSError) and link.errno in _PERMANENT_ERRNO:
             return False
-        if isinstance(e, (FileNotFoundError, FileExistsError, PermissionError)):
+        if isinstance(link, (FileNotFoundError, FileExistsError, PermissionError)):
             return False
-        e, seen = (e.__cause__ if e.__cause__ is not None else None if e.__suppress_context__ else e.__context__), seen + 1
     return True

@@ -83,10 +83,10 @@ def _register_commands() -> None:
     from flowcheck.cli.restore import export, import_, restore
     from flowcheck.cli.serve import serve
     from flowcheck.cli.simulate import simulate_command
-    from flowcheck.cli.steps import gc, ls_cmd, promote, show, snapshot
+    from flowcheck.cli.steps import delete, gc, ls_cmd, promote, show, snapshot
     from flowcheck.cli.verify import audit, diff, lineage
 
-    for cmd in (ls_cmd, show, snapshot, promote, export, restore, serve, diff, import_, audit, lineage, gc, demo):
+    for cmd in (ls_cmd, show, snapshot, promote, delete, export, restore, serve, diff, import_, audit, lineage, gc, demo):
         main.add_command(cmd)
     for cmd in (simulate_command, decode_command, capture_command, plan_command, bench_command):
         main.add_command(_handled_command(cmd))

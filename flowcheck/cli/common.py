@@ -152,12 +152,12 @@ def echo_over(bar):
 
 
 def committed(store, tier: str, write):
-    """Run ``write()`` (a commit to ``tier``) and say what it did: ``(manifest, "committed step 7@root-7")``, or
-    ``"step 7 is already committed with this content: nothing written"`` when the same state was there before."""
+    """Run ``write()`` (a commit to ``tier``) and say what it did: ``(manifest, "committed step 7@root-7 of run r to …")``, or
+    ``"step 7 of run r is already committed … with this content: nothing written"`` when the same state was there before."""
     before = {s.digest for s in store.history([tier]).states}
     m = write()
     held = store.history([tier]).by_digest(m.digest())
     at = held[0] if held else m.step  # "7@root-7" when a different state already held step 7: both are kept
     if m.digest() in before:
-        return m, f"step {at} is already committed in the {tier} tier with this content: nothing written"
-    return m, f"committed step {at} to the {tier} tier"
+        return m, f"step {at} of run {m.run} is already committed in the {tier} tier with this content: nothing written"
+    return m, f"committed step {at} of run {m.run} to the {tier} tier"

@@ -1,4 +1,4 @@
-"""Commands over a store's steps: ls, show, snapshot, promote, gc."""
+"""Commands over a store's steps: ls, show, snapshot, promote, delete, gc."""
 from __future__ import annotations
 
 import json
@@ -39,6 +39,7 @@ def ls_cmd(config_path, run, as_json):
       flowcheck ls --run other-run --json --config flowcheck.yaml
     """
     store = reading_store(config_path, run)
+    states = store.check_tiers()  # a configured tier that does not exist is an error, not an empty store
     current = store.history().current()
     rows = [row for t in store.tiers(include_memory=False) for bt in store.branch_tiers(t.name)
             for row in _ls_rows(bt, current)]
@@ -54,6 +55,9 @@ def ls_cmd(config_path, run, as_json):
         branch = r["branch"] + (" *" if r["current"] else "")
         click.echo(f"{r['tier']:7} {branch:{width}} {step:>9} {human(r['bytes']):>10}  {r['created_at']:27} "
                    f"{r['source']:8} {r['status']}")
+    for state in states:
+        if state.empty:
+            click.echo(f"({state.describe()})")
     if not rows:
         click.echo("(no steps yet: run `flowcheck demo` or a checkpoint node)")
 
@@ -219,3 +223,27 @@ def gc(config_path, dry_run):
         for path in report.cleaned.get(tier, []):
             click.echo(f"{tier}: {'would clean' if dry_run else 'cleaned'} {path}")
 
+
+@click.command()
+@config_option
+@click.option("--step", required=True, help=STEP_HELP)
+@branch_option
+@click.option("--tier", default=None, type=click.Choice(["local", "object"]),
+              help="Delete it from this tier only (default: every tier holding it).")
+@click.option("--force", is_flag=True, help="Also delete the newest state of the current branch (its head).")
+@handled
+def delete(config_path, step, branch, tier, force):
+    """Delete one stored state, leaving the pruned record GC leaves (audit then reads the gap as deliberate).
+
+    The newest state of the current branch is refused without --force: it is what a restart resumes from.
+
+    \b
+    Example:
+      flowcheck delete --step 1200 --config flowcheck.yaml
+      flowcheck delete --step 40 --branch main --tier local --config flowcheck.yaml
+    """
+    store = store_for(config_path)
+    rep = store.delete(step_arg(step), tier=tier, branch=branch, force=force)
+    head = " (it was the current branch's head)" if rep.was_head else ""
+    click.echo(f"deleted step {rep.state} of run {rep.run} from the {' and '.join(rep.tiers)} tier"
+               f"{'s' if len(rep.tiers) > 1 else ''}{head}; pruned record left ({rep.manifest_digest})")

@@ -76,11 +76,16 @@ def audit(config_path, no_data, as_json):
     from flowcheck.audit import info_lines
     from flowcheck.lineage_view import to_json
 
+    store = store_for(config_path)
+    states = store.check_tiers()  # a configured tier that does not exist is an error (exit 2), not "0 steps OK"
     with bytes_bar("audit: re-reading every file" + ("" if no_data else " and shard")) as bar:
-        report = run_audit(store_for(config_path), data=not no_data, progress=bar)
+        report = run_audit(store, data=not no_data, progress=bar)
     if as_json:
         click.echo(json.dumps({"ok": report.ok, **to_json(report)}, indent=2))
     else:
+        for state in states:
+            if state.empty:
+                click.echo(f"[info] {state.describe()}")
         for p in report.problems:
             click.echo(str(p))
         for line in info_lines(report):

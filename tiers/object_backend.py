@@ -1,0 +1,244 @@
+"""What differs between object stores, chosen once per tier: local folders (``file://``), S3, any other fsspec URL.
+
+A backend says how a file is uploaded, how a small record is replaced, how the manifest is created exclusively,
+what "the configured root does not exist" means, and what a refused access says to do.  The tier itself
+(tiers/object.py) never tests the protocol.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+from datetime import timezone
+from typing import TYPE_CHECKING
+
+from flowcheck.config import ObjectConfig
+from flowcheck.errors import TierAccessError, TierError, TierMissingError
+from flowcheck.tiers.durable import commit_file_exclusive, fsync_dir, fsync_file, replace_file
+from flowcheck.tiers.retry import AWS_CREDENTIALS_HINT, access_problem
+
+if TYPE_CHECKING:
+    from flowcheck.tiers.object import ObjectTier
+
+S3_PROTOCOLS = ("s3", "s3a")
+
+
+def aws_endpoint_region(config: ObjectConfig) -> tuple[str | None, str | None]:
+    """The S3 endpoint and region: the config's, else the standard AWS environment's."""
+    endpoint = config.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    region = config.region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+    return endpoint, region
+
+
+def filesystem(config: ObjectConfig):
+    """(fsspec filesystem, root path) for the configured URL; S3 follows the AWS environment."""
+    import fsspec
+
+    options = dict(config.storage_options)
+    protocol = config.url.split("://", 1)[0]
+    if protocol in S3_PROTOCOLS:
+        try:
+            import s3fs  # noqa: F401
+        except ImportError as e:
+            raise TierError("tiers.object.url is s3:// but s3fs is not installed: pip install 'flowcheck[s3]'") from e
+        endpoint, region = aws_endpoint_region(config)
+        if endpoint:
+            options.setdefault("endpoint_url", endpoint)
+        if region:
+            options.setdefault("client_kwargs", {}).setdefault("region_name", region)
+        # bounded requests: botocore retries each one (standard mode, backoff + jitter); the options win
+        options["config_kwargs"] = {**botocore_options(config), **options.get("config_kwargs", {})}
+    try:
+        fs, root = fsspec.core.url_to_fs(config.url, **options)
+    except (ImportError, ValueError) as e:
+        raise TierError(f"tiers.object.url {config.url!r}: cannot open ({e}); install the fsspec backend for it") from e
+    if protocol in S3_PROTOCOLS:
+        # s3fs would retry botocore's retries again (5 times, multiplying read timeouts); the tier's
+        # own loop retries whole operations instead, within retry_deadline_s
+        fs.retries = 1
+    return fs, root.rstrip("/")
+
+
+def botocore_options(config: ObjectConfig) -> dict:
+    """botocore client settings for the configured timeouts and per-request attempts."""
+    return {"connect_timeout": config.connect_timeout_s, "read_timeout": config.read_timeout_s,
+            "retries": {"mode": "standard", "total_max_attempts": config.request_attempts}}
+
+
+def backend_for(tier: ObjectTier) -> Backend:
+    protocol = tier.fs.protocol if isinstance(tier.fs.protocol, str) else tier.fs.protocol[0]
+    if protocol == "file":
+        return FileBackend(tier, protocol)
+    if protocol in S3_PROTOCOLS:
+        return S3Backend(tier, protocol)
+    return Backend(tier, protocol)
+
+
+class Backend:
+    """Any fsspec store: plain puts, and a check-then-write commit (no conditional write is known for it)."""
+
+    def __init__(self, tier: ObjectTier, protocol: str) -> None:
+        self.tier, self.protocol = tier, protocol
+
+    @property
+    def retries(self) -> int:
+        return self.tier.config.retries
+
+    def root_exists(self, base: str) -> bool:
+        """Whether the configured root exists (False: not created yet; TierMissingError: it cannot be)."""
+        return bool(self.tier._call("checking the root", self.tier.fs.exists, base))
+
+    def put_record(self, path: str, data: bytes) -> None:
+        self.tier._call(f"writing {path}", self.tier.fs.pipe_file, path, data)
+
+    def create_exclusive(self, path: str, data: bytes, what: str) -> None:
+        # no conditional write known for this backend: check-then-write (not race-free)
+        if self.tier._call(f"checking {path}", self.tier.fs.exists, path):
+            raise FileExistsError(path)
+        self.tier._call(what, self.tier.fs.pipe_file, path, data)
+
+    def upload(self, local: str, remote: str, size: int, bar, what: str) -> None:
+        from flowcheck.tiers.object_write import bar_callback
+
+        cb = bar_callback(bar)
+        self.tier._call(what, self.tier.fs.put_file, local, remote, callback=cb, **self._put_options())
+        bar.update(max(0, size - cb.seen))
+
+    def _put_options(self) -> dict:
+        return {}
+
+    def abort_multipart(self, cutoff: float, dry_run: bool) -> list[str]:
+        return []
+
+    def access_error(self, what: str, e: BaseException) -> TierAccessError:
+        return TierAccessError(f"object tier {self.tier.url}: {what}: access refused ({e}); expected this process "
+                               f"to be allowed to read and write {self.tier.config.url} (tiers.object.url): check its "
+                               "credentials or permissions")
+
+    def missing_error(self, e: BaseException | None) -> TierMissingError:
+        return TierMissingError(f"object tier {self.tier.url}: expected the store tiers.object.url = "
+                                f"{self.tier.config.url!r} to exist, found nothing there ({e}); fix the URL")
+
+
+class FileBackend(Backend):
+    """A local or mounted folder: fsync'd copies, a hard-link commit, no retries (a disk does not heal by
+    trying again)."""
+
+    retries = 0
+
+    def root_exists(self, base: str) -> bool:
+        """A missing folder whose parent exists is a store not created yet (the first write creates it);
+        with its parent missing too it is a typo or an unmounted volume: TierMissingError."""
+        if os.path.isdir(base):
+            return True
+        if os.path.exists(base):
+            raise TierMissingError(f"object tier {self.tier.config.url}: expected a folder at {base} "
+                                   "(tiers.object.url), found a file; point tiers.object.url at a folder")
+        parent = os.path.dirname(base.rstrip("/")) or "/"
+        if os.path.isdir(parent):
+            return False
+        raise TierMissingError(
+            f"object tier {self.tier.config.url}: expected the folder {base} (tiers.object.url) or at least its "
+            f"parent {parent} to exist, found neither; check the path (a typo, or a volume not mounted), or create "
+            f"it: mkdir -p {base}")
+
+    def put_record(self, path: str, data: bytes) -> None:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        replace_file(path, data)
+
+    def create_exclusive(self, path: str, data: bytes, what: str) -> None:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        commit_file_exclusive(path, data)
+
+    def upload(self, local: str, remote: str, size: int, bar, what: str) -> None:
+        try:
+            os.makedirs(os.path.dirname(remote), exist_ok=True)
+            shutil.copyfile(local, remote)
+            fsync_file(remote)  # the manifest must not be durable before the data it names
+            fsync_dir(os.path.dirname(remote))
+            fsync_dir(os.path.dirname(os.path.dirname(remote)))  # the attempt folder's entry, beside the manifest
+        except OSError as e:  # the target refused it (read-only, full, no permission): not the staging disk
+            raise TierError(f"object tier {self.tier.url}: {what} failed: {e.strerror or e} (errno {e.errno}, "
+                            f"{e.filename or remote}); check that tiers.object.url {self.tier.config.url} is a "
+                            "writable folder with free space") from e
+        bar.update(size)
+
+    def access_error(self, what: str, e: BaseException) -> TierAccessError:
+        return TierAccessError(f"object tier {self.tier.url}: {what}: permission denied ({e}); expected a folder "
+                               f"this user may read and write (tiers.object.url {self.tier.config.url}): check "
+                               "its owner and mode")
+
+
+class S3Backend(Backend):
+    """S3: parallel multipart through boto3, ``If-None-Match`` commits, a bucket that must exist."""
+
+    def root_exists(self, base: str) -> bool:
+        """The bucket must exist (TierMissingError names it); a prefix needs no creating (S3 has no folders:
+        an empty prefix is an empty store). Asked with a one-key listing of the prefix, not HeadBucket: a policy
+        may allow listing a prefix and refuse the bucket-wide call."""
+        bucket, _, prefix = base.partition("/")
+        try:
+            self.tier._call_once(f"checking bucket {bucket!r}", self.tier.fs.call_s3, "list_objects_v2",
+                                 Bucket=bucket, Prefix=f"{prefix}/" if prefix else "", MaxKeys=1)
+        except FileNotFoundError as e:
+            raise self.missing_error(e) from e
+        return True
+
+    def create_exclusive(self, path: str, data: bytes, what: str) -> None:
+        try:  # once: a retried create whose first answer was lost is refused; the caller decides
+            self.tier._call_once(what, self.tier.fs.pipe_file, path, data, mode="create")
+        except TierError as e:
+            if getattr(e.__cause__, "errno", None) == errno.EBUSY:  # 409 ConditionalRequestConflict:
+                raise FileExistsError(path) from e  # a concurrent create of the same key is in flight
+            raise
+
+    def upload(self, local: str, remote: str, size: int, bar, what: str) -> None:
+        client = self.tier.boto3_client()
+        if client is None:
+            return super().upload(local, remote, size, bar, what)
+        from flowcheck.tiers.s3_upload import upload_file
+
+        # parts no larger than needed to keep every worker busy on this file (S3's minimum is 5 MiB)
+        workers = self.tier.config.upload_workers
+        part = max(5 << 20, min(self.tier.config.part_mib << 20, -(-size // workers)))
+        self.tier._call(what, upload_file, client, local, remote, part_bytes=part, concurrency=workers,
+                        progress=bar.update)
+
+    def _put_options(self) -> dict:
+        return {"chunksize": self.tier.config.part_mib << 20, "max_concurrency": self.tier.config.upload_workers}
+
+    def abort_multipart(self, cutoff: float, dry_run: bool) -> list[str]:
+        t = self.tier
+        bucket, _, prefix = t.root.partition("/")
+        resp = t._call("listing multipart uploads", t.fs.call_s3, "list_multipart_uploads",
+                       Bucket=bucket, Prefix=prefix + "/")
+        aborted = []
+        for up in resp.get("Uploads", []):
+            started = up["Initiated"]
+            if started.replace(tzinfo=started.tzinfo or timezone.utc).timestamp() < cutoff:
+                aborted.append(f"multipart:{bucket}/{up['Key']}")
+                if not dry_run:
+                    try:
+                        t._call("aborting a multipart upload", t.fs.call_s3, "abort_multipart_upload",
+                                Bucket=bucket, Key=up["Key"], UploadId=up["UploadId"])
+                    except FileNotFoundError:  # NoSuchUpload: completed or aborted meanwhile
+                        aborted.pop()
+        return aborted
+
+    def access_error(self, what: str, e: BaseException) -> TierAccessError:
+        if access_problem(e) == "credentials":
+            found, more = "no credentials", ""
+        else:
+            found = f"access refused ({type(e).__name__}: {e})"
+            more = "; or check the bucket policy / IAM permissions of these credentials for that bucket and prefix"
+        return TierAccessError(
+            f"object tier {self.tier.url}: {what}: expected credentials allowed to read and write "
+            f"{self.tier.config.url} (tiers.object.url), found {found}; {AWS_CREDENTIALS_HINT}{more}")
+
+    def missing_error(self, e: BaseException | None) -> TierMissingError:
+        bucket = self.tier.config.url.split("://", 1)[-1].split("/", 1)[0]
+        endpoint = self.tier.endpoint or "AWS"
+        return TierMissingError(
+            f"object tier {self.tier.config.url}: expected the bucket {bucket!r} (tiers.object.url) to exist at "
+            f"{endpoint}, found no such bucket; fix tiers.object.url (or tiers.object.endpoint_url / "
+            f"AWS_ENDPOINT_URL), or create it: aws s3 mb s3://{bucket}")

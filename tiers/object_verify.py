@@ -1,0 +1,217 @@
+"""The object tier's checks and cleanup: verify stored files, find another writer's leftovers, clean abandoned writes.
+
+A file no manifest names may be a concurrent writer's upload in progress: verify calls it a warning until it is
+older than the grace period, and GC removes it only then (on the store's clock, which hosts need not agree with).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+from collections.abc import Callable
+from datetime import datetime
+
+from flowcheck.errors import FlowcheckError, FormatError, IntegrityError, TierError
+from flowcheck.manifest import FileEntry, Manifest
+from flowcheck.tiers.base import Problem, parse_step_dir, step_dir
+from flowcheck.tiers.object_write import ATTEMPT, MANIFEST, attempt_of
+
+log = logging.getLogger(__name__)
+
+
+class ObjectChecks:
+    """Verification and cleanup of ObjectTier (a mixin: it uses the tier's ``_call``, ``backend`` and paths)."""
+
+    def _verify_files(self, manifest: Manifest, on_bytes: Callable[[int], None] = lambda n: None) -> list[Problem]:
+        from flowcheck.tiers import cluster
+
+        problems = cluster.verify_parts(self, manifest) if manifest.nodes else []
+        for f in manifest.files:
+            on_bytes(f.bytes)
+            what = self._check_file(manifest, f, cluster.expected_manifest_id(manifest, f.path))
+            if what:
+                node = cluster.node_of(f.path) if manifest.nodes else None
+                # a multi-node step names the node whose file is damaged
+                problems.append(Problem(self.name, manifest.step, f"node {node}: {what}" if node else what, f.path))
+        return problems + self._stray_problems(manifest)
+
+    def _stray_problems(self, manifest: Manifest) -> list[Problem]:
+        """What under a committed step its manifest does not name. Another writer's attempt folder is its
+        upload in progress (a warning) until untouched for the grace period, then abandoned (an error);
+        a stray file outside any attempt (a killed commit's manifest temporary) is never data: a warning."""
+        now, problems = time.time(), []
+        for rel, newest in sorted(self._strays(manifest, self._files(step_dir(manifest.step))).items()):
+            age = now - newest
+            if rel.rsplit("/", 1)[-1].startswith(ATTEMPT) and age >= self.grace_s:
+                problems.append(Problem(self.name, manifest.step, f"another writer's files, not named by the manifest "
+                                        f"and untouched for {age:.0f}s (grace {self.grace_s:g}s): an abandoned write; "
+                                        "run `flowcheck gc`", rel))
+            else:
+                problems.append(Problem(self.name, manifest.step, "not named by the manifest: another writer's upload "
+                                        "in progress, or its leftovers (GC removes them after the grace period)",
+                                        rel, "warning"))
+        return problems
+
+    def _strays(self, manifest: Manifest, files: dict[str, float]) -> dict[str, float]:
+        """What under a committed step its manifest does not name -> newest mtime: whole attempt folders
+        of other writers, else single files (manifest temporaries, files of an older layout)."""
+        sd = step_dir(manifest.step)
+        named = {f.path for f in manifest.files} | {f"{sd}/{MANIFEST}"}
+        if manifest.nodes:
+            from flowcheck.tiers.cluster import part_manifest
+
+            named |= {part_manifest(manifest.step, n.node) for n in manifest.nodes}
+        used = {attempt_of(p) for p in named}
+        out: dict[str, float] = {}
+        for rel, mtime in files.items():
+            if rel not in named:
+                folder = attempt_of(rel)
+                unit = folder if folder is not None and folder not in used else rel
+                out[unit] = max(out.get(unit, 0.0), mtime)
+        return out
+
+    def _files(self, rel: str) -> dict[str, float]:
+        """Every file under ``rel`` (relative to the run root) -> its modification time (one listing)."""
+        path = self._p(rel)
+        self.fs.invalidate_cache(path)
+        try:
+            found = self._call("listing", self.fs.find, path, detail=True)
+        except FileNotFoundError:
+            return {}
+        return {p[len(self.root) + 1:]: _mtime(info) for p, info in found.items()
+                if p.startswith(self.root + "/") and info.get("type") != "directory"}
+
+    def _check_file(self, manifest: Manifest, f: FileEntry, manifest_id: str) -> str | None:
+        """What is wrong with one stored file (size, digest, safetensors header, the manifest it names), or None.
+
+        A mismatch is read again before it is believed: a body cut short in transit looks the same."""
+        try:
+            return self._retry.run(f"object tier {self.url}: checking {f.path}",
+                                   lambda: self._check_file_once(manifest, f, manifest_id),
+                                   retry_on=(TierError, IntegrityError))
+        except IntegrityError as e:
+            return str(e)
+        except TierError as e:
+            return f"cannot be read: {e}"
+
+    def _check_file_once(self, manifest: Manifest, f: FileEntry, manifest_id: str) -> str | None:
+        path = self._p(f.path)
+        self.fs.invalidate_cache(path)
+        try:
+            size = self._call(f"stat {f.path}", self.fs.size, path)
+        except FileNotFoundError:
+            return "file listed in the manifest is missing"
+        if size != f.bytes:
+            raise IntegrityError(f"size {size} != manifest {f.bytes}")
+        digest = self._call_once(f"reading {f.path}", self._stream_digest, path)
+        if digest != f.digest:
+            raise IntegrityError(f"digest {digest} != manifest {f.digest}")
+        try:
+            meta = self.header(f.path).metadata
+        except FormatError as e:
+            return str(e)
+        if meta.get("manifest_id") != manifest_id or meta.get("step") != str(manifest.step):
+            return "safetensors __metadata__ names another step/manifest"
+        return None
+
+    def _stream_digest(self, path: str) -> str:
+        from flowcheck.digest import DataHasher
+
+        h = DataHasher()
+        with self.fs.open(path, "rb", block_size=16 << 20) as f:
+            while chunk := f.read(16 << 20):
+                h.update(chunk)
+        return h.hexdigest()
+
+    def clean_incomplete(self, older_than_s: float, dry_run: bool = False) -> list[str]:
+        """Delete step prefixes that never got a manifest, abort stale multipart uploads, and remove
+        staging folders a killed upload left behind (each may hold two whole files)."""
+        removed = self._clean_staging(time.time() - older_than_s, dry_run)
+        cutoff = self._store_now(dry_run) - older_than_s  # the store stamps the times compared with it
+        self.fs.invalidate_cache(self.root)
+        try:
+            entries = self._call("listing", self.fs.ls, self.root, detail=False)
+        except FileNotFoundError:
+            entries = []
+        for path in entries:
+            name = path.rstrip("/").split("/")[-1]
+            step = parse_step_dir(name)
+            if step is None:
+                continue
+            files = self._files(name)
+            if f"{name}/{MANIFEST}" in files:
+                removed += self._clean_strays(step, files, cutoff, dry_run)
+            elif max(files.values(), default=0.0) < cutoff:
+                removed.append(path)
+                if not dry_run:
+                    self._call("deleting an abandoned step", self.fs.rm, path, recursive=True)
+        removed += self.backend.abort_multipart(cutoff, dry_run)
+        return removed
+
+    def _store_now(self, dry_run: bool) -> float:
+        """Now, never later than the store's clock: the earlier of this host's time and the time the store stamps
+        on an object written now (+1 s: S3 keeps whole seconds). Hosts sharing a store need not agree on the
+        time; one running ahead must not judge another writer's fresh upload abandoned."""
+        if dry_run:
+            return time.time()
+        probe = self._p(".clock")
+        try:
+            # one attempt each, no retries: if the store does not answer, this host's clock will do
+            self._call_once("probing the store's clock", self.fs.pipe_file, probe, b"")
+            self.fs.invalidate_cache(self.root)
+            return min(time.time(), _mtime(self._call_once("probing the store's clock", self.fs.info, probe)) + 1.0)
+        except (OSError, FlowcheckError, ValueError, TypeError) as e:
+            log.info("object tier %s: cannot probe the store's clock (%s); using this host's", self.url, e)
+            return time.time()
+
+    def _clean_staging(self, cutoff: float, dry_run: bool) -> list[str]:
+        try:
+            names = os.listdir(self.staging_dir)
+        except FileNotFoundError:
+            return []
+        stale = []
+        for n in names:  # <run>-step-<step:09d>-<8 hex>, see store_files
+            path = os.path.join(self.staging_dir, n)
+            try:
+                ours = n.startswith(f"{self.run}-") and parse_step_dir(n[len(self.run) + 1:-9]) is not None
+                if ours and os.path.getmtime(path) < cutoff:
+                    stale.append(path)
+            except FileNotFoundError:  # an upload finished meanwhile
+                continue
+        for path in stale if not dry_run else ():
+            shutil.rmtree(path, ignore_errors=True)
+        return stale
+
+    def _clean_strays(self, step: int, files: dict[str, float], cutoff: float, dry_run: bool) -> list[str]:
+        """Remove what a committed step's manifest does not name and nobody touched since ``cutoff``:
+        the attempt folders of writers that lost the commit and died before removing them."""
+        try:
+            m = self.manifest(step, check_signature=False)
+        except FlowcheckError as e:  # never delete what cannot be classified
+            log.warning("object tier %s: step %d: manifest unreadable (%s); its folder is left as it is",
+                        self.url, step, e)
+            return []
+        stale = sorted(rel for rel, newest in self._strays(m, files).items() if newest < cutoff)
+        for rel in stale if not dry_run else ():
+            try:
+                self._call("deleting an abandoned attempt", self.fs.rm, self._p(rel), recursive=True)
+            except FileNotFoundError:  # its writer removed it meanwhile
+                pass
+        return [self._p(rel) for rel in stale]
+
+    def incomplete(self) -> list[str]:
+        try:
+            entries = self._call("listing", self.fs.ls, self.root, detail=False)
+        except FileNotFoundError:
+            return []
+        names = [p.rstrip("/").split("/")[-1] for p in entries]
+        return sorted(n for n in names if parse_step_dir(n) is not None and not self._exists(f"{n}/{MANIFEST}"))
+
+
+def _mtime(info: dict) -> float:
+    """A listing entry's modification time (S3 ``LastModified``, a local file's ``mtime``), in seconds."""
+    t = info.get("LastModified") or info.get("mtime") or info.get("created")
+    if isinstance(t, datetime):
+        t = t.timestamp()
+    return float(t or 0)

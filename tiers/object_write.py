@@ -1,0 +1,310 @@
+"""The object tier's write path: plan files, stage each locally, upload it, commit the manifest last.
+
+Each write uploads into its own attempt folder (``step-…/attempt-<12 hex>/``), so two writers of one step
+never overwrite each other's files: the manifest's exclusive create picks the winner, whose manifest names its
+folder, and the loser removes its own folder (GC removes one a killed loser left, after the grace period).
+Staging holds at most two files at a time, in a folder of this write alone that is removed whatever happens
+(and the staging root too when it is flowcheck's own default, ``<local root>/.staging``, and nothing else uses
+it; a configured ``tiers.object.staging_dir`` is the user's folder and stays).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import math
+import os
+import shutil
+import uuid
+from dataclasses import dataclass
+
+import numpy as np
+
+from flowcheck import dtypes
+from flowcheck.errors import IntegrityError, StepExistsError, TierError
+from flowcheck.manifest import FileEntry, Manifest, ParentRef, Piece, parse
+from flowcheck.progress import Progress
+from flowcheck.state import Shard, Snapshot
+from flowcheck.tiers import safetensors_io as st
+from flowcheck.tiers.base import make_manifest, shard_digests, step_dir
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "manifest.json"
+ATTEMPT = "attempt-"
+PIPELINE_MIN_FILE = 256 << 20
+
+
+def attempt_dir(prefix: str) -> str:
+    """A folder under ``prefix`` that no other writer picks: one write's files go there, and the
+    manifest that wins the commit names them (48 random bits; two writers colliding is negligible)."""
+    return f"{prefix}/{ATTEMPT}{uuid.uuid4().hex[:12]}"
+
+
+def attempt_of(rel: str) -> str | None:
+    """The attempt folder holding a stored file (``…/attempt-<hex>/…``), else None (an older layout)."""
+    parts = rel.split("/")
+    for i, part in enumerate(parts[:-1]):
+        if part.startswith(ATTEMPT):
+            return "/".join(parts[:i + 1])
+    return None
+
+
+@dataclass(frozen=True)
+class _Planned:
+    """A piece of a shard placed in a planned file."""
+
+    shard: Shard
+    key: str
+    rows: tuple[int, int] | None
+
+
+class ObjectWriter:
+    """The write half of ObjectTier (a mixin: it uses the tier's ``_call``, ``backend`` and paths)."""
+
+    def _write(self, snapshot: Snapshot, parent: ParentRef | None, progress: Progress | None = None) -> Manifest:
+        if self.cluster is not None:
+            from flowcheck.tiers import cluster
+
+            return cluster.write(self, snapshot, parent)
+        try:
+            if self._exists(f"{step_dir(snapshot.step)}/{MANIFEST}"):
+                return self._already_committed(snapshot)
+            attempt = attempt_dir(step_dir(snapshot.step))
+            m = self._commit_attempt(self.store_files(snapshot, parent, attempt, progress), attempt)
+        except TierError as e:  # the same kind (TierMissingError, TierAccessError), saying what it left
+            raise type(e)(f"object tier {self.url}: step {snapshot.step} was not committed (no part of it is "
+                          f"visible; GC removes its uploaded files): {e}") from e
+        try:
+            self._publish_latest(snapshot.step)
+        except TierError as e:  # the step is committed; "latest" is a hint that the next commit moves on
+            log.warning("object tier %s: step %d committed, but updating 'latest' failed: %s", self.url, snapshot.step, e)
+        return m
+
+    def identity(self, snapshot: Snapshot, parent: ParentRef | None) -> tuple[dict[Shard, str], Manifest]:
+        """(shard digests, the manifest without locations): what the stored files will name as their manifest."""
+        digests = self._digests(snapshot)
+        return digests, make_manifest(snapshot, node=self.node, parent=parent, digests=digests,
+                                      locations={s: () for s in snapshot.data}, files=())
+
+    def store_files(self, snapshot: Snapshot, parent: ParentRef | None, prefix: str,
+                    progress: Progress | None = None) -> Manifest:
+        """Upload a snapshot's files under ``prefix`` (relative to the run root: a folder of this write
+        alone, see ``attempt_dir``); return the (signed, not yet committed) manifest naming them.
+        ``progress`` counts the file bytes uploaded (else the tier's own bar, when it was opened with
+        ``progress=True``)."""
+        digests, identity = self.identity(snapshot, parent)
+        plan = self._plan(snapshot)
+        staging = os.path.join(self.staging_dir, f"{self.run}-{step_dir(snapshot.step)}-{uuid.uuid4().hex[:8]}")
+        try:
+            _make_staging(staging)
+            files, locations = self._stage_and_upload(snapshot, plan, staging, identity.digest(), prefix, progress)
+        except TierError:
+            raise
+        except OSError as e:  # a full or read-only staging disk
+            raise TierError(e.errno, f"object tier {self.url}: step {snapshot.step}: staging its files in {self.staging_dir} "
+                            f"failed: {e.strerror or e} (errno {e.errno}); free space there or set tiers.object.staging_dir") from e
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+            if self.own_staging:  # flowcheck's own staging root is not left behind empty (a failed write included)
+                with contextlib.suppress(OSError):  # not empty: another write is using it
+                    os.rmdir(self.staging_dir)
+        m = make_manifest(snapshot, node=self.node, parent=parent, digests=digests, locations=locations, files=files)
+        m = self._sign(dataclasses.replace(m, created_at=identity.created_at))  # the identity the files name
+        if m.digest() != identity.digest():
+            raise IntegrityError(f"object tier {self.url}: step {m.step}: manifest identity changed while writing")
+        return m
+
+    def _digests(self, snapshot: Snapshot) -> dict[Shard, str]:
+        if snapshot.origin is not None:  # promotion: digests travel with the step, checked as shards are read
+            o = snapshot.origin
+            return {Shard(n, s.offsets, s.shape): s.digest for n, t in o.tensors.items() for s in t.shards}
+        return {s: shard_digests(snapshot, {s: snapshot.array(s)})[s] for s in snapshot.data}
+
+    def _plan(self, snapshot: Snapshot) -> list[list[_Planned]]:
+        """Pack shards into files of at most max_file_mib, splitting larger shards by rows.
+
+        A step smaller than four full files is cut into about four (of at least
+        256 MiB): staging file i+1 then overlaps uploading file i instead of
+        preceding all of it (BENCHMARKS.md, P5).
+        """
+        limit = min(self.config.max_file_mib << 20, max(PIPELINE_MIN_FILE, -(-snapshot.nbytes // 4)))
+        files: list[list[_Planned]] = [[]]
+        used = 0
+        counters: dict[str, int] = {}
+        for shard in snapshot.data:
+            spec = snapshot.layout.spec(shard.tensor)
+            itemsize = dtypes.dtype(spec.dtype).itemsize
+            index = counters[shard.tensor] = counters.get(shard.tensor, -1) + 1
+            nbytes = math.prod(shard.shape) * itemsize
+            if nbytes <= limit or not shard.shape or shard.shape[0] <= 1:
+                pieces = [(None, nbytes)]
+            else:
+                row = nbytes // shard.shape[0]
+                per = max(1, limit // row)
+                pieces = [((r, min(r + per, shard.shape[0])), (min(r + per, shard.shape[0]) - r) * row)
+                          for r in range(0, shard.shape[0], per)]
+            for rows, size in pieces:
+                if files[-1] and used + size > limit:
+                    files.append([])
+                    used = 0
+                key = f"{shard.tensor}#{index}" + (f"#rows{rows[0]}-{rows[1]}" if rows else "")
+                files[-1].append(_Planned(shard, key, rows))
+                used += size
+        return [f for f in files if f] or [[]]
+
+    def _stage_and_upload(self, snapshot, plan, staging, manifest_id, sd, progress=None):
+        """Stage file i+1 while file i uploads; staging holds at most two files at a time."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        from tqdm.auto import tqdm
+
+        names = [f"shard-{i:05d}-of-{len(plan):05d}.safetensors" for i in range(len(plan))]
+        meta = {"run": snapshot.run, "step": str(snapshot.step), "manifest_id": manifest_id, "format": "flowcheck-v1"}
+
+        def stage(i: int) -> tuple[str, int, str, int]:
+            local = os.path.join(staging, names[i])
+            entries = [self._entry(snapshot, p) for p in plan[i]]
+            size, digest = st.write(local, entries, meta)
+            return local, size, digest, size - sum(e.nbytes for e in entries)
+
+        files, locations = [], {s: [] for s in snapshot.data}
+        if progress is not None:
+            progress.total = snapshot.nbytes  # each file's header bytes are added as it is staged
+        own = tqdm(total=snapshot.nbytes, unit="B", unit_scale=True, desc=f"upload {sd}",
+                   disable=not self.progress or progress is not None)
+        with ThreadPoolExecutor(1, "fc-stage") as stager, own, contextlib.nullcontext(own if progress is None else progress) as bar:
+            ahead = stager.submit(stage, 0)
+            for i, planned in enumerate(plan):
+                local, size, digest, header_bytes = ahead.result()
+                if i + 1 < len(plan):
+                    ahead = stager.submit(stage, i + 1)
+                bar.total += header_bytes
+                self._upload(local, f"{sd}/{names[i]}", size, bar)
+                os.unlink(local)
+                files.append(FileEntry(f"{sd}/{names[i]}", size, digest))
+                for p in planned:
+                    locations[p.shard].append(Piece(f"{sd}/{names[i]}", p.key, p.rows))
+        return files, {s: tuple(v) for s, v in locations.items()}
+
+    def _entry(self, snapshot: Snapshot, p: _Planned) -> st.Entry:
+        spec = snapshot.layout.spec(p.shard.tensor)
+        shape = p.shard.shape if p.rows is None else (p.rows[1] - p.rows[0], *p.shard.shape[1:])
+
+        def data() -> np.ndarray:
+            arr = snapshot.array(p.shard)
+            return arr if p.rows is None else arr[p.rows[0]:p.rows[1]]
+
+        return st.Entry(p.key, spec.dtype, shape, data)
+
+    def _upload(self, local: str, rel: str, size: int, bar) -> None:
+        self.backend.upload(local, self._p(rel), size, bar, f"uploading {rel}")
+
+    def boto3_client(self):
+        """boto3 for S3 uploads when installed (the s3 extra); None falls back to s3fs put_file."""
+        if not hasattr(self, "_boto3"):
+            try:
+                from flowcheck.tiers.object_backend import botocore_options
+                from flowcheck.tiers.s3_upload import s3_client
+
+                opts = self.config.storage_options
+                self._boto3 = s3_client(opts.get("endpoint_url") or self.endpoint, self._region, opts,
+                                        {**botocore_options(self.config), **opts.get("config_kwargs", {})})
+            except ImportError:
+                self._boto3 = None
+        return self._boto3
+
+    def create_exclusive(self, rel: str, data: bytes, what: str = "committing the manifest") -> None:
+        """Create ``rel`` with ``data`` only if it does not exist (FileExistsError if it does): S3
+        ``If-None-Match``, a hard link on local disks. Every commit in this tier goes through here."""
+        self.backend.create_exclusive(self._p(rel), data, what)
+
+    def read_bytes(self, rel: str, what: str) -> bytes:
+        """A small file under the run root (FileNotFoundError if absent)."""
+        return self._call(what, self.fs.cat_file, self._p(rel))
+
+    def _commit_attempt(self, m: Manifest, attempt: str) -> Manifest:
+        """Commit the manifest naming one attempt's files; return the committed manifest.
+
+        A writer that loses the race removes its own attempt folder (never the winner's files), then
+        raises StepExistsError — or returns the winner's manifest when that holds the identical state."""
+        try:
+            committed = self._commit_manifest(m)
+        except StepExistsError:
+            self.discard(attempt)
+            raise
+        if committed is not m:
+            self.discard(attempt)
+        return committed
+
+    def discard(self, attempt: str) -> None:
+        """Remove a losing attempt's folder; if that fails, GC removes it once it is older than the grace period."""
+        try:
+            self._call(f"removing {attempt}", self.fs.rm, self._p(attempt), recursive=True)
+        except FileNotFoundError:
+            pass
+        except TierError as e:
+            log.warning("object tier %s: could not remove %s, which no manifest names (%s); GC removes it after "
+                        "the grace period", self.url, attempt, e)
+
+    def _commit_manifest(self, m: Manifest) -> Manifest:
+        """The exclusive create of the manifest, retried; "exists" after a lost answer is checked, not believed.
+        Returns ``m``, or the identical state another writer committed first (its own files)."""
+        rel = f"{step_dir(m.step)}/{MANIFEST}"
+
+        def attempt() -> Manifest:
+            try:
+                self.create_exclusive(rel, m.to_bytes())
+                return m
+            except FileExistsError as e:
+                try:
+                    existing = parse(self._call_once("reading back the manifest", self.fs.cat_file, self._p(rel)), rel)
+                except FileNotFoundError:  # 409: a create still in flight; look again
+                    raise TierError(f"object tier {self.url}: {rel}: create refused but no manifest yet") from e
+                if existing.digest() != m.digest():
+                    raise StepExistsError(
+                        f"object tier {self.url}: step {m.step} was committed first by another writer (manifest "
+                        f"digest {existing.digest()}, this writer's {m.digest()}); this state was not stored "
+                        "and its uploaded files are removed — write it as another step or on a branch") from e
+                if existing.files == m.files:
+                    # our own create landed with its answer lost (a reset or timeout, then a retry refused)
+                    log.info("object tier %s: step %d: the manifest create was answered 'exists'; it is ours",
+                             self.url, m.step)
+                    return m
+                log.info("object tier %s: step %d: another writer committed the identical state first", self.url, m.step)
+                return existing
+
+        return self._retry.run(f"object tier {self.url}: step {m.step}: committing the manifest", attempt)
+
+    def _already_committed(self, snapshot: Snapshot) -> Manifest:
+        existing = self.manifest(snapshot.step)
+        if snapshot.origin is not None and snapshot.origin.digest() == existing.digest():
+            return existing
+        raise StepExistsError(f"object tier {self.url}: step {snapshot.step} is already committed with different content")
+
+
+def _make_staging(path: str) -> None:
+    """Create a write's staging folder; a concurrent write removing the (then empty) staging root between
+    the two mkdirs makes the second fail once: try again."""
+    for attempt in range(3):
+        try:
+            os.makedirs(path, exist_ok=True)
+            return
+        except FileNotFoundError:
+            if attempt == 2:
+                raise
+
+
+def bar_callback(bar):
+    """An fsspec callback feeding one shared tqdm bar (parts of many files count toward one total)."""
+    from fsspec.callbacks import Callback
+
+    class _Bar(Callback):
+        seen = 0
+
+        def call(self, *args, **kwargs) -> None:
+            if self.value > self.seen:
+                bar.update(self.value - self.seen)
+                self.seen = self.value
+
+    return _Bar()

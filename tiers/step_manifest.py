@@ -1,0 +1,82 @@
+"""The manifest of a snapshot written to a tier: built from its shards, digests checked against a read-back origin."""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import replace
+
+import numpy as np
+
+from flowcheck import __version__
+from flowcheck.digest import data_digest
+from flowcheck.errors import IntegrityError
+from flowcheck.manifest import FORMAT_VERSION, FileEntry, Manifest, ParentRef, Piece, Producer, ShardEntry, TensorEntry, now_utc
+from flowcheck.state import Shard, Snapshot
+
+
+def make_manifest(
+    snapshot: Snapshot,
+    *,
+    node: str,
+    parent: ParentRef | None,
+    digests: dict[Shard, str],
+    locations: dict[Shard, tuple[Piece, ...]],
+    files: Iterable[FileEntry],
+) -> Manifest:
+    """The manifest of a snapshot written to a tier; a read-back snapshot keeps its identity."""
+    by_tensor: dict[str, list[ShardEntry]] = {}
+    for shard in snapshot.data:
+        entry = ShardEntry(shard.offsets, shard.shape, digests[shard], locations[shard])
+        by_tensor.setdefault(shard.tensor, []).append(entry)
+    tensors = {
+        spec.name: TensorEntry(spec.dtype, spec.shape, spec.role, tuple(by_tensor.get(spec.name, ())))
+        for spec in snapshot.layout.tensors
+    }
+    origin: Manifest | None = snapshot.origin
+    return Manifest(
+        run=snapshot.run,
+        step=snapshot.step,
+        created_at=origin.created_at if origin else now_utc(),
+        producer=origin.producer if origin else Producer(node, __version__, snapshot.source),
+        parent=origin.parent if origin else parent,
+        layout_digest=snapshot.layout.digest(),
+        source_layout=snapshot.layout.source,
+        tensors=tensors,
+        files=tuple(sorted(files, key=lambda f: f.path)),
+        scalars=origin.scalars if origin else snapshot.scalars.to_json(),
+        buckets=snapshot.layout.buckets,
+        # a merged multi-node step keeps its node list (and so its digest) in every tier it is copied to
+        format_version=origin.format_version if origin else FORMAT_VERSION,
+        nodes=origin.nodes if origin else (),
+    )
+
+
+def shard_digests(snapshot: Snapshot, arrays: dict[Shard, np.ndarray]) -> dict[Shard, str]:
+    """Data digests, checked against the origin manifest when the snapshot was read back."""
+    out = {s: data_digest(a) for s, a in arrays.items()}
+    if snapshot.origin is not None:
+        for shard, got in out.items():
+            want = _origin_digest(snapshot.origin, shard)
+            if got != want:
+                raise IntegrityError(
+                    f"step {snapshot.step} tensor {shard.tensor} shard {shard.offsets}: data digest {got} "
+                    f"does not match the manifest's {want}; the source copy is damaged"
+                )
+    return out
+
+
+def _origin_digest(m: Manifest, shard: Shard) -> str:
+    for s in m.tensors[shard.tensor].shards:
+        if s.offsets == shard.offsets and s.shape == shard.shape:
+            return s.digest
+    raise KeyError(shard)
+
+
+def shard_files(manifest: Manifest, entry: ShardEntry) -> list[str]:
+    """The manifest's files holding a shard: its pieces' files, or the files under its zarr array."""
+    pieces = {p.path for p in entry.location}
+    found = [f.path for f in manifest.files if f.path in pieces or any(f.path.startswith(p + "/") for p in pieces)]
+    return found or sorted(pieces) or ["(no file)"]
+
+
+def with_origin(snapshot: Snapshot, origin: Manifest | None) -> Snapshot:
+    return replace(snapshot, origin=origin)
