@@ -29,6 +29,7 @@ from flowcheck.restore.dcp_read import StoredTensor, load_tensors, read_index
 from flowcheck.restore.megatron_common import TRACKER, iter_dirname
 from flowcheck.restore.megatron_dist import OPT_PREFIX as DIST_OPT, dist_key
 from flowcheck.restore.megatron_map import Param, canonical_suffix, model_params, rank_tensors
+from flowcheck.restore.megatron_optim import group_members, json_group, saved_groups
 from flowcheck.restore.source import MEGATRON_KEY, MODEL_KEY, OPT
 from flowcheck.restore.unpickle import load_pt
 from flowcheck.state import ParallelLayout, Scalars, Shard, Snapshot, StateLayout, TensorSpec
@@ -262,26 +263,25 @@ def _legacy_optimizer(got: Collected, opt: dict[str, Any], rts: dict, where: str
     if not isinstance(inner, dict) or "state" not in inner or "param_groups" not in inner:
         log.warning("%s: optimizer state is not the non-distributed form (distrib_optim.pt?): not imported", where)
         return
-    order = sorted(rts.values(), key=lambda rt: rt.chunk)
-    groups = [[rt for rt in order if len(rt.shape) > 1], [rt for rt in order if len(rt.shape) <= 1]]
-    flat = [rt for g in groups for rt in g]
-    masters = [t for g in opt.get("fp32_from_fp16_params", []) for t in g]
-    count = sum(len(g["params"]) for g in inner["param_groups"])
-    if count != len(flat):
-        raise FormatError(f"{where}: optimizer has {count} parameters, the model rank has {len(flat)}")
-    got.megatron.setdefault("param_groups", [_json_group(g) for g in inner["param_groups"]])
-    for idx, rt in enumerate(flat):
-        for slot, value in (inner["state"].get(idx) or {}).items():
-            if slot == "step":
-                got.optimizer_step = int(value)
-                continue
-            _collect(got, {rt.key: value}, rt.chunk, {(rt.chunk, rt.key): rt}, where, f"{OPT}{slot}.")
-        if masters:
-            _collect(got, {rt.key: masters[idx]}, rt.chunk, {(rt.chunk, rt.key): rt}, where, f"{OPT}fp32_param.")
-
-
-def _json_group(group: dict[str, Any]) -> dict[str, Any]:
-    return json.loads(json.dumps({k: v for k, v in group.items() if k != "params"}, default=lambda o: None))
+    groups = inner["param_groups"]
+    members = group_members(sorted(rts.values(), key=lambda rt: rt.chunk), groups, where)
+    masters = opt.get("fp32_from_fp16_params") or [[] for _ in groups]
+    got.megatron.setdefault("param_groups", [json_group(g) for g in groups])
+    if inner["state"]:  # torch AdamW keeps the step in every parameter's state, FusedAdam in its groups
+        got.megatron.setdefault("adam", "torch" if any("step" in s for s in inner["state"].values()) else "fused")
+    in_groups = {int(g["step"]) for g in groups if isinstance(g.get("step"), (int, float))}
+    if len(in_groups) == 1:
+        got.optimizer_step = in_groups.pop()  # FusedAdam's; torch's per-parameter step (below) says the same
+    for group, held, group_masters in zip(groups, members, masters):
+        for position, (idx, rt) in enumerate(zip(group["params"], held)):
+            for slot, value in (inner["state"].get(idx) or {}).items():
+                if slot == "step":
+                    got.optimizer_step = int(value)
+                    continue
+                _collect(got, {rt.key: value}, rt.chunk, {(rt.chunk, rt.key): rt}, where, f"{OPT}{slot}.")
+            if group_masters:
+                _collect(got, {rt.key: group_masters[position]}, rt.chunk, {(rt.chunk, rt.key): rt}, where,
+                         f"{OPT}fp32_param.")
 
 
 def _megatron_extra(obj: dict[str, Any], args: dict[str, Any]) -> dict[str, Any]:
@@ -306,11 +306,11 @@ def _from_dist(it_dir: str, arch: ModelArch | None, trust_pickle: bool) -> Colle
     src = ParallelLayout(tp=int(args.get("tensor_model_parallel_size") or 1), pp=int(args.get("pipeline_model_parallel_size") or 1),
                          vpp=int(args.get("virtual_pipeline_model_parallel_size") or 1))
     got = Collected(a, src, megatron=_megatron_extra(common, args))
-    opt_common = (common.get("optimizer") or {}).get("optimizer") or {}
-    if opt_common.get("param_groups"):
-        got.megatron["param_groups"] = [_json_group(g) for g in opt_common["param_groups"]]
-        steps = [g.get("step") for g in opt_common["param_groups"] if g.get("step") is not None]
-        got.optimizer_step = int(steps[0]) if steps else None
+    groups, step, adam = saved_groups(common.get("optimizer"))
+    if groups:
+        got.megatron["param_groups"], got.optimizer_step = groups, step
+    if adam:
+        got.megatron["adam"] = adam
     plan = _dist_plan(a, stored)
     state = load_tensors(it_dir, [stored[k] for k in dict.fromkeys(k for _, _, k in plan) if k in stored])
     for p, name, key in plan:

@@ -9,8 +9,10 @@ import torch
 
 from flowcheck.restore.arch import ModelArch
 from flowcheck.restore.megatron_map import RankTensor
+from flowcheck.restore.megatron_optim import ResumePlan
 
 FORMATS = ("megatron-dist", "megatron")
+ADAMS = ("fused", "torch")  # the Adam megatron-core runs: TE / Apex FusedAdam, or torch.optim.AdamW without them
 TRACKER = "latest_checkpointed_iteration.txt"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -26,6 +28,8 @@ class Target:
     dtype: str | None = None  # fp32 | bf16 | None = as stored
     optim: bool = True
     layer_spec: str | None = None  # local | te | None = as the step was stored
+    dist_optim: bool = False  # the trainer runs Megatron's distributed optimizer (--use-distributed-optimizer)
+    adam: str | None = None  # fused | torch | None = as the stored step's optimizer was, else fused
 
     def check(self, arch: ModelArch) -> None:
         from flowcheck.errors import ConfigError
@@ -34,21 +38,31 @@ class Target:
             raise ConfigError(f"--format: expected one of {FORMATS}, found {self.fmt!r}")
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ConfigError(f"--dtype: expected one of {tuple(DTYPES)}, found {self.dtype!r}")
+        if self.adam is not None and self.adam not in ADAMS:
+            raise ConfigError(f"--adam: expected one of {ADAMS}, found {self.adam!r}")
         arch.check_layout(self.tp, self.pp, self.vpp)
+
+    def check_optimizer(self, has_state: bool) -> None:
+        """Refuse optimizer state the format cannot hand to the trainer's optimizer (before anything is written)."""
+        from flowcheck.errors import ConfigError
+
+        if self.fmt == "megatron" and self.dist_optim and self.optim and has_state:
+            raise ConfigError(
+                "--format megatron with --use-distributed-optimizer: expected --format megatron-dist to carry optimizer "
+                "state into Megatron's distributed optimizer (legacy distrib_optim.pt is a flat bucket layout tied to "
+                "the data-parallel size), found --format megatron; use --format megatron-dist, or --no-optim")
 
     def spec(self, arch: ModelArch) -> str:
         return self.layer_spec or arch.layer_spec
 
 
-@dataclass
+@dataclass(frozen=True)
 class StepMeta:
-    """The non-tensor state a checkpoint carries: iteration, args, optimizer hyper-parameters, scheduler."""
+    """The non-tensor state a checkpoint carries: iteration, args, and what the optimizer and scheduler resume."""
 
     iteration: int
     args: argparse.Namespace
-    optimizer_step: int | None
-    param_group: dict[str, Any]  # hyper-parameters (lr, betas, eps, weight_decay, ...)
-    scheduler: dict[str, Any] | None
+    resume: ResumePlan
     flops: float = 0.0
 
 
@@ -68,8 +82,10 @@ def cut(full: torch.Tensor, rt: RankTensor) -> torch.Tensor:
     return out
 
 
-def megatron_args(arch: ModelArch, target: Target, iteration: int, stored: dict[str, Any] | None, dtype: torch.dtype) -> argparse.Namespace:
-    """``args`` for the *target* layout: Megatron asserts TP/PP and the model shape against them on load."""
+def megatron_args(arch: ModelArch, target: Target, iteration: int, stored: dict[str, Any] | None, dtype: torch.dtype,
+                  resume: ResumePlan) -> argparse.Namespace:
+    """``args`` for the *target* layout: Megatron asserts TP/PP and the model shape against them on load, and takes
+    the data position (consumed samples) from them."""
     values: dict[str, Any] = dict(stored or {})
     values.update({k: v for k, v in arch.to_json().items() if k != "layer_spec"})
     values.update(
@@ -88,7 +104,10 @@ def megatron_args(arch: ModelArch, target: Target, iteration: int, stored: dict[
         fp16=False,
         params_dtype=dtype,
         iteration=iteration,
+        consumed_train_samples=resume.consumed_train_samples,
+        consumed_valid_samples=resume.consumed_valid_samples,
+        # what this checkpoint lacks, said the way Megatron-LM's torch_dist load reads it (it then asks for neither)
+        no_save_optim=not resume.optimizer,
+        no_save_rng=True,
     )
-    values.setdefault("consumed_train_samples", 0)
-    values.setdefault("consumed_valid_samples", 0)
     return argparse.Namespace(**values)

@@ -3,7 +3,10 @@
 The layout is the target's only through the vocabulary padding and ``args``:
 Megatron reshards on load itself.  Optimizer state goes in the
 ``fully_reshardable`` form (``optimizer.state.{param,exp_avg,exp_avg_sq}.<key>``,
-model shapes), the only optimizer form that survives a TP/PP change.
+model shapes), the only optimizer form that survives a TP/PP change and, for the
+distributed optimizer, any data-parallel size.  ``common.pt`` carries the param
+groups in the shape each megatron-core optimizer reads them, so one checkpoint
+loads with or without ``--use-distributed-optimizer`` (see ``optimizer_common``).
 """
 from __future__ import annotations
 
@@ -20,9 +23,15 @@ import torch
 from flowcheck.restore.arch import ModelArch
 from flowcheck.restore.megatron_common import StepMeta, Target, iter_dirname
 from flowcheck.restore.megatron_map import Param, local_suffix
+from flowcheck.restore.megatron_optim import ResumePlan
 
 METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
             "common_backend": "torch", "common_backend_version": 1}
+# Megatron-LM builds its sharded state dicts for loading from the checkpoint's content metadata: the distributed
+# optimizer asks for the sharding type named here (without it, 'fully_sharded_model_space', which this is not)
+CONTENT_METADATA = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True,
+                    "distrib_optim_sharding_type": "fully_reshardable",
+                    "distrib_optim_fully_reshardable_mem_efficient": False}
 OPT_PREFIX = "optimizer.state"
 _WRITER_THREAD = "_write_files_from_queue"  # the target of torch's DCP writer threads (they are named after it)
 # modules with ``_extra_state`` in megatron-core's local spec (TE adds core_attention)
@@ -103,8 +112,12 @@ class DistWriter:
         key = dist_key(param)
         if slot is None:
             self._put(key, param, tensor)
-        elif self.target.optim:
-            self._put(f"{OPT_PREFIX}.{'param' if slot == 'fp32_param' else slot}.{key}", param, tensor)
+        elif slot != "fp32_param":
+            self._put(f"{OPT_PREFIX}.{slot}.{key}", param, tensor)
+        else:
+            self._put(f"{OPT_PREFIX}.param.{key}", param, tensor)  # the distributed optimizer's master copy
+            if self.meta.args.bf16:  # Float16OptimizerWithFloat16Params names it fp32_param
+                self._put(f"{OPT_PREFIX}.fp32_param.{key}", param, tensor)
 
     def finish(self) -> list[str]:
         import torch.distributed.checkpoint as dcp
@@ -156,16 +169,29 @@ class DistWriter:
             "checkpoint_version": 3.0,
             "iteration": meta.iteration,
             "num_floating_point_operations_so_far": meta.flops,
-            "content_metadata": {"singleton_local_shards": False, "chained_optim_avoid_prefix": True},
+            "content_metadata": dict(CONTENT_METADATA),
         }
-        if self.target.optim and any(k.startswith(OPT_PREFIX) for k in self.state):
-            group = dict(meta.param_group)
-            if meta.optimizer_step is not None:
-                group["step"] = meta.optimizer_step
-            common["optimizer"] = {
-                "optimizer": {"param_groups": [dict(group, wd_mult=1.0), dict(group, wd_mult=0.0)]},
-                "param_state_sharding_type": "fully_reshardable",
-            }
-            if meta.scheduler is not None:
-                common["opt_param_scheduler"] = meta.scheduler
+        if meta.resume.optimizer:
+            common["optimizer"] = optimizer_common(meta.resume)
+            common["opt_param_scheduler"] = dict(meta.resume.scheduler or {})  # Megatron-LM loads both or neither
         return common
+
+
+def optimizer_common(resume: ResumePlan) -> dict[str, Any]:
+    """The optimizer's common (non-tensor) state for every optimizer megatron-core 0.16.1 may load it into.
+
+    Each merges its own request into these objects (the tensors' ``params`` index lists are the loading rank's
+    own, so none is stored): FP32Optimizer reads ``param_groups`` and, for torch AdamW, the step it copies into
+    every parameter's state, ``state.common_step`` (FusedAdam keeps it in the groups and refuses it there);
+    Float16OptimizerWithFloat16Params (bf16) reads the same under ``optimizer``; DistributedOptimizer reads
+    ``optimizer.param_groups`` (with their ``step``) and ``param_state_sharding_type``.
+    """
+    def own() -> tuple[list[dict[str, Any]], dict[str, Any]]:  # separate objects: each load mutates its own
+        groups = [dict(g) for g in resume.groups]
+        return groups, ({"common_step": torch.tensor(float(resume.optimizer_step))} if resume.adam == "torch" else {})
+
+    groups, state = own()
+    inner_groups, inner_state = own()
+    return {"param_groups": groups, "state": state,
+            "optimizer": {"param_groups": inner_groups, "state": inner_state},
+            "param_state_sharding_type": "fully_reshardable"}

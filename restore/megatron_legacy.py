@@ -1,10 +1,12 @@
 """Writer of Megatron's legacy format (``--ckpt-format torch``): one ``model_optim_rng.pt`` per (tp, pp) rank.
 
 Optimizer state is written for Megatron's *non-distributed* optimizer
-(torch optimizer state by parameter index, in TP-local shapes; with bf16
+(torch optimizer state by parameter index, in TP-local shapes, with
+megatron-core's complete param groups and the scheduler's state; with bf16
 weights the fp32 masters go to ``fp32_from_fp16_params``).  The distributed
-optimizer's ``distrib_optim.pt`` is a flat, version-specific bucket layout:
-use ``--format megatron-dist`` to carry optimizer state into it.
+optimizer's ``distrib_optim.pt`` is a flat bucket layout tied to the
+data-parallel size: restore refuses that combination (``Target.check_optimizer``)
+and names ``--format megatron-dist``, which carries optimizer state into it.
 """
 from __future__ import annotations
 
@@ -18,11 +20,9 @@ import torch
 from flowcheck.restore.arch import ModelArch
 from flowcheck.restore.megatron_common import StepMeta, Target, cut, iter_dirname, rank_dirname
 from flowcheck.restore.megatron_map import Param, RankTensor, chunk_key, rank_tensors
+from flowcheck.restore.megatron_optim import decayed
 
 FILE = "model_optim_rng.pt"
-# keys Megatron's _get_param_groups puts in every group (its scheduler reads max_lr/min_lr, lr_mult, wd_mult)
-_MEGATRON_GROUP = {"lr_mult": 1.0, "is_expert_parallel": False, "default_config": True, "is_decoupled_lr": False,
-                   "min_lr": 0.0}
 
 
 class LegacyWriter:
@@ -35,7 +35,7 @@ class LegacyWriter:
         self.where: dict[str, list[tuple[tuple[int, int], RankTensor]]] = defaultdict(list)
         self.order: dict[tuple[int, int], list[RankTensor]] = {}
         self.pending: dict[tuple[int, int], int] = {}
-        per_tensor = 1 + len(slots) if target.optim else 1
+        per_tensor = 1 + len(slots) if meta.resume.optimizer else 1
         for rank in self.ranks:
             rts = list(rank_tensors(arch, target.tp, target.pp, target.vpp, rank[0], rank[1], target.spec(arch)))
             self.order[rank] = sorted(rts, key=lambda rt: rt.chunk)  # stable: named_parameters order per chunk
@@ -83,10 +83,9 @@ class LegacyWriter:
                 (rt.key, model[v, rt.key]) for rt in self.order[rank] if rt.chunk == v
             )
         slots = self.slots.pop(rank)
-        if self.target.optim and slots:
+        if meta.resume.optimizer:
             obj["optimizer"] = self._optimizer(rank, slots)
-            if meta.scheduler is not None:
-                obj["opt_param_scheduler"] = meta.scheduler
+            obj["opt_param_scheduler"] = dict(meta.resume.scheduler or {})  # Megatron-LM loads both or neither
         path = os.path.join(self.it_dir, rank_dirname(tp_rank, pp_rank, self.target.pp), FILE)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path, "wb") as f:
@@ -96,29 +95,27 @@ class LegacyWriter:
         return path
 
     def _optimizer(self, rank: tuple[int, int], slots: dict[tuple[int, str], dict[str, torch.Tensor]]) -> dict[str, Any]:
-        """Megatron's param groups: weights (wd) first, then 1-D params (wd_mult 0); state by index."""
+        """The non-distributed optimizer's state_dict: megatron-core's groups (decayed, then not), complete (torch
+        replaces each live group with its saved one), state by parameter index in group order."""
         rts = self.order[rank]
-        groups = [[rt for rt in rts if len(rt.shape) > 1], [rt for rt in rts if len(rt.shape) <= 1]]
+        members = [[rt for rt in rts if decayed(rt.key, rt.shape)], [rt for rt in rts if not decayed(rt.key, rt.shape)]]
+        resume = self.meta.resume
+        step = torch.tensor(float(resume.optimizer_step))  # torch AdamW's per-parameter step: a float32 scalar
         state, param_groups, masters, index = {}, [], [], 0
-        for wd_mult, members in zip((1.0, 0.0), groups):
+        for group, group_members in zip(resume.groups, members):
             ids = []
-            for rt in members:
+            for rt in group_members:
                 held = slots.get((rt.chunk, rt.key), {})
-                entry = {k: v for k, v in held.items() if k != "fp32_param"}
-                if self.meta.optimizer_step is not None:
-                    entry["step"] = torch.tensor(float(self.meta.optimizer_step))
-                state[index] = entry
-                if "fp32_param" in held:
-                    masters.append(held["fp32_param"])
+                state[index] = {k: v for k, v in held.items() if k != "fp32_param"}
+                if resume.adam == "torch":
+                    state[index]["step"] = step.clone()
+                masters.append(held.get("fp32_param"))
                 ids.append(index)
                 index += 1
-            group = dict(_MEGATRON_GROUP, max_lr=self.meta.param_group.get("lr", 0.0))
-            group.update(self.meta.param_group)  # torch's load_state_dict replaces a group's keys with these
-            group.update(wd_mult=wd_mult, params=ids)
-            param_groups.append(group)
+            param_groups.append(dict(group, params=ids))
         inner = {"state": state, "param_groups": param_groups}
         if self.meta.args.bf16:
             # Float16OptimizerWithFloat16Params: fp32 masters per group, in group order
-            split = len(groups[0])
+            split = len(members[0])
             return {"optimizer": inner, "fp32_from_fp16_params": [masters[:split], masters[split:]]}
         return inner

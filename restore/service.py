@@ -20,15 +20,15 @@ import torch
 
 from flowcheck import dtypes
 from flowcheck.branches import MAIN
-from flowcheck.errors import FlowcheckError, ManifestError, StepExistsError
-from flowcheck.manifest import Manifest
+from flowcheck.errors import FlowcheckError, StepExistsError
 from flowcheck.restore.arch import ModelArch
 from flowcheck.restore.megatron_common import DTYPES, TRACKER, StepMeta, Target, megatron_args
 from flowcheck.restore.megatron_dist import DistWriter
 from flowcheck.restore.megatron_legacy import LegacyWriter
 from flowcheck.restore.megatron_map import Param
+from flowcheck.restore.megatron_optim import ResumePlan, resume_plan
 from flowcheck.restore.outputs import failed_write, remove
-from flowcheck.restore.source import MEGATRON_KEY, OPT, StepReader
+from flowcheck.restore.source import OPT, StepReader, megatron_extra
 from flowcheck.tiers.durable import fsync_dir, make_tree_durable
 
 log = logging.getLogger(__name__)
@@ -45,6 +45,7 @@ class RestoreReport:
     bytes: int = 0
     seconds: float = 0.0
     branch: str = MAIN
+    resume: ResumePlan | None = None  # what the checkpoint resumes, where from, the Megatron flags it needs
 
 
 def restore(
@@ -66,11 +67,12 @@ def restore(
     reader = StepReader.open(store, step, prefer, arch, branch)
     target.check(reader.arch)
     params = reader.params()
-    slots = [s for s in reader.slots() if s not in ("step", "fp32_param")] if target.optim else []
+    moments = [s for s in reader.slots() if s not in ("step", "fp32_param")]
+    target.check_optimizer(bool(moments))
+    slots = moments if target.optim else []
     out = os.path.abspath(out)
-    if os.path.exists(out) and not force:
-        raise StepExistsError(f"{out} already exists; pass --force to replace it")
-    meta = _meta(reader, target, params)
+    _check_replaceable(out, force)
+    meta = _meta(reader, target, params, moments)
     staging = f"{out}.tmp-{os.getpid()}"
     placed = False
     try:
@@ -81,7 +83,7 @@ def restore(
         for param, slot, tensor in _tensors(reader, target, params, slots, workers, progress):
             writer.add(param, slot, tensor)
         files = writer.finish()
-        _write_record(staging, reader, target)
+        _write_record(staging, reader, target, meta.resume)
         with open(os.path.join(staging, TRACKER), "w", encoding="utf-8") as f:
             f.write(str(reader.step))  # written last: Megatron reads the tracker to find the iteration
         make_tree_durable(staging, "fsync")  # data files are already synced: this covers small files and dirs
@@ -93,10 +95,12 @@ def restore(
         if error is None:
             raise
         raise error from e
+    for warning in meta.resume.warnings:  # said once the checkpoint exists: they are about loading it
+        log.warning("%s", warning)
     files = [os.path.join(out, os.path.relpath(p, staging)) for p in files] + [os.path.join(out, TRACKER)]
     size = sum(os.path.getsize(p) for p in files if os.path.isfile(p))
     return RestoreReport(out, reader.step, reader.manifest.run, reader.tier.name, target, files, size,
-                         time.perf_counter() - t0, reader.tier.branch)
+                         time.perf_counter() - t0, reader.tier.branch, meta.resume)
 
 
 def _failed(e: BaseException, reader: StepReader, target: Target, out: str, stuck: str | None,
@@ -163,72 +167,53 @@ def _bar(total: int, enabled: bool, desc: str):
     return tqdm(total=total, desc=desc, unit="tensor", disable=not enabled, leave=False)
 
 
-def _meta(reader: StepReader, target: Target, params: list[Param]) -> StepMeta:
-    scalars = reader.manifest.scalars
-    imported = _imported(reader.manifest)
-    first = params[0].name
-    stored = reader.manifest.tensors[first].dtype
+def _meta(reader: StepReader, target: Target, params: list[Param], moments: list[str]) -> StepMeta:
+    m = reader.manifest
+    stored = m.tensors[params[0].name].dtype
     dtype = DTYPES[target.dtype] if target.dtype else (torch.bfloat16 if stored == "bfloat16" else torch.float32)
-    own = (scalars.get("optimizer") or {}).get("param_groups")
-    groups = own or imported.get("param_groups") or [{}]
-    betas = groups[0].get("betas")
-    if betas is not None and not (isinstance(betas, list) and all(isinstance(b, (int, float)) for b in betas)):
-        where = "optimizer" if own else f"extra.{MEGATRON_KEY}"
-        raise _bad(reader.manifest, f"{where}.param_groups[0].betas", "a list of numbers", betas)
-    group = {k: (tuple(v) if k == "betas" else v) for k, v in groups[0].items() if k not in ("params", "step")}
-    return StepMeta(
-        iteration=reader.step,
-        args=megatron_args(reader.arch, target, reader.step, imported.get("args"), dtype),
-        optimizer_step=scalars.get("optimizer_step"),
-        param_group=group,
-        scheduler=imported.get("opt_param_scheduler"),
-        flops=float(imported.get("num_floating_point_operations_so_far", 0.0)),
-    )
+    why_not = "--no-optim asked for weights only" if moments else "the step carries no optimizer state"
+    resume = resume_plan(m, target.fmt, target.optim and bool(moments), why_not, target.adam)
+    imported = megatron_extra(m)
+    args = megatron_args(reader.arch, target, reader.step, imported.get("args"), dtype, resume)
+    return StepMeta(reader.step, args, resume, float(imported.get("num_floating_point_operations_so_far", 0.0)))
 
 
-# what `flowcheck import` keeps of a Megatron checkpoint (scalars.extra.megatron), as restore uses it
-_IMPORTED = {
-    "args": (dict, "an object of Megatron arguments"),
-    "opt_param_scheduler": (dict, "an object"),
-    "param_groups": (list, "a list of objects"),
-    "num_floating_point_operations_so_far": ((int, float), "a number"),
-}
-
-
-def _imported(m: Manifest) -> dict[str, Any]:
-    """``scalars.extra.megatron``, every field restore reads of the type it reads it as."""
-    raw = (m.scalars.get("extra") or {}).get(MEGATRON_KEY)
-    if raw is None:
-        return {}
-    if not isinstance(raw, dict):
-        raise _bad(m, f"extra.{MEGATRON_KEY}", "an object", raw)
-    for key, (kind, expected) in _IMPORTED.items():
-        value = raw.get(key)
-        if value is not None and (not isinstance(value, kind) or isinstance(value, bool)):
-            raise _bad(m, f"extra.{MEGATRON_KEY}.{key}", expected, value)
-    if not all(isinstance(g, dict) for g in raw.get("param_groups") or []):
-        raise _bad(m, f"extra.{MEGATRON_KEY}.param_groups", "a list of objects", raw["param_groups"])
-    return raw
-
-
-def _bad(m: Manifest, field_: str, expected: str, found: Any) -> ManifestError:
-    shown = repr(found)
-    shown = shown if len(shown) <= 80 else shown[:77] + "..."
-    return ManifestError(f"step {m.step} of run {m.run}: manifest field 'scalars.{field_}': expected {expected}, found "
-                         f"{shown}; restore cannot build the checkpoint's args and optimizer from it")
-
-
-def _write_record(root: str, reader: StepReader, target: Target) -> None:
-    """Say which stored step this directory is, so a resumed run's lineage links back to it."""
+def _write_record(root: str, reader: StepReader, target: Target, resume: ResumePlan) -> None:
+    """Say which stored step this directory is, so a resumed run's lineage links back to it, and what it resumes
+    (where its optimizer groups, schedule and counters came from; the Megatron flags it needs)."""
     import json
 
     from flowcheck.restore.importer import RESTORE_RECORD
 
     m = reader.manifest
     record = {"run": m.run, "step": m.step, "manifest_digest": m.digest(), "tier": reader.tier.name,
-              "target": {"tp": target.tp, "pp": target.pp, "vpp": target.vpp, "format": target.fmt}}
+              "target": {"tp": target.tp, "pp": target.pp, "vpp": target.vpp, "format": target.fmt},
+              "resume": {"optimizer": resume.optimizer, "sources": resume.sources,
+                         "megatron_flags": list(resume.flags)}}
     with open(os.path.join(root, RESTORE_RECORD), "w", encoding="utf-8") as f:
         json.dump(record, f, indent=1)
+
+
+def _check_replaceable(out: str, force: bool) -> None:
+    """``--out`` must not exist, or (with ``--force``) be a directory holding a Megatron checkpoint or a previous
+    restore (or nothing): ``--force --out ~/`` must never delete a home directory."""
+    if not os.path.lexists(out):
+        return
+    if not force:
+        raise StepExistsError(f"{out} already exists; pass --force to replace it")
+    if os.path.islink(out) or not os.path.isdir(out):
+        raise StepExistsError(f"--force --out {out}: expected a directory holding a Megatron checkpoint, found "
+                              f"{'a symlink' if os.path.islink(out) else 'a file'}; nothing was replaced")
+    entries = os.listdir(out)
+    from flowcheck.restore.importer import RESTORE_RECORD
+
+    megatron = TRACKER in entries or RESTORE_RECORD in entries or any(e.startswith("iter_") for e in entries)
+    if entries and not megatron:
+        shown = ", ".join(sorted(entries)[:3]) + (", ..." if len(entries) > 3 else "")
+        raise StepExistsError(
+            f"--force --out {out}: expected a directory holding a Megatron checkpoint ({TRACKER}, iter_*/) or a "
+            f"previous restore ({RESTORE_RECORD}), found {len(entries)} other entries ({shown}); nothing was "
+            "replaced: give a new or empty --out")
 
 
 def _replace_dir(staging: str, out: str) -> None:

@@ -76,32 +76,55 @@ def _export_format(out: str, fmt: str | None) -> str:
 @config_option
 @click.option("--step", required=True, help=STEP_HELP)
 @branch_option
-@click.option("--run", default=None, help="Run name (default: the config's run).")
+@click.option("--run", default=None,
+              help="The run to read (default: the config's run; when that run has no step and the store holds exactly "
+                   "one run, that one). `flowcheck ls --run R` lists a run's steps.")
 @click.option("--tp", type=int, default=1, show_default=True, help="Target tensor-parallel size.")
 @click.option("--pp", type=int, default=1, show_default=True, help="Target pipeline-parallel size.")
 @click.option("--vpp", type=int, default=1, show_default=True, help="Virtual pipeline size (model chunks per stage).")
 @click.option("--format", "fmt", default="megatron-dist", show_default=True,
               type=click.Choice(["megatron-dist", "megatron"]), help="torch_dist (DCP) or legacy mp_rank_* files.")
 @click.option("--from", "prefer", default="auto", type=click.Choice(["auto", "memory", "local", "object"]),
-              help="Tier to read (auto: the fastest holding the step).")
-@click.option("--no-optim", is_flag=True, help="Model weights only.")
+              help="The tier to read. auto (default): the fastest tier holding the step, every shard verified, and a "
+                   "damaged shard read from another tier holding the same state (with a warning naming it); "
+                   "local/object: that tier only (a damaged shard fails the restore); memory: a node's RAM, "
+                   "only inside the node process.")
+@click.option("--no-optim", is_flag=True,
+              help="Write model weights only, no optimizer state or LR schedule (load with --no-load-optim). "
+                   "Without it, a step's Adam moments, fp32 masters, param groups and scheduler state are written "
+                   "when it holds them; a step without them is written model-only with a warning naming the flags.")
+@click.option("--use-distributed-optimizer", "dist_optim", is_flag=True,
+              help="The trainer runs Megatron's distributed optimizer: optimizer state then needs --format "
+                   "megatron-dist (it loads at any data-parallel size); --format megatron refuses it.")
+@click.option("--adam", default="auto", show_default=True, type=click.Choice(["auto", "fused", "torch"]),
+              help="The trainer's Adam: fused = Transformer Engine / Apex FusedAdam (megatron-core's choice when "
+                   "either is installed), torch = torch.optim.AdamW; auto: as the stored step's optimizer was, else fused.")
 @click.option("--dtype", default=None, type=click.Choice(["bf16", "fp32"]), help="Weights dtype (default: as stored).")
 @click.option("--layer-spec", default=None, type=click.Choice(["local", "te"]), help="Key names (default: as stored).")
 @click.option("--arch", "arch_path", default=None, type=click.Path(dir_okay=False, exists=True),
               help="Model description (Megatron argument names, YAML/JSON) when the step carries none.")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Checkpoint directory to create.")
-@click.option("--force", is_flag=True, help="Replace --out if it exists.")
+@click.option("--force", is_flag=True,
+              help="Replace --out if it exists and holds a Megatron checkpoint or a previous restore (any other "
+                   "directory is refused).")
 @click.option("--workers", type=int, default=4, show_default=True, help="Parallel readers.")
 @handled
-def restore(config_path, step, branch, run, tp, pp, vpp, fmt, prefer, no_optim, dtype, layer_spec, arch_path, out, force, workers):
+def restore(config_path, step, branch, run, tp, pp, vpp, fmt, prefer, no_optim, dist_optim, adam, dtype, layer_spec,
+            arch_path, out, force, workers):
     """Write a stored step as a Megatron checkpoint in any TP/PP/VPP layout (verified, resharded, atomic).
 
-    Load it with Megatron's --load OUT (add --no-load-rng: RNG states of
-    another layout are not meaningful, flowcheck does not write them).
+    Load it with Megatron's --load OUT plus the flags this command prints:
+    --no-load-rng with --format megatron (flowcheck writes no RNG state: another
+    layout's means nothing), --no-load-optim when the step holds no optimizer
+    state or --no-optim was given, --override-opt_param-scheduler when the step
+    stores no learning-rate schedule and no job arguments to rebuild it.
+    Optimizer state carries complete param groups, the scheduler state and the
+    consumed samples, so the LR schedule and the data continue where they were.
 
     \b
     Example:
       flowcheck restore --step latest --tp 2 --pp 2 --out ckpt/ --config flowcheck.yaml
+      flowcheck restore --step latest --tp 4 --use-distributed-optimizer --out ckpt/ --config flowcheck.yaml
       flowcheck restore --step 1200 --branch main --out ckpt-main/ --config flowcheck.yaml
     """
     from flowcheck.branches import Located
@@ -110,7 +133,8 @@ def restore(config_path, step, branch, run, tp, pp, vpp, fmt, prefer, no_optim, 
     from flowcheck.restore.service import restore as do_restore
 
     store = reading_store(config_path, run, progress=True)
-    target = Target(tp=tp, pp=pp, vpp=vpp, fmt=fmt, dtype=dtype, optim=not no_optim, layer_spec=layer_spec)
+    target = Target(tp=tp, pp=pp, vpp=vpp, fmt=fmt, dtype=dtype, optim=not no_optim, layer_spec=layer_spec,
+                    dist_optim=dist_optim, adam=None if adam == "auto" else adam)
     arch = load_arch(arch_path) if arch_path else None
     rep = do_restore(store, step_arg(step), target, out, prefer=prefer, arch=arch, force=force,
                      progress=_progress.enabled(), workers=workers, branch=branch)
@@ -120,7 +144,14 @@ def restore(config_path, step, branch, run, tp, pp, vpp, fmt, prefer, no_optim, 
     )
     for f in rep.files:
         click.echo(f"  {os.path.relpath(f, rep.out)}")
-
+    res = rep.resume
+    if res is not None:
+        what = ("optimizer state (Adam moments, param groups, LR schedule)" if res.optimizer
+                else "model weights only (no optimizer state)")
+        click.echo(f"resumes: {what}; iteration {rep.step}, consumed_train_samples={res.consumed_train_samples}")
+        for part, source in res.sources.items():
+            click.echo(f"  {part}: {source}")
+        click.echo(f"load with Megatron: --load {rep.out}" + "".join(f" {f}" for f in res.flags))
 
 
 @click.command(name="import")
@@ -149,7 +180,7 @@ def import_(config_path, run, step, arch_path, tier, trust_pickle, source):
     arch = load_arch(arch_path) if arch_path else None
     m, said = committed(store, tier, lambda: import_into(store, source, step, arch=arch, tier=tier, trust_pickle=trust_pickle))
     click.echo(
-        f"{said} (run {m.run}, {m.producer.source}, "
+        f"{said} ({m.producer.source}, "
         f"source layout TP={m.source_layout.tp} PP={m.source_layout.pp} VPP={m.source_layout.vpp}): "
         f"{len(m.tensors)} tensors, {human(m.nbytes)}, digest {m.digest()}"
     )

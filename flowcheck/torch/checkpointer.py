@@ -15,7 +15,9 @@ training goes on.  When the node has a token (``FLOWCHECK_NODE_TOKEN``) the trai
 (flowcheck/capture/auth.py), and a node that cannot prove it holds the token gets nothing.
 
 Data-parallel replicas are not sent N times: each DP rank sends a disjoint share of the tensors
-(FFTrainer's "Checkpoint Razor"), and the manifest's ``scalars.extra.push`` says so.
+(FFTrainer's "Checkpoint Razor"), and the manifest's ``scalars.extra.push`` says so.  A Megatron trainer
+(``arch=``) sends boxes of the canonical tensors, and with megatron-core's distributed optimizer each DP rank
+sends the optimizer shards it owns (flowcheck/torch/megatron.py).
 """
 from __future__ import annotations
 
@@ -29,7 +31,6 @@ from multiprocessing import shared_memory
 from typing import Any
 from urllib.parse import urlparse
 
-import numpy as np
 import torch
 import xxhash
 
@@ -38,7 +39,7 @@ from flowcheck.capture.auth import DEFAULT_TOKEN_ENV, PushSigner, read_token
 from flowcheck.capture.wire import recv_header, send_frame
 from flowcheck.errors import AuthError, ConfigError, FlowcheckError
 from flowcheck.logs import oneline
-from flowcheck.state import ParallelLayout
+from flowcheck.torch.megatron import MEGATRON_KEY, MegatronRank, hook_targets
 from flowcheck.torch.state import _flatten_optimizer, _json_ready, capture_rng, param_names_of
 
 log = logging.getLogger(__name__)
@@ -54,7 +55,7 @@ class Coordinates:
     tp: int = 1
     pp_rank: int = 0
     pp: int = 1
-    vpp: int = 1  # virtual pipeline chunks per stage (not supported by the push path yet: refused)
+    vpp: int = 1  # virtual pipeline chunks per stage: the model is then the list of its chunks
 
     @classmethod
     def detect(cls) -> Coordinates:
@@ -107,10 +108,6 @@ class _Entry:
 
 def _identity(t: torch.Tensor) -> torch.Tensor:
     return t
-
-
-def _slicer(dest: tuple[slice, ...]):
-    return lambda t: t[dest]
 
 
 @dataclass
@@ -172,12 +169,16 @@ class Checkpointer:
         self._job: _Job | None = None
         self._lock = threading.Lock()
         self._closed = False
-        if hook and optimizer is not None:
-            self._hook = optimizer.register_step_pre_hook(lambda *_: self.wait())
+        # a Megatron trainer: its tensors are boxes of the canonical ones (restore's rules need the model)
+        self._megatron = MegatronRank(model, optimizer, arch, self.coords) if arch is not None else None
+        self._hooks = [opt.register_step_pre_hook(lambda *_: self.wait()) for opt in hook_targets(optimizer)] if hook else []
 
     # ---- the trainer's calls ---------------------------------------------------------------
-    def save(self, step: int) -> bool:
-        """Start pushing the state as of now under ``step``; False if coalesced (a save still in flight)."""
+    def save(self, step: int, *, consumed_train_samples: int | None = None) -> bool:
+        """Start pushing the state as of now under ``step``; False if coalesced (a save still in flight).
+
+        ``step`` is the iteration just finished; a Megatron trainer also gives the samples consumed so far (the data
+        position), which restore writes back as Megatron's ``consumed_train_samples``."""
         self.stats.saves += 1
         with self._lock:
             job = self._job
@@ -191,12 +192,15 @@ class Checkpointer:
             if not finished:
                 self.stats.coalesced += 1
                 return False
-        opt_state = self.optimizer.state_dict() if self.optimizer is not None else None
-        names = param_names_of(self.model) if self.optimizer is not None else []
-        flat = _flatten_optimizer(opt_state, names) if opt_state is not None else None
-        tensors = self._tensors(flat)
+        if self._megatron is not None:
+            tensors, scalars = self._megatron.tensors(), self._megatron_scalars(step, consumed_train_samples)
+        else:
+            opt_state = self.optimizer.state_dict() if self.optimizer is not None else None
+            names = param_names_of(self.model) if self.optimizer is not None else []
+            flat = _flatten_optimizer(opt_state, names) if opt_state is not None else None
+            tensors, scalars = self._tensors(flat), self._scalars(flat)
         self._plan(tensors)
-        job = _Job(step, self._scalars(flat))
+        job = _Job(step, scalars)
         with self._lock:
             self._job = job
         threading.Thread(target=self._run, args=(job,), name=f"flowcheck-push-{step}", daemon=True).start()
@@ -226,6 +230,10 @@ class Checkpointer:
         from flowcheck.store import open_store
         from flowcheck.torch.state import restore_rng, torch_state_from_snapshot
 
+        if self._megatron is not None:
+            raise ConfigError("Checkpointer.load: a Megatron trainer (arch=) resumes from a checkpoint directory: write "
+                              "one with `flowcheck restore --step N --tp T --pp P --out DIR` and start Megatron with "
+                              "--load DIR (it reshards and loads the distributed optimizer itself)")
         store = store if store is not None else open_store(config)
         tier, manifest = open_step(store, step, prefer)
         snap = tier.load(manifest.step)
@@ -245,8 +253,8 @@ class Checkpointer:
             return
         self._closed = True
         self.flush()
-        if getattr(self, "_hook", None) is not None:
-            self._hook.remove()
+        for handle in self._hooks:
+            handle.remove()
         if self._sock is not None:
             self._sock.close()
         if self._segment is not None:
@@ -274,9 +282,13 @@ class Checkpointer:
             for e in self._entries:
                 e.tensor = e.view(tensors[e.local])
             return
-        specs, shards = self._cut(tensors) if self.arch is not None else self._whole(tensors)
-        shards.sort(key=lambda sh: (sh[0], sh[1]))
-        mine = [sh for i, sh in enumerate(shards) if i % self.coords.dp == self.coords.dp_rank]
+        if self._megatron is not None:
+            specs, shared, own = self._megatron.cut(tensors)
+        else:
+            (specs, shared), own = self._whole(tensors), []
+        shared.sort(key=lambda sh: (sh[0], sh[1]))
+        mine = [sh for i, sh in enumerate(shared) if i % self.coords.dp == self.coords.dp_rank]
+        mine += sorted(own, key=lambda sh: (sh[0], sh[1]))  # distributed-optimizer shards: only this rank holds them
         entries, at = [], 0
         for name, offsets, local, view in mine:
             t = view(tensors[local])
@@ -299,54 +311,6 @@ class Checkpointer:
                  for n, t in sorted(tensors.items())]
         return specs, [(n, [0] * t.dim(), n, _identity) for n, t in tensors.items()]
 
-    def _cut(self, tensors: dict[str, torch.Tensor]):
-        """A Megatron-style trainer: local tensors become boxes of the canonical global tensors (the rules
-        restore uses), so restore can reassemble them at any other layout; TP-replicated boxes and the
-        tied output layer's copy are sent by one rank only."""
-        from flowcheck.restore.megatron_map import model_params, rank_tensors
-
-        c, arch = self.coords, self.arch
-        if c.vpp > 1:
-            raise ConfigError(f"Checkpointer: virtual pipeline parallelism (VPP={c.vpp}) is not supported by push "
-                              "capture yet; its layer numbering would be recorded wrongly")
-        spec_name = "te" if any(".layer_norm_weight" in k for k in tensors) else "local"
-        rts = {rt.key: rt for rt in rank_tensors(arch, c.tp, c.pp, 1, c.tp_rank, c.pp_rank, spec_name)}
-        slots = sorted({k.split(".", 2)[1] for k in tensors if k.startswith("optimizer.")})
-        dtype_of = {}
-        shards = []
-        for local, t in tensors.items():
-            slot, key = (local.split(".", 2)[1], local.split(".", 2)[2]) if local.startswith("optimizer.") else (None, local)
-            rt = rts.get(key)
-            if rt is None:
-                raise ConfigError(f"Checkpointer: {key!r} is not a tensor of the described model at "
-                                  f"TP={c.tp} PP={c.pp} (rank tp={c.tp_rank} pp={c.pp_rank})")
-            name = rt.param.name if slot is None else f"optimizer.{slot}.{rt.param.name}"
-            dtype_of[name] = dtypes.from_torch(t.dtype).name
-            if t.dim() == 0:  # per-parameter scalars (Adam's step): one copy, from TP rank 0
-                if c.tp_rank == 0 and key == rt.key and not (key == "output_layer.weight" and arch.tied):
-                    shards.append((name, [], local, _identity))
-                continue
-            if tuple(t.shape) != rt.shape:
-                raise ConfigError(f"Checkpointer: {key}: local shape {list(t.shape)}, the model description "
-                                  f"says {list(rt.shape)} at TP={c.tp}")
-            if key == "output_layer.weight" and arch.tied:
-                continue  # the last stage's copy of the word embedding: the first stage sends it
-            if rt.param.role == "replicated" and c.tp_rank != 0:
-                continue
-            for part in rt.parts:
-                if not part.pad:
-                    shards.append((name, [sl.start for sl in part.src], local, _slicer(part.dest)))
-        specs = []
-        for p in model_params(arch):
-            specs.append({"name": p.name, "dtype": dtype_of.get(p.name, "float32"), "shape": list(p.shape),
-                          "role": p.role})
-            for slot in slots:
-                n = f"optimizer.{slot}.{p.name}"
-                scalar = slot == "step"
-                specs.append({"name": n, "dtype": dtype_of.get(n, "float32"), "shape": [] if scalar else list(p.shape),
-                              "role": "replicated" if scalar else p.role})
-        return specs, shards
-
     def _allocate(self, nbytes: int) -> None:
         if self._segment is not None:
             self._segment.close()
@@ -366,14 +330,30 @@ class Checkpointer:
         sched = self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None
         extra = dict(self.extra() if callable(self.extra) else (self.extra or {}))
         c = self.coords
-        extra["push"] = {"dp": c.dp, "tp": c.tp, "pp": c.pp,
+        extra["push"] = {"dp": c.dp, "tp": c.tp, "pp": c.pp, "vpp": c.vpp,
                          "dedup": "each shard is sent by one data-parallel rank (round-robin by name); "
-                                  "TP-replicated shards by TP rank 0 only"}
+                                  "TP-replicated shards by TP rank 0 only; a distributed optimizer's shards by "
+                                  "the data-parallel rank that owns them"}
         if self.arch is not None:
             extra["model"] = self.arch.to_json()  # restore needs the model description
         return {"optimizer_step": step_count, "optimizer": opt,
                 "lr_scheduler": _json_ready(sched, "lr_scheduler.state_dict()") if sched is not None else None,
                 "rng": capture_rng() if self.rng else {}, "extra": _json_ready(extra, "extra")}
+
+    def _megatron_scalars(self, step: int, consumed: int | None) -> dict[str, Any]:
+        """The optimizer's param groups and step, the scheduler, iteration and samples consumed: what restore needs
+        to write Megatron's ``optimizer.param_groups``, ``opt_param_scheduler``, ``iteration`` and args."""
+        groups, step_count = self._megatron.param_groups()
+        groups = _json_ready(groups, "the optimizer's param_groups")
+        scalars = self._scalars((None, {"param_groups": groups} if groups else None, step_count))
+        mine = {"param_groups": groups, "iteration": step}
+        if scalars["lr_scheduler"] is not None:
+            mine["opt_param_scheduler"] = scalars["lr_scheduler"]
+        if consumed is not None:
+            mine["consumed_train_samples"] = int(consumed)
+        given = scalars["extra"].get(MEGATRON_KEY)  # what the trainer's extra= adds (Megatron-LM's args, ...)
+        scalars["extra"][MEGATRON_KEY] = {**(given if isinstance(given, dict) else {}), **mine}
+        return scalars
 
     # ---- the side thread -----------------------------------------------------------------------
     def _run(self, job: _Job) -> None:
@@ -431,7 +411,7 @@ class Checkpointer:
         c = self.coords
         header = {
             "kind": "push", "run": self.run, "step": job.step, "sender": c.sender, "senders": c.senders,
-            "source_layout": {"tp": c.tp, "pp": c.pp, "dp": c.dp}, "tensors": self._specs,
+            "source_layout": {"tp": c.tp, "pp": c.pp, "dp": c.dp, "vpp": c.vpp}, "tensors": self._specs,
             "shards": [{"tensor": e.name, "offsets": e.offsets, "shape": list(e.tensor.shape), "at": e.at}
                        for e in self._entries],
             "scalars": job.scalars, "parent": self.parent,

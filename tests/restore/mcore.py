@@ -1,5 +1,6 @@
 """Test harness: real megatron-core GPTModels on CPU (gloo, one process per rank) that write reference
-weights/logits, save Megatron checkpoints themselves, and load checkpoints at any TP/PP/VPP to give logits.
+weights/logits, save Megatron checkpoints themselves, load checkpoints at any TP/PP/VPP to give logits, and
+resume training from them with megatron-core's optimizers and LR scheduler (``resume``, mcore_resume.py).
 
 Everything megatron runs in child processes (mcore_worker.py); this module imports only torch, so a test
 module can import it and skip cleanly when megatron-core is missing (see ``megatron_available``).
@@ -80,6 +81,25 @@ class SaveJob:
     fmt: str  # "megatron" or "megatron-dist"
 
 
+@dataclass(frozen=True)
+class ResumeJob:
+    """A checkpoint a Megatron-LM-style trainer resumes from (see mcore_resume.py): built from ``args`` (Megatron-LM
+    argument names: lr, min_lr, adam_beta1/2, adam_eps, weight_decay, lr_decay_style, lr_warmup_iters, train_iters,
+    global_batch_size), loaded with ``flags``, saved to ``save_dir`` in ``fmt`` when given, then stepped once
+    with the gradient ``grad_scale * param``."""
+
+    ckpt_dir: str
+    fmt: str
+    arch: dict
+    args: dict
+    dist_opt: bool = False  # --use-distributed-optimizer (needs adam="fused": see mcore_resume.CpuFusedAdam)
+    adam: str = "torch"  # "torch": torch AdamW (megatron-core without TE/Apex); "fused": FusedAdam's contract
+    flags: tuple[str, ...] = ()  # --no-load-optim, --no-load-rng, --override-opt_param-scheduler
+    save_dir: str | None = None
+    step: bool = True
+    grad_scale: float = 0.01
+
+
 def megatron_available() -> bool:
     """megatron-core and psutil (undeclared: without it dist_checkpointing.save hangs) are installed."""
     import importlib.util
@@ -149,6 +169,24 @@ def load_optimizer(jobs: list[LoadJob], tp: int, pp: int, vpp: int = 1, slots=("
         return results
 
 
+def resume(jobs: list[ResumeJob], tp: int, pp: int, vpp: int = 1, dp: int = 1, timeout: float = 300) -> list[dict]:
+    """Run every job at (tp, pp, vpp) with ``dp`` data-parallel replicas; per job {(tp_rank, pp_rank, dp_rank):
+    {iteration, consumed_train_samples, groups (the optimizer's, after loading), scheduler (its state_dict),
+    before / after (every parameter, {(chunk key, name): tensor}, before and after the step), stepped}}."""
+    for j in jobs:
+        _check_fmt(j.fmt)
+    payload = [dict(vars(j), index=i, ckpt_dir=os.path.abspath(j.ckpt_dir), flags=list(j.flags),
+                    save_dir=os.path.abspath(j.save_dir) if j.save_dir else None) for i, j in enumerate(jobs)]
+    with _task_dir() as d:
+        _run("resume", payload, tp, pp, vpp, timeout, task_dir=d, dp=dp)
+        results: list[dict] = [{} for _ in jobs]
+        for name in os.listdir(d):
+            if name.startswith("resume_"):
+                got = torch.load(os.path.join(d, name), weights_only=True)
+                results[int(name.split("_")[1])][tuple(got["rank"])] = got
+        return results
+
+
 def parameter_names(archs: list[dict], tp: int, pp: int, vpp: int = 1, timeout: float = 300) -> list[dict]:
     """Per arch: {(tp_rank, pp_rank): [(chunk, name, shape), ...]} in named_parameters() order."""
     payload = [{"index": i, "arch": a} for i, a in enumerate(archs)]
@@ -198,17 +236,18 @@ def _task_dir() -> tempfile.TemporaryDirectory:
     return tempfile.TemporaryDirectory(prefix="mcore-", ignore_cleanup_errors=True)
 
 
-def _run(op: str, jobs: list[dict], tp: int, pp: int, vpp: int, timeout: float, task_dir: str | None = None) -> None:
-    if min(tp, pp, vpp) < 1 or (vpp > 1 and pp < 2):
-        raise ValueError(f"bad layout tp={tp} pp={pp} vpp={vpp} (vpp > 1 needs pp > 1)")
+def _run(op: str, jobs: list[dict], tp: int, pp: int, vpp: int, timeout: float, task_dir: str | None = None,
+         dp: int = 1) -> None:
+    if min(tp, pp, vpp, dp) < 1 or (vpp > 1 and pp < 2):
+        raise ValueError(f"bad layout tp={tp} pp={pp} vpp={vpp} dp={dp} (vpp > 1 needs pp > 1)")
     if task_dir is None:
         with _task_dir() as d:
-            return _run(op, jobs, tp, pp, vpp, timeout, d)
-    task = {"op": op, "jobs": jobs, "tp": tp, "pp": pp, "vpp": vpp, "world": tp * pp,
+            return _run(op, jobs, tp, pp, vpp, timeout, d, dp)
+    task = {"op": op, "jobs": jobs, "tp": tp, "pp": pp, "vpp": vpp, "world": tp * pp * dp,
             "timeout": timeout, "tokens": tokens().tolist()}
     with open(os.path.join(task_dir, "task.json"), "w") as f:
         json.dump(task, f)
-    _launch(task_dir, timeout, f"{op} at tp={tp} pp={pp} vpp={vpp}")
+    _launch(task_dir, timeout, f"{op} at tp={tp} pp={pp} vpp={vpp} dp={dp}")
 
 
 def _launch(task_dir: str, timeout: float, what: str) -> None:

@@ -414,8 +414,14 @@ def step_names(task: dict, job: dict, input_ids: torch.Tensor) -> None:
         json.dump({"rank": list(rank), "names": names}, f)
 
 
+def step_resume(task: dict, job: dict, input_ids: torch.Tensor) -> None:
+    import mcore_resume  # imported when asked: it patches torch for megatron-core's optimizers on CPU
+
+    mcore_resume.step_resume(task, job, input_ids)
+
+
 STEPS = {"reference": step_reference, "save": step_save, "logits": step_logits, "optim": step_optim,
-         "names": step_names, "legacy_optim": step_legacy_optim}
+         "names": step_names, "legacy_optim": step_legacy_optim, "resume": step_resume}
 
 
 # ---------------------------------------------------------------- processes

@@ -293,7 +293,7 @@ def test_a_forged_but_integral_manifest_is_one_line_in_every_command(tmp_path, g
     assert words in audit.output and "audit FAILED" in audit.output.splitlines()[-1]
     if huge:  # the manifest itself parses (zarr files may be sparse): show lists it, --verify finds the damage
         show = CliRunner().invoke(main, ["show", "--step", "10", "--verify", *cfg])
-        assert show.exit_code == 0 and "Traceback" not in show.output and "FAILED" in show.output, show.output
+        assert show.exit_code == 1 and "Traceback" not in show.output and "FAILED" in show.output, show.output
 
 
 def test_a_forged_shape_in_the_object_tier_is_refused_by_the_parser(tmp_path, gqa_store):

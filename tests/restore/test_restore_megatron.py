@@ -116,7 +116,7 @@ def test_megatron_loads_optimizer_moments_bit_exact(imported, tmp_path, fmt, tp,
     store = make_store(tmp_path, "optim")
     import_into(store, src, 100)
     out = str(tmp_path / "ck")
-    restore(store, 100, Target(tp, pp, vpp, fmt), out)
+    restore(store, 100, Target(tp, pp, vpp, fmt, adam="torch"), out)  # the harness loads into torch.optim.Adam
     (per_rank,) = mcore.load_optimizer([mcore.LoadJob(out, fmt, mcore.ARCHS[name])], tp, pp, vpp)
     assert len(per_rank) == tp * pp
     checked = 0

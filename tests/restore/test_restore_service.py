@@ -149,6 +149,12 @@ def test_existing_output_is_refused_unless_forced(tmp_path, gqa_store):
     with pytest.raises(StepExistsError):
         restore(store, 10, Target(), str(out))
     assert (out / "keep.txt").read_text() == "mine"
+    with pytest.raises(StepExistsError, match="expected a directory holding a Megatron checkpoint"):
+        restore(store, 10, Target(), str(out), force=True)  # --force never deletes what is not a checkpoint
+    assert (out / "keep.txt").read_text() == "mine"
+    (out / "keep.txt").unlink()
+    restore(store, 10, Target(), str(out), force=True)  # an empty directory
+    (out / "keep.txt").write_text("left in a previous restore")
     restore(store, 10, Target(), str(out), force=True)
     assert not (out / "keep.txt").exists() and (out / "latest_checkpointed_iteration.txt").exists()
 
