@@ -38,7 +38,13 @@ def _clip(value: str) -> float | None:
 def simulate_command(dp, iters, model, proto, channels, mirror, loss, reorder, dup, optimizer, clip, mtu, ipv4,
                      vlan, bucket_kb, seed, out):
     """Train a small GPT on CPU with N virtual DP ranks and write the mirrored RoCEv2 traffic of its
-    ring allreduces (pcap per mirror port), the job description and the ground truth."""
+    ring allreduces (pcap per mirror port), the job description and the ground truth.
+
+    \b
+    Example:
+      flowcheck simulate --dp 4 --iters 20 --mirror 0:out,1:out,2:out --loss 0.02 --out /tmp/sim
+      flowcheck decode --job /tmp/sim/job.yaml --pcap /tmp/sim/mirror-r0-out.pcap /tmp/sim/mirror-r1-out.pcap /tmp/sim/mirror-r2-out.pcap
+    """
     from flowcheck.simulate import SimOptions, simulate
 
     try:
