@@ -15,11 +15,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
-import traceback
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
+
+from flowcheck.demo.ranks import ERROR_PREFIX, exit_now, first_error, run_ranks
 
 TP, PP = 2, 2
 _ENTRY = "import sys; from flowcheck.demo.mcore import launcher; launcher(sys.argv[1])"
@@ -62,7 +62,7 @@ def load_all(outs: dict[str, str], final_state: dict, work: str) -> dict[str, Mc
     with open(os.path.join(work, "task.json"), "w", encoding="utf-8") as f:
         json.dump(task, f)
     for name in os.listdir(work):
-        if name.startswith(("logits-", "error-")):
+        if name.startswith(("logits-", ERROR_PREFIX)):
             os.remove(os.path.join(work, name))
     failed = _launch(work)
     model = build()
@@ -101,12 +101,7 @@ def _launch(work: str) -> str:
             return f"the ranks did not finish in {_TIMEOUT_S:.0f} s"
     if code == 0:
         return ""
-    errors = sorted(n for n in os.listdir(work) if n.startswith("error-"))
-    if errors:
-        with open(os.path.join(work, errors[0]), encoding="utf-8") as f:
-            lines = [ln for ln in f.read().strip().splitlines() if ln.strip()]
-        return lines[-1] if lines else f"exit status {code}"
-    return f"exit status {code}"
+    return first_error(work) or f"exit status {code}"
 
 
 # ---- the launcher and its ranks (separate processes; megatron-core is imported only here) ---------------------
@@ -120,33 +115,7 @@ def launcher(work: str) -> None:
     with open(os.path.join(work, "task.json"), encoding="utf-8") as f:
         task = json.load(f)
     task["port"] = _free_port()
-    pids = {}
-    for rank in range(TP * PP):
-        pid = os.fork()
-        if pid == 0:
-            _child(task, rank)
-        pids[pid] = rank
-    failed = False
-    while pids:
-        pid, status = os.wait()
-        pids.pop(pid)
-        if os.waitstatus_to_exitcode(status) != 0 and not failed:
-            failed = True
-            time.sleep(1.0)  # a sibling that failed for the same reason writes its traceback too
-            for other in pids:  # the rest would wait forever in a collective
-                os.kill(other, signal.SIGKILL)
-    _exit(1 if failed else 0)
-
-
-def _child(task: dict, rank: int) -> None:
-    code = 0
-    try:
-        _rank(task, rank)
-    except BaseException:  # noqa: BLE001 - whatever it is, the parent reports it
-        with open(os.path.join(task["dir"], f"error-{rank}.txt"), "w", encoding="utf-8") as f:
-            f.write(traceback.format_exc())
-        code = 1
-    _exit(code)
+    exit_now(run_ranks(TP * PP, lambda rank: _rank(task, rank), work))
 
 
 def _rank(task: dict, rank: int) -> None:
@@ -276,10 +245,3 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _exit(code: int) -> None:
-    """Leave without interpreter teardown: unloading torch and megatron takes seconds."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)

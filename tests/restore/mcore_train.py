@@ -13,7 +13,6 @@ import json
 import os
 import sys
 import time
-import traceback
 import warnings
 from datetime import timedelta
 
@@ -282,37 +281,8 @@ def run_rank(task: dict, rank: int) -> None:
     dist.destroy_process_group()
 
 
-def _child(task: dict, rank: int) -> None:
-    code = 0
-    try:
-        run_rank(task, rank)
-    except BaseException:  # noqa: BLE001 - whatever it is, the test must get the traceback
-        with open(os.path.join(task["dir"], f"error_{rank}.txt"), "w") as f:
-            f.write(traceback.format_exc())
-        code = 1
-    W.exit_now(code)
-
-
 def main(task_dir: str) -> int:
-    with open(os.path.join(task_dir, "task.json")) as f:
-        task = json.load(f)
-    task["dir"], task["port"] = task_dir, W._free_port()
-    pids = {}
-    for rank in range(task["world"]):
-        pid = os.fork()
-        if pid == 0:
-            _child(task, rank)
-        pids[pid] = rank
-    failed = False
-    while pids:
-        pid, status = os.wait()
-        pids.pop(pid)
-        if os.waitstatus_to_exitcode(status) != 0 and not failed:
-            failed = True
-            time.sleep(1.0)  # let a sibling that failed for the same reason write its traceback too
-            for other in pids:  # the rest would wait forever in a collective
-                os.kill(other, 9)
-    return 1 if failed else 0
+    return W.main(task_dir, run_rank)
 
 
 if __name__ == "__main__":

@@ -9,11 +9,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import socket
-import sys
 import time
-import traceback
 import warnings
 from datetime import timedelta
 
@@ -27,6 +24,8 @@ from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.transformer_config import TransformerConfig
+
+from flowcheck.demo.ranks import exit_now, run_ranks  # noqa: F401 - exit_now: the entry (mcore.py) leaves through it
 
 # What Megatron-LM's _build_sharded_state_dict_metadata writes for a model without distributed optimizer.
 CONTENT_METADATA = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
@@ -358,7 +357,10 @@ def step_optim(task: dict, job: dict, input_ids: torch.Tensor) -> None:
     """Load the fully_reshardable optimizer state of a torch_dist checkpoint the way Megatron's distributed
     optimizer asks for it: for every model ShardedTensor (or SwiGLU factory), one per slot with the key
     ``optimizer.state.<slot>.<model key>`` and the model param's local shape; save what each rank got."""
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+    from megatron.core.dist_checkpointing.mapping import (
+        ShardedTensor,
+        ShardedTensorFactory,
+    )
     from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
 
     _, _, vpp = _layout()
@@ -453,47 +455,15 @@ def run_rank(task: dict, rank: int) -> None:
     dist.destroy_process_group()
 
 
-def _child(task: dict, rank: int) -> None:
-    code = 0
-    try:
-        run_rank(task, rank)
-    except BaseException:  # noqa: BLE001 - whatever it is, the parent must get the traceback
-        with open(os.path.join(task["dir"], f"error_{rank}.txt"), "w") as f:
-            f.write(traceback.format_exc())
-        code = 1
-    exit_now(code)
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def main(task_dir: str) -> int:
+def main(task_dir: str, rank_main=None) -> int:
+    """Run the task's ranks (``rank_main(task, rank)``, default this module's ``run_rank``), forked after the import."""
     with open(os.path.join(task_dir, "task.json")) as f:
         task = json.load(f)
     task["dir"], task["port"] = task_dir, _free_port()
-    pids = {}
-    for rank in range(task["world"]):
-        pid = os.fork()
-        if pid == 0:
-            _child(task, rank)
-        pids[pid] = rank
-    failed = None
-    while pids:
-        pid, status = os.wait()
-        rank = pids.pop(pid)
-        if os.waitstatus_to_exitcode(status) != 0 and failed is None:
-            failed = rank
-            time.sleep(1.0)  # let a sibling that failed for the same reason write its traceback too
-            for other in pids:  # the rest would wait forever in a collective
-                os.kill(other, signal.SIGKILL)
-    return 0 if failed is None else 1
-
-
-def exit_now(code: int) -> None:
-    """Leave without interpreter teardown: unloading torch and megatron takes seconds."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    return run_ranks(task["world"], lambda rank: (rank_main or run_rank)(task, rank), task_dir)
