@@ -258,3 +258,38 @@ def test_restore_help_describes_run_from_and_no_optim():
     assert "--run TEXT The run to read (default: the config's run" in text
     assert "--from [auto|memory|local|object] The tier to read. auto (default): the fastest tier holding the step" in text
     assert "--no-optim Write model weights only" in text and "--no-load-optim" in text
+
+
+def test_export_of_a_step_damaged_locally_reads_the_object_copy_unless_from_local(store):
+    tmp, cfg = store
+    assert run("promote", "--step", "5", "--config", cfg).exit_code == 0
+    _flip_local_shard_byte(tmp)
+    auto = run("export", "--step", "5", "--out", str(tmp / "a.pt"), "--config", cfg)
+    assert auto.exit_code == 0, auto.output
+    assert "WARNING" in auto.output and "local tier" in auto.output and "object tier" in auto.output
+    assert torch.equal(torch.load(tmp / "a.pt", weights_only=True)["w"], torch.arange(4096.0).reshape(64, 64))
+    only_local = run("export", "--step", "5", "--from", "local", "--out", str(tmp / "b.pt"), "--config", cfg)
+    assert only_local.exit_code == 2 and not (tmp / "b.pt").exists()
+
+
+def test_missing_credentials_are_one_line_with_the_aws_hint_on_the_first_try(tmp_path, s3_env, monkeypatch):
+    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    cfg = tmp_path / "s3.yaml"
+    cfg.write_text(f"run: r\ntiers:\n  local: {{root: {tmp_path / 'l'}}}\n  object:\n    url: s3://some-bucket/p\n"
+                   "    retries: 4\n    storage_options: {skip_instance_cache: true}\n")
+    line = one_error_line(run("ls", "--config", str(cfg)))
+    assert "AWS_ACCESS_KEY_ID" in line and "retry" not in line.lower()
+
+
+def test_a_failed_snapshot_to_the_object_tier_leaves_no_staging_folder(store):
+    tmp, cfg = store
+    (tmp / "o" / "r").mkdir(parents=True)
+    (tmp / "o" / "r" / "step-000000006").write_text("a file where the step folder should be")
+    torch.save({"w": torch.zeros(8)}, tmp / "s6.pt")
+    line = one_error_line(run("snapshot", "--state", str(tmp / "s6.pt"), "--step", "6", "--tier", "object", "--config", cfg))
+    assert "step 6" in line or "step-000000006" in line
+    assert not (tmp / "l" / ".staging").exists()
