@@ -198,15 +198,18 @@ def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
 
 
 def run_rounds(rows: list[tuple[Row, Callable[[], Any], Callable[[], Any] | None, Callable[[], Any] | None]],
-               repeats: int, *, cold: bool, log: Callable[[str], None] = print) -> bool:
+               repeats: int, *, cold: bool, log: Callable[[str], None] = print, rotate: bool = False) -> bool:
     """Run every alternative once per round, ``repeats`` rounds (interleaved so drift hits all alike).
 
-    Each entry: (row, measured fn, setup before timing or None, cleanup after or None).
+    Each entry: (row, measured fn, setup before timing or None, cleanup after or None).  ``rotate``: round r
+    starts at entry r (mod n), so no alternative always runs right after the same one (a virtual disk that
+    recovers burst throughput while idle, or the previous writer's write-back, favours whoever runs first).
     Returns whether the page cache could be dropped before each measurement (when ``cold``).
     """
     dropped_all = True
     for r in range(repeats):
-        for row, fn, setup, cleanup in rows:
+        shift = r % len(rows) if rotate and rows else 0
+        for row, fn, setup, cleanup in rows[shift:] + rows[:shift]:
             if row.error:
                 continue
             try:

@@ -2,7 +2,7 @@
 
 (a) decode: the frames of ring allreduces of fp32 vectors (N=8 ring, LL, 1024-byte MTU, the outbound streams of ring
     positions 0-2, --channels) are built in memory once with the simulator's wire (flowcheck.simulate.traffic, not
-    timed); then `flowcheck.capture.decode.decode()` is consumed fully on one core (torch.set_num_threads(1); the native
+    timed); then `flowcheck.capture.mirror.decode.decode()` is consumed fully on one core (torch.set_num_threads(1); the native
     parser and reassembler are single-threaded, process CPU time / wall time is printed to show it) next to
     `np.copyto` of the same wire bytes. The split parse / reassemble / group+assemble comes from timing the two native
     calls inside that same decode; "group+assemble" is the rest (Msg objects, send grouping, matching, LL unpack, merge).
@@ -66,8 +66,8 @@ IMPL_KW = {"single": "foreach=False", "foreach": "foreach=True", "fused": "fused
 class Traffic:
     """Mirrored frames of some allreduces (in one buffer), the job to decode them, and the reduced vectors."""
 
-    frames: Any  # flowcheck.capture.pcap.Frames
-    job: Any  # flowcheck.capture.job.Job
+    frames: Any  # flowcheck.capture.mirror.pcap.Frames
+    job: Any  # flowcheck.capture.mirror.job.Job
     finals: list[np.ndarray]
     channels: int
 
@@ -82,7 +82,7 @@ class Traffic:
 
 def ring_job(elements: list[int], channels: int, name: str = "bench"):
     """A decode-only job: the ring's NICs, LL fp32, and the allreduces' element counts (no parameters)."""
-    from flowcheck.capture.job import Bucket, Job, Member
+    from flowcheck.capture.mirror.job import Bucket, Job, Member
     from flowcheck.simulate.traffic import rank_endpoint
 
     eps = [rank_endpoint(r) for r in range(NRANKS)]
@@ -92,8 +92,8 @@ def ring_job(elements: list[int], channels: int, name: str = "bench"):
 
 def build_traffic(elements: list[int], channels: int, seed: int = 0) -> Traffic:
     """The frames the mirror ports of ring positions 0..MIRRORED-1 (outbound) copy for these allreduces."""
-    from flowcheck.capture.pcap import Frames
-    from flowcheck.capture.ring import RingParams
+    from flowcheck.capture.mirror.pcap import Frames
+    from flowcheck.capture.mirror.ring import RingParams
     from flowcheck.simulate.allreduce import ring_allreduce
     from flowcheck.simulate.traffic import Wire, rank_endpoint
 
@@ -118,7 +118,7 @@ def build_traffic(elements: list[int], channels: int, seed: int = 0) -> Traffic:
 @contextlib.contextmanager
 def native_stage_times() -> Iterator[dict[str, float]]:
     """Seconds spent in ``roce.parse`` and ``roce.reassemble`` while the block runs (decode calls both once)."""
-    from flowcheck.capture import roce
+    from flowcheck.capture.mirror import roce
 
     acc = {"parse": 0.0, "reassemble": 0.0}
     originals = {name: getattr(roce, name) for name in acc}
@@ -141,10 +141,10 @@ def native_stage_times() -> Iterator[dict[str, float]]:
             setattr(roce, name, fn)
 
 
-def decode_all(traffic: Traffic) -> list:
-    from flowcheck.capture.decode import Decoded, decode
+def decode_all(traffic: Traffic, workers: int = 1) -> list:
+    from flowcheck.capture.mirror.decode import Decoded, decode
 
-    return list(decode(traffic.job, traffic.frames, Decoded()))
+    return list(decode(traffic.job, traffic.frames, Decoded(), workers=workers))
 
 
 def verify(traffic: Traffic, allreduces: list) -> str:
@@ -183,7 +183,7 @@ def part_decode(args, log) -> dict[str, Any]:
     import torch
 
     from flowcheck import _mirror
-    from flowcheck.capture import roce
+    from flowcheck.capture.mirror import roce
 
     torch.set_num_threads(1)
     total = int(args.grad_mb * MIB) // 4
@@ -205,11 +205,11 @@ def part_decode(args, log) -> dict[str, Any]:
     rows: list[tuple[DecodeRow, Callable[[], Any]]] = [(memcpy, lambda: np.copyto(dst, src))]
     verified: dict[str, str] = {}
 
-    def decoder(tr: Traffic, row: DecodeRow) -> Callable[[], Any]:
+    def decoder(tr: Traffic, row: DecodeRow, workers: int = 1) -> Callable[[], Any]:
         def run():
             with native_stage_times() as acc:
                 t0, c0 = time.perf_counter(), time.process_time()
-                out = decode_all(tr)
+                out = decode_all(tr, workers)
                 wall, cpu = time.perf_counter() - t0, time.process_time() - c0
             row.split.setdefault("parse", []).append(acc["parse"])
             row.split.setdefault("reassemble", []).append(acc["reassemble"])
@@ -223,6 +223,12 @@ def part_decode(args, log) -> dict[str, Any]:
         row = DecodeRow(f"flowcheck decode, {tr.channels} channel(s)", tr.wire_bytes, tr.grad_bytes,
                         note=f"{len(tr.frames)} frames, {len(tr.finals)} allreduces")
         rows.append((row, decoder(tr, row)))
+    for k in args.decode_workers:  # (b) scaling: the same input, the first pass on k threads
+        if k > 1:
+            tr = traffics[0]
+            row = DecodeRow(f"flowcheck decode, {tr.channels} channel(s), {k} parse workers", tr.wire_bytes,
+                            tr.grad_bytes, note=f"{len(tr.frames)} frames, {len(tr.finals)} allreduces")
+            rows.append((row, decoder(tr, row, k)))
     # diagnostic: the native LL unpack over every data message (what the per-packet Python unpack costs natively)
     tr0 = traffics[0]
     packets = roce.parse(tr0.frames)
@@ -289,7 +295,7 @@ def part_decode(args, log) -> dict[str, Any]:
 def replica_job(params: list[tuple[str, tuple[int, ...]]], bucket_mb: float, clip: float | None, name: str,
                 impl: str = "single"):
     """A job that trains: the parameters, DDP-like buckets (reverse order, close at >= cap), AdamW (torch ``impl``)."""
-    from flowcheck.capture.job import Bucket, Job, OptimizerSpec, Param
+    from flowcheck.capture.mirror.job import Bucket, Job, OptimizerSpec, Param
     from flowcheck.simulate.trainer import bucket_plan
 
     numel = {n: math.prod(s) for n, s in params}
@@ -514,6 +520,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--grad-mb", type=float, default=32, help="(a) fp32 gradient MiB all-reduced (default 32: ~360 MB wire)")
     p.add_argument("--bucket-mb", type=float, default=25, help="bucket cap in MiB for (a), (b), (c) (default 25, DDP's)")
     p.add_argument("--channels", type=ints, default=[1, 2], help="(a) NCCL channels, comma-separated (default 1,2)")
+    p.add_argument("--decode-workers", type=ints, default=[1, 2],
+                   help="(a) also decode the first input with these parse-worker counts (default 1,2)")
     p.add_argument("--update-mparams", type=float, default=75, help="(b) millions of parameters (default 75)")
     p.add_argument("--update-threads", type=ints, default=[1, 2], help="(b) torch threads, comma-separated (default 1,2)")
     p.add_argument("--clip", type=float, default=None, help="global-norm clipping in (b) and (c) (default none)")

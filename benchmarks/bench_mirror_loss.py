@@ -86,8 +86,8 @@ def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
 
 # ---- simulate + decode ------------------------------------------------------------------
 def decode_ports(result, m: int) -> list:
-    from flowcheck.capture.decode import Decoded, decode, read_all
-    from flowcheck.capture.job import load_job
+    from flowcheck.capture.mirror.decode import Decoded, decode, read_all
+    from flowcheck.capture.mirror.job import load_job
 
     job = load_job(result.job_path)
     frames = read_all([result.pcaps[f"{r}:out"] for r in range(m)])
@@ -186,8 +186,8 @@ class Resampler:
     """One lossless run's per-port frames; trials drop frames independently per port and decode the first m ports."""
 
     def __init__(self, dp: int, iters: int, seed: int, work: str) -> None:
-        from flowcheck.capture.job import load_job
-        from flowcheck.capture.pcap import read_capture
+        from flowcheck.capture.mirror.job import load_job
+        from flowcheck.capture.mirror.pcap import read_capture
         from flowcheck.simulate import SimOptions, simulate
 
         res = simulate(SimOptions(out=os.path.join(work, "resample"), dp=dp, iters=iters, mirror=_mirror_text(),
@@ -203,8 +203,8 @@ class Resampler:
     def _decode(self, m: int, keep: list | None) -> list:
         import numpy as np
 
-        from flowcheck.capture.decode import Decoded, decode
-        from flowcheck.capture.pcap import Frames
+        from flowcheck.capture.mirror.decode import Decoded, decode
+        from flowcheck.capture.mirror.pcap import Frames
 
         parts = self.ports[:m]
         masks = keep[:m] if keep is not None else [np.ones(len(f), bool) for f in parts]

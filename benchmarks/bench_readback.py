@@ -9,7 +9,8 @@ Setup (untimed): a GPT-like fp32 state (params + Adam slots) is written once to
 Whole state (ratio = safetensors_time / method_time, higher is faster):
   baseline   safetensors.torch.load_file(file)
   local      LocalTier.read(step, name) for every tensor
-  local      LocalTier.load(step): every shard read and its xxh3 digest verified
+  local      LocalTier.load(step): every shard read and its xxh3 digest verified (goal >= 1.0x)
+  object     ObjectTier(file://).load(step): every shard read and verified (goal >= 0.9x)
   object     ObjectTier(file://).read(step, name) for every tensor
   object     ObjectTier(s3://moto).read(step, name) for every tensor
 
@@ -131,6 +132,8 @@ def main(argv: list[str] | None = None) -> dict:
             (c.Row("safetensors.torch.load_file", nbytes=nbytes, baseline=True), st_whole, None),
             (c.Row("flowcheck LocalTier.read per tensor", nbytes=nbytes), tier_whole(local), None),
             (c.Row("flowcheck LocalTier.load(step), all shards, digests verified", nbytes=nbytes), tier_load(local), None),
+            (c.Row("flowcheck ObjectTier file:// load(step), all shards, digests verified", nbytes=nbytes),
+             tier_load(obj_file), fresh(obj_file)),
             (c.Row("flowcheck ObjectTier file:// read per tensor", nbytes=nbytes), tier_whole(obj_file), fresh(obj_file)),
         ]
         if obj_s3 is not None:
@@ -148,7 +151,7 @@ def main(argv: list[str] | None = None) -> dict:
                                  nbytes=slice_bytes), tier_slice(obj_s3),
                            fresh(obj_s3)))
         entries = [(r, f, s, None) for r, f, s in whole + sliced]
-        cold = c.run_rounds(entries, args.repeats, cold=not args.warm)
+        cold = c.run_rounds(entries, args.repeats, cold=not args.warm, rotate=True)
     finally:
         if moto is not None:
             moto.close()
@@ -157,7 +160,7 @@ def main(argv: list[str] | None = None) -> dict:
     whole_rows = [r for r, *_ in whole]
     slice_rows = [r for r, *_ in sliced]
     # slice table: each slice read against the same tier's whole read
-    pairs = [(whole_rows[0], slice_rows[0]), (whole_rows[1], slice_rows[1]), (whole_rows[3], slice_rows[2])]
+    pairs = [(whole_rows[0], slice_rows[0]), (whole_rows[1], slice_rows[1]), (whole_rows[4], slice_rows[2])]
     if len(slice_rows) > 3:
         pairs.append((whole_rows[-1], slice_rows[3]))
     slice_md = ["| tier | whole state s | 1/8 rows s | bytes read (slice) | slice GB/s | speed-up whole/slice |",
@@ -172,19 +175,26 @@ def main(argv: list[str] | None = None) -> dict:
             slice_md.append(f"| {s.method} | – | – | – | – | FAILED: {s.error or w.error} |")
         slice_json.append({"whole": w.method, "slice": s.method, "whole_s": w.median if w.times else None,
                            "slice_s": s.median if s.times else None, "speedup": sp})
+    rat = c.ratios(whole_rows)
+    goals = [{"comparison": "flowcheck LocalTier.load (digests verified) vs safetensors.load_file",
+              "ratio": rat[whole_rows[2].method], "goal": ">= 1.0x"},
+             {"comparison": "flowcheck ObjectTier file:// load (digests verified) vs safetensors.load_file",
+              "ratio": rat[whole_rows[3].method], "goal": ">= 0.9x"}]
+    goal_md = ["| comparison | ratio | goal |", "|---|---:|---|"] + [
+        f"| {g['comparison']} | {g['ratio']:.2f}x | {g['goal']} |" for g in goals]
     cache = ("page cache dropped before every measurement (cold local reads, moto's spooled object files too)"
              if cold and not args.warm else "page cache NOT dropped (warm)")
     text = "\n".join([
         c.header("Read-back — whole state and 1/8 row slices", None, args, cmd,
-                 f"- state: {description}\n- {args.repeats} rounds, alternatives interleaved, median reported; {cache}"),
+                 f"- state: {description}\n- {args.repeats} rounds, alternatives interleaved (round r starts at alternative r), median reported; {cache}"),
         "", "Whole state (ratio = safetensors_time / method_time):", "",
-        c.table(whole_rows, ratio_label="ratio vs safetensors (higher = faster)"), "",
+        c.table(whole_rows, ratio_label="ratio vs safetensors (higher = faster)"), "", "\n".join(goal_md), "",
         f"First 1/8 of the rows of every tensor ({slice_bytes / 1e9:.3f} GB of {nbytes / 1e9:.3f} GB), vs the same reader's whole read:",
         "", "\n".join(slice_md),
     ])
     print("\n" + text, flush=True)
     result = {"benchmark": "read-back", "command": cmd, "machine": c.machine(), "state": description, "bytes": nbytes,
-              "cache": cache, "rows": c.rows_json(whole_rows), "slice_rows": c.rows_json(slice_rows),
+              "cache": cache, "goals": goals, "rows": c.rows_json(whole_rows), "slice_rows": c.rows_json(slice_rows),
               "slices": slice_json, "markdown": text}
     c.save_json(args.out, result)
     return result

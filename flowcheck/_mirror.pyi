@@ -1,6 +1,6 @@
 """flowcheck._mirror: capture index, RoCEv2 parse, reassembly and NCCL unpacking (native).
 
-Use it through flowcheck.capture.pcap and flowcheck.capture.roce, which own the record dtypes
+Use it through flowcheck.capture.mirror.pcap, .roce and .packet_ring, which own the record dtypes
 and turn ValueError into CaptureError.
 """
 from collections.abc import Buffer
@@ -43,3 +43,9 @@ def merge_send(buf: Buffer, parts: list[tuple[Buffer, int]], flag: int, ll: bool
 
 def segment_flags(buf: Buffer, segments: Buffer) -> np.ndarray:
     """int64 per segment: the LL flag of its first line (bytes 4..8), -1 under 16 bytes."""
+
+def ring_block(block: Buffer, out: Buffer, at: int, offsets: Buffer, lengths: Buffer, ts_ns: Buffer,
+               row: int) -> tuple[int, int]:
+    """Copy the frames of a retired TPACKET_V3 block to out[at:] (stripped VLAN tags put back, frames this host
+    sent skipped), their offsets/lengths/ts_ns to rows from `row`; (rows after, out offset after); ValueError
+    when the block is malformed or an output is too small."""

@@ -88,10 +88,11 @@ class LocalConfig:
 
     root: str = "./flowcheck-data/local"
     codec: str = "none"  # none | lz4 (blosc lz4 + bitshuffle) | zstd
-    chunk_mib: int = 16  # inner chunk size inside each shard file (the CRC32C unit)
-    workers: int = 4  # shards written in parallel
+    chunk_mib: int = 16  # inner chunk size of per-shard arrays (compressed codecs; packs use 64 KiB): the CRC32C unit
+    workers: int = 4  # packs (shards, with a compressed codec) written in parallel
     fsync: bool = True  # make a step durable before its manifest commits it
-    sync_mode: str = "syncfs"  # syncfs: one flush of the filesystem per step | fsync: one per file and directory
+    # fsync: the step's own files and folders, in parallel | syncfs: one flush of the whole filesystem
+    sync_mode: str = "fsync"
 
     def __post_init__(self) -> None:
         if self.sync_mode not in ("syncfs", "fsync"):

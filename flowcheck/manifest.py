@@ -33,7 +33,13 @@ FORMAT_VERSION = 1
 # Only such manifests are v2, so a flowcheck that predates them refuses them instead of
 # computing a digest that leaves ``nodes`` out.
 MULTI_NODE_VERSION = 2
-KNOWN_VERSIONS = (FORMAT_VERSION, MULTI_NODE_VERSION)
+# v3 = v1 + packed pieces (``start``): the local tier stores many shards in one flat zarr array
+# (tiers/zarr_pack.py).  Only where the bytes lie changes, and locations are outside the manifest
+# digest, so a v3 manifest has the digest of the same state as v1 (``Manifest.digest``): a step
+# keeps its identity when promoted.  A flowcheck that predates v3 refuses it instead of reading
+# a pack as one shard.
+PACKED_VERSION = 3
+KNOWN_VERSIONS = (FORMAT_VERSION, MULTI_NODE_VERSION, PACKED_VERSION)
 SOURCES = ("mirror", "push", "import", "restore", "snapshot")
 MAX_TENSOR_BYTES = 1 << 63  # numpy and the byte offsets of every format are int64
 
@@ -65,6 +71,7 @@ class Piece:
     path: str  # relative to the run's root in the tier; may point into an earlier step
     key: str | None = None  # tensor key inside a safetensors file
     rows: tuple[int, int] | None = None  # rows [start, stop) of the shard held by this piece
+    start: int | None = None  # v3: the shard's first element in the flat (1-D) zarr array at ``path``
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"path": self.path}
@@ -72,6 +79,8 @@ class Piece:
             out["key"] = self.key
         if self.rows is not None:
             out["rows"] = list(self.rows)
+        if self.start is not None:
+            out["start"] = self.start
         return out
 
 
@@ -221,6 +230,8 @@ class Manifest:
     def digest(self) -> str:
         """The manifest digest: identity of the state, independent of the tier holding it."""
         body = self.to_json(integrity=False)
+        if self.format_version == PACKED_VERSION:
+            body["format_version"] = FORMAT_VERSION  # v3 differs from v1 only in locations, which identify nothing
         body.pop("signature", None)
         body.pop("files", None)
         for t in body["tensors"].values():
@@ -318,9 +329,9 @@ class _Reader:
             raise ManifestError(str(e)) from e
 
 
-def _piece(r: _Reader, raw: Any, path: str) -> Piece:
+def _piece(r: _Reader, raw: Any, path: str, version: int) -> Piece:
     if not isinstance(raw, Mapping):
-        raise r.fail(path, "an object {path, key?, rows?}", raw)
+        raise r.fail(path, "an object {path, key?, rows?, start?}", raw)
     p = r.relpath(raw, "path", path + ".path")
     key = raw.get("key")
     if key is not None and not isinstance(key, str):
@@ -330,10 +341,16 @@ def _piece(r: _Reader, raw: Any, path: str) -> Piece:
         if not (isinstance(rows, list) and len(rows) == 2 and all(isinstance(v, int) for v in rows) and 0 <= rows[0] <= rows[1]):
             raise r.fail(path + ".rows", "[start, stop] with 0 <= start <= stop", rows)
         rows = (rows[0], rows[1])
-    return Piece(p, key, rows)
+    start = raw.get("start")
+    if start is not None:
+        if version != PACKED_VERSION:
+            raise r.fail(path + ".start", f"no 'start' outside a format_version {PACKED_VERSION} manifest", start)
+        if not isinstance(start, int) or isinstance(start, bool) or start < 0 or key is not None or rows is not None:
+            raise r.fail(path + ".start", "a non-negative integer, in a piece without key and rows", start)
+    return Piece(p, key, rows, start)
 
 
-def _tensor(r: _Reader, name: str, raw: Any) -> TensorEntry:
+def _tensor(r: _Reader, name: str, raw: Any, version: int) -> TensorEntry:
     try:
         check_name(name)
     except UnsafeNameError as e:
@@ -359,7 +376,7 @@ def _tensor(r: _Reader, name: str, raw: Any) -> TensorEntry:
         ):
             raise r.fail(sp, f"a box inside global shape {list(shape)}", {"offsets": offsets, "shape": sshape})
         loc = r.get(s, "location", list, sp + ".location", "a list of pieces")
-        pieces = tuple(_piece(r, p, f"{sp}.location[{j}]") for j, p in enumerate(loc))
+        pieces = tuple(_piece(r, p, f"{sp}.location[{j}]", version) for j, p in enumerate(loc))
         for j, p in enumerate(pieces):
             if p.rows is not None and (not sshape or p.rows[1] > sshape[0]):
                 rows = sshape[0] if sshape else 0
@@ -394,10 +411,10 @@ def _check_file_bytes(r: _Reader, tensors: Mapping[str, TensorEntry], files: lis
 
 
 def _nodes(r: _Reader, raw: Mapping[str, Any], version: int) -> tuple[NodeRef, ...]:
-    """v2 lists its node parts (at least one, each node once); v1 has none."""
-    if version == FORMAT_VERSION:
+    """v2 lists its node parts (at least one, each node once); v1 and v3 have none."""
+    if version != MULTI_NODE_VERSION:
         if "nodes" in raw:
-            raise r.fail("nodes", f"no 'nodes' in a format_version {FORMAT_VERSION} manifest", raw["nodes"])
+            raise r.fail("nodes", f"no 'nodes' in a format_version {version} manifest", raw["nodes"])
         return ()
     expected = "a non-empty list of {node, manifest_digest}"
     items = r.get(raw, "nodes", list, "nodes", expected)
@@ -460,7 +477,8 @@ def parse(raw_bytes: bytes, where: str, *, verify_integrity: bool = True) -> Man
     if any(v < 1 for v in dims.values()):
         raise r.fail("source_layout", "positive integers tp, pp, dp, vpp", sl)
     layout = ParallelLayout(**dims)
-    tensors = {name: _tensor(r, name, t) for name, t in r.get(raw, "tensors", dict, "tensors", "an object").items()}
+    tensors = {name: _tensor(r, name, t, version)
+               for name, t in r.get(raw, "tensors", dict, "tensors", "an object").items()}
     files: list[FileEntry] = []
     for i, f in enumerate(r.get(raw, "files", list, "files", "a list")):
         p = r.relpath(f, "path", f"files[{i}].path")

@@ -158,6 +158,21 @@ class Store:
                 parent = self._current_head_before(snapshot.step)
             return self.commit(snapshot, tier, parent, progress=progress)
 
+    def head_before(self, step: int) -> ParentRef | None:
+        """The current branch's newest state before ``step``: what a plain ``write`` at ``step`` descends from."""
+        return self._current_head_before(step)
+
+    def placement(self, step: int, tier: str, parent: ParentRef | None) -> Tier:
+        """The tier opened at the branch a new state at ``step`` descending from ``parent`` goes to (the rule of
+        ``commit``, flowcheck/branches.py), that branch's fork record written first when the state starts one.
+        For writers that store a state in pieces instead of through ``commit`` (flowcheck/dcp: a part per rank)."""
+        with self._locks[tier]:
+            branch, record = self.history(live={tier}).place(step, parent)
+            target = self.tier(tier, branch)
+            if record is not None:
+                target.put_branch_record(record)
+            return target
+
     def commit(self, snapshot: Snapshot, tier: str, parent: ParentRef | None, *,
                progress: Progress | None = None, hist: History | None = None) -> Manifest:
         """Commit a state to the branch it belongs on (flowcheck/branches.py).

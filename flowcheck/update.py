@@ -19,7 +19,7 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from flowcheck.capture.job import Bucket, Job
+from flowcheck.capture.mirror.job import Bucket, Job
 from flowcheck.errors import JobError
 from flowcheck.state import Snapshot
 from flowcheck.torch.state import OPT_PREFIX, snapshot_from_torch

@@ -4,6 +4,7 @@
 // the whole loop, and reports failure as one exception type (OSError with errno
 // for I/O, ValueError for bad arguments).  No torch, no allocation of tensors.
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -17,6 +18,8 @@
 #include <thread>
 #include <unistd.h>
 #include <vector>
+
+#include "chunk_file.hpp"
 
 namespace py = pybind11;
 
@@ -187,6 +190,77 @@ void generation_store(const py::buffer& b, py::ssize_t offset, uint64_t value) {
     __atomic_thread_fence(__ATOMIC_SEQ_CST);
 }
 
+[[noreturn]] void raise_errno(int err) {
+    errno = err;
+    PyErr_SetFromErrno(PyExc_OSError);
+    throw py::error_already_set();
+}
+
+// Runs fn without the GIL; the chunk files' I/O and data errors become OSError / ValueError.
+template <class Fn>
+auto chunk_call(Fn fn) -> decltype(fn()) {
+    int err = 0;
+    std::string bad;
+    {
+        py::gil_scoped_release nogil;
+        try {
+            return fn();
+        } catch (const fc_chunk::IoError& e) {
+            err = e.err;
+        } catch (const fc_chunk::DataError& e) {
+            bad = e.what;
+        }
+    }
+    if (err) raise_errno(err);
+    throw py::value_error(bad);
+}
+
+uint32_t crc32c(const py::buffer& b, uint32_t crc) {
+    View v = readable(b);
+    py::gil_scoped_release nogil;
+    return fc_crc::extend(crc, v.data, v.size);
+}
+
+std::string xxh3_128(const py::buffer& b) {
+    View v = readable(b);
+    py::gil_scoped_release nogil;
+    fc_chunk::Hasher h;
+    h.update(v.data, v.size);
+    return h.hex();
+}
+
+// One shard file being written (see chunk_file.hpp): the fd stays the caller's to fsync and close.
+class ChunkWriter {
+  public:
+    ChunkWriter(int fd, size_t chunk_bytes, size_t flush_every) : w_(fd, chunk_bytes, flush_every) {
+        if (chunk_bytes == 0) throw py::value_error("chunk_bytes must be > 0");
+    }
+    std::string write(const py::buffer& b) {
+        View v = readable(b);
+        if (finished_) throw py::value_error("ChunkWriter.write after finish");
+        return chunk_call([&] { return w_.write(reinterpret_cast<const unsigned char*>(v.data), v.size); });
+    }
+    std::pair<uint64_t, std::string> finish() {
+        if (finished_) throw py::value_error("ChunkWriter.finish called twice");
+        finished_ = true;
+        return chunk_call([&] { return w_.finish(); });
+    }
+
+  private:
+    fc_chunk::Writer w_;
+    bool finished_ = false;
+};
+
+std::string read_chunks(int fd, py::buffer dst, uint64_t begin, size_t chunk_bytes, int threads, size_t block_bytes) {
+    py::buffer_info d = dst.request(true);
+    require_contiguous(d);
+    if (chunk_bytes == 0) throw py::value_error("chunk_bytes must be > 0");
+    if (block_bytes == 0) throw py::value_error("block_bytes must be > 0");
+    auto* out = static_cast<unsigned char*>(d.ptr);
+    size_t n = static_cast<size_t>(d.size * d.itemsize);
+    return chunk_call([&] { return fc_chunk::read_range_parallel(fd, out, n, begin, chunk_bytes, threads, block_bytes); });
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_native, m) {
@@ -200,6 +274,22 @@ PYBIND11_MODULE(_native, m) {
     m.def("copy_into", &copy_into, py::arg("dst"), py::arg("src"), py::arg("threads") = 4, py::arg("stream") = false,
           "Copy src into the writable buffer dst (same byte size) with up to `threads` threads; stream=True "
           "writes around the cache (non-temporal stores), for copies nobody reads soon.");
+    m.def("crc32c", &crc32c, py::arg("buffer"), py::arg("crc") = 0,
+          "CRC-32C of the buffer, continued from crc (google_crc32c.extend's value).");
+    m.def("xxh3_128", &xxh3_128, py::arg("buffer"), "xxh3-128 of the buffer, as hex (xxhash's hexdigest).");
+    py::class_<ChunkWriter>(m, "ChunkWriter",
+                            "Streams one dense zarr shard file of fixed-size inner chunks (crc32c after each, "
+                            "index at the end) to fd from offset 0, hashing data and file as it writes.")
+        .def(py::init<int, size_t, size_t>(), py::arg("fd"), py::arg("chunk_bytes"), py::arg("flush_every") = 0)
+        .def("write", &ChunkWriter::write, py::arg("buffer"),
+             "Append the buffer's bytes to the chunk stream; returns their xxh3-128 (hex). Raises OSError.")
+        .def("finish", &ChunkWriter::finish,
+             "Pad the last chunk with zeros, write the index; returns (file bytes, xxh3-128 hex of the file).");
+    m.def("read_chunks", &read_chunks, py::arg("fd"), py::arg("dst"), py::arg("begin"), py::arg("chunk_bytes"),
+          py::arg("threads") = 1, py::arg("block_bytes") = fc_chunk::READ_BLOCK,
+          "Read data bytes [begin, begin + len(dst)) of a dense shard file into dst, checking the crc32c of every "
+          "chunk touched (parts of >= 16 MiB on up to `threads` threads, requests of block_bytes); returns the "
+          "xxh3-128 (hex) of dst. OSError for I/O, ValueError for a bad or short file.");
     m.def("generation_load", &generation_load, py::arg("buffer"), py::arg("offset"),
           "Atomically read the 64-bit counter at offset (8-aligned), fenced on both sides.");
     m.def("generation_store", &generation_store, py::arg("buffer"), py::arg("offset"), py::arg("value"),

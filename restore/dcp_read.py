@@ -5,21 +5,27 @@ torch's ``FileSystemReader.read_metadata`` is a bare ``pickle.load``; here the
 field into small value objects, and each saved chunk (``torch.save`` of one
 tensor at an offset of a ``.distcp`` file, as DCP's ``_write_item`` writes it)
 is read by offset and length through the ``weights_only`` loader.  Non-tensor
-entries (``BytesStorageMetadata``: pickled objects) are never read.
+entries (``BytesStorageMetadata``: pickled objects) are never unpickled here: ``read_bytes`` returns their raw
+bytes, which ``flowcheck import --trust-pickle`` stores as they are (flowcheck/dcp/objects.py).
 """
 from __future__ import annotations
 
+import logging
 import math
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
+from flowcheck import dtypes
 from flowcheck.errors import FormatError
 from flowcheck.restore.unpickle import load_dcp_metadata, load_pt
+from flowcheck.state import Scalars, Shard, Snapshot, StateLayout, TensorSpec
 
+log = logging.getLogger(__name__)
 METADATA = ".metadata"
 
 
@@ -44,9 +50,28 @@ class StoredTensor:
     pieces: tuple[Piece, ...]
 
 
+@dataclass(frozen=True)
+class DcpDirectory:
+    """What a DCP directory's ``.metadata`` says, checked: its tensors, its bytes items (key -> file, start,
+    length: never unpickled here) and the planner's key paths."""
+
+    tensors: dict[str, StoredTensor]
+    objects: dict[str, tuple[str, int, int]]
+    planner_data: Any
+
+
 def read_index(path: str, trust_pickle: bool = False) -> dict[str, StoredTensor]:
     """Every tensor a DCP directory holds, from its ``.metadata``, checked before any data is read."""
-    from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+    return read_directory(path, trust_pickle).tensors
+
+
+def read_directory(path: str, trust_pickle: bool = False) -> DcpDirectory:
+    """The tensors and bytes items a DCP directory holds, from its ``.metadata``, checked before any data is read."""
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        Metadata,
+        TensorStorageMetadata,
+    )
 
     where = os.path.join(path, METADATA)
     md = load_dcp_metadata(where, trust_pickle)
@@ -55,8 +80,43 @@ def read_index(path: str, trust_pickle: bool = False) -> dict[str, StoredTensor]
         raise FormatError(f"{where}: expected a DCP Metadata with state_dict_metadata and storage_data dicts, "
                           f"found {type(md).__name__}")
     places = _places(storage, where)
-    return {name: _stored_tensor(name, m, places, where)
-            for name, m in entries.items() if isinstance(m, TensorStorageMetadata)}
+    tensors = {name: _stored_tensor(name, m, places, where)
+               for name, m in entries.items() if isinstance(m, TensorStorageMetadata)}
+    objects = {}
+    for name, m in entries.items():
+        if isinstance(m, BytesStorageMetadata):
+            info = places.get((name, None))
+            if info is None:
+                raise FormatError(f"{where}: {name}: storage_data has no entry for this bytes item")
+            objects[name] = _location(info, f"{where}: {name}")
+    return DcpDirectory(tensors, objects, getattr(md, "planner_data", None))
+
+
+def read_bytes(path: str, key: str, place: tuple[str, int, int]) -> bytes:
+    """The raw bytes of a bytes item (a pickle DCP's planner wrote): read, never unpickled."""
+    file = os.path.join(path, place[0])
+    try:
+        with open(file, "rb") as f:
+            f.seek(place[1])
+            raw = f.read(place[2])
+    except OSError as e:
+        raise FormatError(f"{file}: cannot read ({e}); the .metadata lists it for {key}") from e
+    if len(raw) != place[2]:
+        raise FormatError(f"{file} at byte {place[1]} ({key}): expected {place[2]} bytes, found {len(raw)}; truncated")
+    return raw
+
+
+def load_pieces(path: str, st: StoredTensor) -> list[tuple[Piece, torch.Tensor]]:
+    """Each saved chunk of a tensor as it is stored (its box and its data), read by offset ``weights_only``."""
+    out = []
+    for piece in st.pieces:
+        file = os.path.join(path, piece.file)
+        try:
+            with open(file, "rb") as f:
+                out.append((piece, _read_piece(f, file, st, piece)))
+        except OSError as e:
+            raise FormatError(f"{file}: cannot read ({e}); the .metadata lists it for {st.name}") from e
+    return out
 
 
 def load_tensors(path: str, tensors: Iterable[StoredTensor]) -> dict[str, torch.Tensor]:
@@ -94,17 +154,46 @@ def _read_piece(f: Any, file: str, st: StoredTensor, piece: Piece) -> torch.Tens
     return t
 
 
+# ---- a plain DCP directory as a step (flowcheck import) ---------------------------------------
+def snapshot_of(path: str, run: str, step: int, *, trust_pickle: bool = False) -> Snapshot:
+    """A plain DCP checkpoint directory (``.metadata`` + ``*.distcp``, as ``dcp.save`` writes it) as a step: every
+    saved chunk a shard (DCP's chunks are boxes of the global tensors), keys recorded as ``flowcheck.dcp`` records
+    them, so ``flowcheck.dcp.Reader`` loads the step back into DCP.  Bytes items (pickles) are stored, as raw bytes
+    and never loaded, only with ``trust_pickle``; otherwise they are left out and named in a warning."""
+    from flowcheck.dcp.index import KEY, DcpIndex, object_name, tensor_name
+    from flowcheck.torch.state import to_numpy
+
+    found = read_directory(path, trust_pickle)
+    objects = found.objects if trust_pickle else {}
+    if found.objects and not trust_pickle:
+        log.warning("%s: %d non-tensor item(s) not imported (pickles: %s%s); pass --trust-pickle to store them as raw "
+                    "bytes", path, len(found.objects), ", ".join(sorted(found.objects)[:3]),
+                    ", ..." if len(found.objects) > 3 else "")
+    specs, data = [], {}
+    for key, st in sorted(found.tensors.items()):
+        spec = TensorSpec(tensor_name(key), dtypes.from_torch(st.dtype).name, st.shape)
+        specs.append(spec)
+        for piece, t in load_pieces(path, st):
+            data[Shard(spec.name, piece.offsets, piece.sizes)] = to_numpy(t)
+    for key, place in sorted(objects.items()):
+        spec = TensorSpec(object_name(key), "uint8", (place[2],))
+        specs.append(spec)
+        data[Shard.whole(spec)] = np.frombuffer(read_bytes(path, key, place), dtype=np.uint8)
+    index = DcpIndex.of(sorted(found.tensors), sorted(objects), found.planner_data)
+    return Snapshot(run, step, StateLayout(tuple(specs)), data, Scalars(extra={KEY: index.to_json()}), source="import")
+
+
 # ---- metadata checks ------------------------------------------------------------------------
-def _places(storage: dict, where: str) -> dict[tuple[str, tuple[int, ...]], Any]:
-    """(tensor name, chunk offsets) -> its _StorageInfo, for the tensor entries of ``storage_data``."""
+def _places(storage: dict, where: str) -> dict[tuple[str, tuple[int, ...] | None], Any]:
+    """(key, chunk offsets; None for a bytes item) -> its _StorageInfo, for every entry of ``storage_data``."""
     from torch.distributed.checkpoint.metadata import MetadataIndex
 
     out = {}
     for key, info in storage.items():
         if not isinstance(key, MetadataIndex) or not isinstance(key.fqn, str):
             raise FormatError(f"{where}: storage_data: expected MetadataIndex keys, found {type(key).__name__}")
-        if key.offset is not None:
-            out[key.fqn, _ints(key.offset, where, f"storage_data[{key.fqn!r}].offset")] = info
+        offset = None if key.offset is None else _ints(key.offset, where, f"storage_data[{key.fqn!r}].offset")
+        out[key.fqn, offset] = info  # a bytes item's key has no offset
     return out
 
 

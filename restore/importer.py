@@ -2,7 +2,8 @@
 
 Sources: a Megatron checkpoint directory (legacy ``mp_rank_*`` files or
 ``torch_dist``, any TP/PP/VPP, optimizer state where the format carries it in
-a model-shaped form) or a safetensors file of canonical names.  Every rank's
+a model-shaped form), a plain PyTorch DCP directory (``dcp.save``'s ``.metadata`` + ``*.distcp``:
+restore/dcp_read.py) or a safetensors file of canonical names.  Every rank's
 tensors are recorded as shards in the canonical index space with the same
 rules restore cuts with, so a TP=4 import restores at TP=2.  Nothing is
 unpickled beyond tensors, containers and ``argparse.Namespace`` (``.pt``) and
@@ -25,7 +26,7 @@ import torch
 from flowcheck.errors import FormatError, ManifestError
 from flowcheck.manifest import ParentRef, parse_ref
 from flowcheck.restore.arch import ModelArch, arch_from_metadata
-from flowcheck.restore.dcp_read import StoredTensor, load_tensors, read_index
+from flowcheck.restore.dcp_read import METADATA, StoredTensor, load_tensors, read_index, snapshot_of
 from flowcheck.restore.megatron_common import TRACKER, iter_dirname
 from flowcheck.restore.megatron_dist import OPT_PREFIX as DIST_OPT, dist_key
 from flowcheck.restore.megatron_map import Param, canonical_suffix, model_params, rank_tensors
@@ -73,6 +74,8 @@ def import_checkpoint(path: str, run: str, step: int, *, arch: ModelArch | None 
     """
     if os.path.isfile(path) and path.endswith(".safetensors"):
         got = _from_safetensors(path, arch)
+    elif os.path.isfile(os.path.join(path, METADATA)) and not os.path.exists(os.path.join(path, "metadata.json")):
+        return snapshot_of(path, run, step, trust_pickle=trust_pickle)  # a plain DCP directory (dcp.save's)
     elif os.path.isdir(path):
         it_dir = _iteration_dir(path)
         if os.path.exists(os.path.join(it_dir, "metadata.json")):
@@ -81,8 +84,8 @@ def import_checkpoint(path: str, run: str, step: int, *, arch: ModelArch | None 
             got = _from_legacy(it_dir, arch, trust_pickle)
     else:
         raise FormatError(
-            f"{path}: expected a Megatron checkpoint directory (with {TRACKER} or iter_*/) "
-            "or a .safetensors file, found neither"
+            f"{path}: expected a Megatron checkpoint directory (with {TRACKER} or iter_*/), a DCP checkpoint "
+            "directory (.metadata + *.distcp) or a .safetensors file, found none of them"
         )
     return _snapshot(got, run, step)
 

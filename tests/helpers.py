@@ -129,3 +129,30 @@ def write_raw(tier, rel: str, data: bytes) -> None:
         return
     with open(os.path.join(tier.root, rel), "wb") as f:
         f.write(data)
+
+
+def flip_shard_byte(tier, step: int, tensor: str) -> str:
+    """Flip one byte inside the stored data of ``tensor``'s first shard in a local step (per-shard arrays or a
+    pack: the byte is within that shard's elements); returns the file changed."""
+    import math
+
+    from flowcheck import dtypes
+    from flowcheck.tiers.zarr_pack import CHUNK_BYTES
+
+    m = tier.manifest(step)
+    entry = m.tensors[tensor].shards[0]
+    piece = entry.location[0]
+    folder = os.path.join(tier.root, piece.path)
+    if piece.start is None:  # one zarr array per shard: the middle of its first chunk file
+        path = sorted(os.path.join(d, f) for d, _, files in os.walk(folder) for f in files if f != "zarr.json")[0]
+        at = os.path.getsize(path) // 2
+    else:  # a pack: the shard's middle element; inner chunks of CHUNK_BYTES, each followed by its 4-byte CRC32C
+        path = os.path.join(folder, "c", "0")
+        off = (piece.start + math.prod(entry.shape) // 2) * dtypes.dtype(m.tensors[tensor].dtype).itemsize
+        at = off // CHUNK_BYTES * (CHUNK_BYTES + 4) + off % CHUNK_BYTES
+    with open(path, "r+b") as f:
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    return path

@@ -15,24 +15,14 @@ from flowcheck.restore.megatron_common import Target
 from flowcheck.restore.service import restore
 from flowcheck.restore.source import StepReader, open_step
 from flowcheck.store import Store
-from tests.helpers import W, global_array, make_snapshot
+from tests.helpers import W, flip_shard_byte, global_array, make_snapshot
 from tests.restore.conftest import SMALL, canonical_state, make_store, write_reference
 from tests.test_store import make_store as make_plain_store
 
 
 def flip_a_byte(store: Store, step: int, tensor: str) -> str:
-    """Flip one byte in the middle of a local zarr chunk file of ``tensor``; returns that file."""
-    m = store.local.manifest(step)
-    entry = m.tensors[tensor].shards[0]
-    folder = os.path.join(store.local.root, entry.location[0].path)
-    chunks = sorted(os.path.join(d, f) for d, _, files in os.walk(folder) for f in files if f != "zarr.json")
-    path = chunks[0]
-    with open(path, "r+b") as f:
-        f.seek(os.path.getsize(path) // 2)
-        byte = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([byte[0] ^ 0xFF]))
-    return path
+    """Flip one byte of ``tensor``'s stored data in the local tier; returns that file."""
+    return flip_shard_byte(store.local, step, tensor)
 
 
 @pytest.fixture

@@ -11,6 +11,7 @@ import pytest
 from flowcheck.digest import sha256
 from flowcheck.errors import FlowcheckError, ManifestError
 from flowcheck.manifest import (
+    PACKED_VERSION,
     FileEntry,
     Manifest,
     ParentRef,
@@ -68,6 +69,29 @@ def raw_json() -> dict:
     return json.loads(golden_manifest().to_bytes())
 
 
+GOLDEN_V3 = Path(__file__).parent / "golden" / "manifest_v3.json"
+
+
+def golden_packed_manifest() -> Manifest:
+    """The golden state as the local tier's packed layout (format_version 3) stores it: the same tensors and
+    digests, its shards at element offsets of two flat zarr arrays."""
+    m = golden_manifest()
+    d, packs = "step-000000010", "step-000000010/packs"
+    w, norm = m.tensors[W], m.tensors[NORM]
+    return replace(
+        m,
+        format_version=PACKED_VERSION,
+        tensors={
+            W: replace(w, shards=(replace(w.shards[0], location=(Piece(f"{packs}/0", start=0),)),
+                                  replace(w.shards[1], location=(Piece(f"{packs}/0", start=24),)))),
+            NORM: replace(norm, shards=(replace(norm.shards[0], location=(Piece(f"{packs}/1", start=0),)),)),
+        },
+        files=(FileEntry(f"{d}/zarr.json", 900, "xxh3-128:" + _hex("6", 32)),
+               FileEntry(f"{packs}/0/c/0", 65560, "xxh3-128:" + _hex("7", 32)),
+               FileEntry(f"{packs}/1/c/0", 65560, "xxh3-128:" + _hex("8", 32))),
+    )
+
+
 def reseal(obj: dict) -> bytes:
     """Re-serialise an edited manifest with a matching integrity field (a careful forger)."""
     body = {k: v for k, v in obj.items() if k != "integrity"}
@@ -100,6 +124,39 @@ def test_golden_file_parses_to_the_same_manifest():
 
 def test_manifest_digest_is_pinned():
     assert golden_manifest().digest() == GOLDEN_DIGEST
+
+
+def test_packed_manifest_bytes_match_the_golden_v3_file():
+    assert golden_packed_manifest().to_bytes() == GOLDEN_V3.read_bytes()
+    assert parse(GOLDEN_V3.read_bytes(), str(GOLDEN_V3)) == golden_packed_manifest()
+    raw = json.loads(GOLDEN_V3.read_bytes())
+    assert raw["format_version"] == 3 and raw["tensors"][W]["shards"][1]["location"] == [
+        {"path": "step-000000010/packs/0", "start": 24}]
+
+
+def test_a_packed_manifest_has_the_digest_of_the_same_state_in_v1():
+    """v3 changes only where the bytes lie: promotion from a packed local step keeps the hash chain."""
+    assert golden_packed_manifest().digest() == GOLDEN_DIGEST == golden_manifest().digest()
+
+
+def test_start_is_refused_outside_v3_and_with_a_key_or_rows():
+    raw = raw_json()
+    _shard(raw)["location"] = [{"path": "step-000000010/packs/0", "start": 0}]
+    with pytest.raises(ManifestError, match="start"):
+        parse(reseal(raw), "m.json")
+    packed = json.loads(golden_packed_manifest().to_bytes())
+    for bad in ({"path": "p", "start": -1}, {"path": "p", "start": True}, {"path": "p", "start": 0, "key": "k"},
+                {"path": "p", "start": 0, "rows": [0, 1]}):
+        packed["tensors"][NORM]["shards"][0]["location"] = [bad]
+        with pytest.raises(ManifestError, match="start"):
+            parse(reseal(packed), "m.json")
+
+
+def test_a_v3_manifest_lists_no_nodes():
+    packed = json.loads(golden_packed_manifest().to_bytes())
+    packed["nodes"] = [{"node": "n1", "manifest_digest": "sha256:" + _hex("c", 64)}]
+    with pytest.raises(ManifestError, match="no 'nodes' in a format_version 3"):
+        parse(reseal(packed), "m.json")
 
 
 # ---- the manifest digest -------------------------------------------------------

@@ -255,7 +255,7 @@ def test_json_output_parses_and_has_the_documented_fields():
     assert result.exit_code == 0, result.output
     doc = json.loads(result.output)
     assert set(doc) == {"nodes", "gpus", "failures_per_day", "mtbf_hours", "restart_min", "capture", "formula",
-                        "intervals", "tiers", "per_iteration", "cost"}
+                        "intervals", "tiers", "per_iteration", "cost", "mirror_node"}
     assert doc["failures_per_day"] == pytest.approx(8.0) and doc["nodes"] == 384
     assert [r["interval_min"] for r in doc["intervals"]] == [60.0, 5.0]
     assert set(doc["intervals"][0]) == {"interval_min", "ettr_first_order", "ettr_exact", "formula", "tiers"}

@@ -199,9 +199,9 @@ class Tier(ABC):
 
     def read_shard(self, manifest: Manifest, tensor: str, entry: ShardEntry, *, verify: bool = True) -> np.ndarray:
         """One whole shard, its data digest checked against the manifest."""
-        arr = self._read_stored(manifest, tensor, entry, full_region(entry.shape))
+        arr, got = self._read_whole(manifest, tensor, entry)
         if verify:
-            got = data_digest(arr)
+            got = got if got is not None else data_digest(arr)
             if got != entry.digest:
                 raise IntegrityError(
                     f"{self.name} tier step {manifest.step} tensor {tensor} shard {list(entry.offsets)} "
@@ -212,11 +212,16 @@ class Tier(ABC):
             self._verified_shard(manifest, tensor, entry, mark=True)  # later region reads of it may trust it
         return arr
 
-    def _read_stored(self, manifest: Manifest, tensor: str, entry: ShardEntry, region: tuple[slice, ...]) -> np.ndarray:
-        """``_read_shard``, with a file the manifest lists but the tier lacks reported as damage (not a bare OSError),
-        and a shard too large to allocate as a TooLargeError."""
+    def _read_whole(self, manifest: Manifest, tensor: str, entry: ShardEntry) -> tuple[np.ndarray, str | None]:
+        """A whole shard and its data digest when the tier computed it in the same pass as the read (else None)."""
+        return self._read_stored(manifest, tensor, entry, full_region(entry.shape)), None
+
+    def _read_stored(self, manifest: Manifest, tensor: str, entry: ShardEntry, region: tuple[slice, ...],
+                     read: Callable[[], Any] | None = None) -> Any:
+        """``_read_shard`` (or ``read()``), with a file the manifest lists but the tier lacks reported as damage (not
+        a bare OSError), and a shard too large to allocate as a TooLargeError."""
         try:
-            return self._read_shard(manifest, tensor, entry, region)
+            return read() if read is not None else self._read_shard(manifest, tensor, entry, region)
         except MemoryError as e:
             if isinstance(e, FlowcheckError):
                 raise

@@ -88,10 +88,18 @@ def write(tier: ObjectTier, snapshot: Snapshot, parent: ParentRef | None) -> Man
     missing after ``commit_wait_s`` (this node's part stays; the step commits when the last part
     lands, or GC removes it).
     """
-    step, node = snapshot.step, tier.node
-    committed = _committed(tier, step)
+    committed = _committed(tier, snapshot.step)
     if committed is not None:
         return _check_member(tier, committed, snapshot, parent)
+    write_part(tier, snapshot, parent)
+    return wait_and_commit(tier, snapshot.step)
+
+
+def write_part(tier: ObjectTier, snapshot: Snapshot, parent: ParentRef | None) -> Manifest | None:
+    """Upload this node's files and commit its part manifest (exclusive create); the step itself is not committed
+    here (``wait_and_commit`` does that here; a DCP save's coordinator commits it, flowcheck/dcp/parts.py).
+    Returns the committed part (None in the odd case that a racing writer's create won and its part then vanished)."""
+    step, node = snapshot.step, tier.node
     existing = _read_part(tier, step, node)  # a retry after this node's commit of the step failed
     if existing is None:
         from flowcheck.tiers.object import attempt_dir
@@ -101,6 +109,7 @@ def write(tier: ObjectTier, snapshot: Snapshot, parent: ParentRef | None) -> Man
         try:
             tier.create_exclusive(part_manifest(step, node), part.to_bytes(), f"committing node {node}'s part")
             log.info("object tier: node %s committed its part of step %d", node, step)
+            return part
         except FileExistsError:
             existing = _read_part(tier, step, node)  # another writer with this node's name raced us
             if existing is not None and existing.files != part.files:  # equal: our own create, its answer lost
@@ -110,7 +119,7 @@ def write(tier: ObjectTier, snapshot: Snapshot, parent: ParentRef | None) -> Man
             f"object tier {tier.url}: node {node}'s part of step {step} is already committed with other content "
             f"({part_manifest(step, node)}); a node writes each step once"
         )
-    return wait_and_commit(tier, step)
+    return existing
 
 
 def wait_and_commit(tier: ObjectTier, step: int) -> Manifest:
@@ -338,11 +347,14 @@ def _short(value: object) -> str:
 
 
 def _check_own_files(part: Manifest, node: str) -> None:
-    """A part's files lie in its own folder, and its shards only in those files."""
+    """A part's files lie in its own folder, and its shards only in those files (a safetensors file, or a zarr
+    array's folder of listed files: a local-tier part, flowcheck/dcp/parts.py)."""
     own = f"{part_dir(part.step, node)}/"
     paths = {f.path for f in part.files}
+    folders = {p.rsplit("/", i)[0] for p in paths for i in range(1, p.count("/") + 1)}
     bad = sorted(p for p in paths if not p.startswith(own))
-    bad += sorted({pc.path for t in part.tensors.values() for s in t.shards for pc in s.location} - paths)
+    bad += sorted(p for p in {pc.path for t in part.tensors.values() for s in t.shards for pc in s.location} - paths
+                  if not (p.startswith(own) and p in folders))
     if bad:
         raise ClusterError(
             f"step {part.step}: node {node}'s part names {bad[0]!r}; expected only its own files under {own}"
@@ -435,4 +447,4 @@ def expected_manifest_id(m: Manifest, path: str) -> str:
     return m.digest()
 
 
-__all__ = ["check_cover", "merge", "part_dir", "part_manifest", "try_commit", "verify_parts", "write"]
+__all__ = ["check_cover", "merge", "part_dir", "part_manifest", "try_commit", "verify_parts", "write", "write_part"]

@@ -10,6 +10,7 @@ import asyncio
 import errno
 import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
 from zarr.core.buffer import Buffer
@@ -45,7 +46,7 @@ def fsync_dir(path: str) -> None:
     fsync_file(path, os.O_RDONLY | os.O_DIRECTORY)
 
 
-def make_tree_durable(root: str, mode: str) -> None:
+def make_tree_durable(root: str, mode: str, workers: int = 8) -> None:
     """Make every file and directory under root durable: one syncfs, or an fsync per file and directory."""
     if mode == "syncfs":
         fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
@@ -54,10 +55,22 @@ def make_tree_durable(root: str, mode: str) -> None:
         finally:
             os.close(fd)
         return
-    for dirpath, _dirs, files in os.walk(root, topdown=False):
-        for name in files:
-            fsync_file(os.path.join(dirpath, name))
-        fsync_dir(dirpath)
+    files, dirs = [], []
+    for dirpath, _dirs, names in os.walk(root, topdown=False):
+        files += [os.path.join(dirpath, name) for name in names]
+        dirs.append(dirpath)
+    sync_paths(files + dirs, workers)
+
+
+def sync_paths(paths: list[str], workers: int = 8) -> None:
+    """fsync every file and directory in ``paths``, several at once: the journal commits them together (one
+    commit for many syncs in flight), where one after the other each waits for its own."""
+    if len(paths) <= 1 or workers <= 1:
+        for p in paths:
+            fsync_file(p, os.O_RDONLY | (os.O_DIRECTORY if os.path.isdir(p) else 0))
+        return
+    with ThreadPoolExecutor(min(workers, len(paths)), thread_name_prefix="flowcheck-fsync") as pool:
+        list(pool.map(lambda p: fsync_file(p, os.O_RDONLY | (os.O_DIRECTORY if os.path.isdir(p) else 0)), paths))
 
 
 def commit_file_exclusive(path: str, data: bytes, *, fsync: bool = True) -> None:
@@ -83,6 +96,41 @@ def replace_file(path: str, data: bytes, *, fsync: bool = True) -> None:
     os.replace(tmp, path)
     if fsync:
         fsync_dir(os.path.dirname(path) or ".")
+
+
+class StepFiles:
+    """The files of a step being written under ``root``: small ones written here (not yet synced), data files
+    added by their writers; every file recorded as rel -> (bytes, digest), every folder made remembered."""
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+        self.written: dict[str, tuple[int, str]] = {}
+        self._small: list[str] = []
+        self._dirs: list[str] = []
+
+    def makedirs(self, rel: str) -> None:
+        """Make ``root/rel`` and any missing folder above it (down to ``root``)."""
+        path = os.path.join(self.root, rel) if rel else self.root
+        if os.path.isdir(path):
+            return
+        parent = os.path.dirname(rel)
+        if rel:
+            self.makedirs(parent)
+        os.mkdir(path)
+        self._dirs.append(path)
+
+    def put(self, rel: str, data: bytes) -> None:
+        self.makedirs(os.path.dirname(rel))
+        write_file(os.path.join(self.root, rel), data, fsync=False)
+        self._small.append(os.path.join(self.root, rel))
+        self.add(rel, len(data), data_digest(data))
+
+    def add(self, rel: str, size: int, digest: str) -> None:
+        self.written[rel] = (size, digest)
+
+    def unsynced(self) -> list[str]:
+        """What ``put`` wrote and every folder made: the paths still to fsync (data files sync themselves)."""
+        return self._small + self._dirs[::-1]
 
 
 class DurableStore(LocalStore):

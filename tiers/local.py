@@ -1,12 +1,12 @@
-"""The local (NVMe) tier: one zarr v3 group per step, one sharded array per shard.
+"""The local (NVMe) tier: one zarr v3 group per step.
 
-Layout: ``<root>/<run>/step-<step:09d>/`` holds ``zarr.json``, one array per
-shard at ``<tensor>/<index>`` (sharding codec, one whole-shard write, CRC32C
-per inner chunk) and ``manifest.json``.  A step is written into
-``step-….<id>.tmp``, every file and directory fsync'd, the manifest written
-last, then the directory renamed into place — a step without its final name
-does not exist.  Any zarr v3 reader opens the group (bf16 appears as uint16
-with ``attributes["dtype"] == "bfloat16"``).
+Layout: ``<root>/<run>/step-<step:09d>/`` holds ``zarr.json``, the shards and ``manifest.json``.
+Uncompressed steps (format_version 3) pack their shards into a few flat arrays ``packs/<i>``, written
+natively in one pass per pack (tiers/zarr_pack.py); compressed codecs keep one sharded array per shard at
+``<tensor>/<index>`` (tiers/local_zarr.py).  A step is written into ``step-….<id>.tmp``, every file and
+directory fsync'd, the manifest written last, then the directory renamed into place — a step without its
+final name does not exist.  Any zarr v3 reader opens the group (bf16 appears as uint16 with its dtype named
+in the attributes).
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import numpy as np
 
@@ -35,36 +35,19 @@ from flowcheck.errors import (
     TierError,
     TierMissingError,
 )
-from flowcheck.manifest import FileEntry, Manifest, ParentRef, Piece, ShardEntry
+from flowcheck.manifest import PACKED_VERSION, Manifest, ParentRef, ShardEntry
 from flowcheck.progress import Progress, counter
 from flowcheck.state import Shard, Snapshot
-from flowcheck.tiers import zarr_shard
-from flowcheck.tiers.base import Problem, Tier, make_manifest, parse_step_dir, shard_digests, step_dir
-from flowcheck.tiers.durable import DurableStore, fsync_dir, make_tree_durable, replace_file
+from flowcheck.tiers import local_zarr, zarr_pack
+from flowcheck.tiers.base import Problem, Tier, full_region, make_manifest, parse_step_dir, step_dir
+from flowcheck.tiers.durable import DurableStore, fsync_dir, make_tree_durable, replace_file, sync_paths
+from flowcheck.tiers.read_ahead import ReadAhead
+from flowcheck.tiers.step_manifest import check_digests
 
 log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
-
-
-def _codecs(codec: str, itemsize: int) -> list:
-    from zarr.codecs import BloscCodec, Crc32cCodec, ZstdCodec
-
-    # CRC32C last: it checks every inner chunk as stored, whatever the compressor
-    if codec == "lz4":
-        return [BloscCodec(cname="lz4", clevel=5, shuffle="bitshuffle", typesize=itemsize), Crc32cCodec()]
-    if codec == "zstd":
-        return [ZstdCodec(level=3), Crc32cCodec()]
-    return [Crc32cCodec()]
-
-
-def _chunking(shape: tuple[int, ...], itemsize: int, chunk_bytes: int) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
-    """(inner chunk shape, shard shape) cutting along dim 0; one shard covers the whole array."""
-    if not shape or 0 in shape:
-        return shape or (), None
-    row = itemsize * math.prod(shape[1:])
-    rows = max(1, min(shape[0], chunk_bytes // max(row, 1)))
-    return (rows, *shape[1:]), (math.ceil(shape[0] / rows) * rows, *shape[1:])
+READ_AHEAD = 256 << 20  # bytes of whole shards read ahead of a reader walking a step in storage order
 
 
 class LocalTier(Tier):
@@ -75,6 +58,8 @@ class LocalTier(Tier):
         self.config = config
         self.root = os.path.join(config.root, self.rel)
         self._chunks_by_manifest: OrderedDict[int, tuple[Manifest, dict[str, list[str]]]] = OrderedDict()
+        self._packs: OrderedDict[tuple, zarr_pack.PackFile] = OrderedDict()  # checked packs by file identity
+        self._ahead: ReadAhead = ReadAhead(self._read_packed_whole, config.workers, READ_AHEAD)
 
     def at_branch(self, branch: str) -> LocalTier:
         return LocalTier(self.config, self.run, branch=branch, **self._same_kw())
@@ -130,8 +115,8 @@ class LocalTier(Tier):
         tmp = os.path.join(self.root, f"{step_dir(snapshot.step)}.{uuid.uuid4().hex[:8]}.tmp")
         store = DurableStore(tmp)
         try:
-            manifest = self._write_tmp(snapshot, parent, store, counter(progress, snapshot.nbytes))
-            self._commit(tmp, final, manifest)
+            manifest, unsynced = self._write_tmp(snapshot, parent, tmp, store, counter(progress, snapshot.nbytes))
+            self._commit(tmp, final, manifest, unsynced)
         except BaseException as e:
             store.abandon()  # no write still in flight may recreate the folder removed next
             shutil.rmtree(tmp, ignore_errors=True)
@@ -160,54 +145,35 @@ class LocalTier(Tier):
                   if renamed else "nothing was committed and older steps are intact"))
         return TierError(e.errno, msg) if e.errno is not None else TierError(msg)
 
-    def _write_tmp(self, snapshot: Snapshot, parent: ParentRef | None, store: DurableStore,
-                   on_bytes: Callable[[int], None]) -> Manifest:
-        import zarr
+    def _write_tmp(self, snapshot: Snapshot, parent: ParentRef | None, tmp: str, store: DurableStore,
+                   on_bytes: Callable[[int], None]) -> tuple[Manifest, list[str] | None]:
+        """Write the step's files into ``tmp``; (the manifest to commit, the paths still to fsync or None: all)."""
+        def written(shard: Shard, nbytes: int) -> None:
+            release = getattr(snapshot, "_on_shard_written", None)
+            if release is not None:
+                release(shard)  # the bytes are in the file (page cache): the source may change from now on
+            on_bytes(nbytes)
 
-        group = zarr.create_group(store, attributes={"flowcheck": {"run": snapshot.run, "step": snapshot.step}})
-        shards = list(snapshot.data)
-        index = _shard_indices(shards)
-        with ThreadPoolExecutor(self.config.workers) as pool:
-            digests = dict(pool.map(lambda s: self._write_shard(group, snapshot, s, index[s], on_bytes), shards))
-        locations = {s: (Piece(f"{step_dir(snapshot.step)}/{s.tensor}/{index[s]}"),) for s in shards}
-        files = [
-            FileEntry(f"{step_dir(snapshot.step)}/{key}", size, digest) for key, (size, digest) in store.written.items()
-        ]
+        if self._packable(snapshot):
+            digests, locations, files, unsynced = zarr_pack.write_step(self.config, snapshot, tmp, written)
+            check_digests(snapshot, digests)
+            m = make_manifest(snapshot, node=self.node, parent=parent, digests=digests, locations=locations, files=files)
+            return self._sign(replace(m, format_version=PACKED_VERSION)), unsynced
+        digests, locations, files = local_zarr.write_arrays(self.config, snapshot, store, written)
         m = make_manifest(snapshot, node=self.node, parent=parent, digests=digests, locations=locations, files=files)
-        return self._sign(m)
+        return self._sign(m), None
 
-    def _write_shard(self, group, snapshot: Snapshot, shard: Shard, index: int,
-                     on_bytes: Callable[[int], None]) -> tuple[Shard, str]:
-        spec = snapshot.layout.spec(shard.tensor)
-        dt = dtypes.dtype(spec.dtype)
-        arr = snapshot.array(shard)
-        digest = shard_digests(snapshot, {shard: arr})[shard]
-        chunks, shards = _chunking(shard.shape, dt.itemsize, self.config.chunk_mib << 20)
-        z = group.create_array(
-            f"{shard.tensor}/{index}",
-            shape=shard.shape,
-            dtype=dt.storage,
-            chunks=chunks,
-            shards=shards,
-            compressors=_codecs(self.config.codec, dt.itemsize),
-            fill_value=0,
-            attributes={"tensor": shard.tensor, "dtype": dt.name, "offsets": list(shard.offsets), "digest": digest},
-        )
-        if arr.size and shards is not None and self.config.codec == "none":
-            # hot path: stream the shard file from the array (same bytes zarr would write, one copy fewer)
-            key = z.metadata.encode_chunk_key((0,) * arr.ndim)
-            group.store.put_shard(f"{z.path}/{key}", arr, chunks[0])
-        elif arr.size:
-            z[...] = arr  # one call: the sharding codec writes the whole shard file once
-        written = getattr(snapshot, "_on_shard_written", None)
-        if written is not None:
-            written(shard)  # the bytes are in the file (page cache): the source may change from now on
-        on_bytes(arr.nbytes)
-        return shard, digest
+    def _packable(self, snapshot: Snapshot) -> bool:
+        """Packs hold uncompressed data of a single-node state (a v2 step keeps v2, whose pieces have no start)."""
+        return self.config.codec == "none" and not (snapshot.origin is not None and snapshot.origin.nodes)
 
-    def _commit(self, tmp: str, final: str, manifest: Manifest) -> None:
+    def _commit(self, tmp: str, final: str, manifest: Manifest, unsynced: list[str] | None = None) -> None:
         if self.config.fsync:
-            make_tree_durable(tmp, self.config.sync_mode)  # data and zarr metadata durable before the manifest exists
+            # data and zarr metadata durable before the manifest exists
+            if unsynced is not None:
+                sync_paths(unsynced, self.config.workers)
+            else:
+                make_tree_durable(tmp, self.config.sync_mode)
         replace_file(os.path.join(tmp, MANIFEST), manifest.to_bytes(), fsync=self.config.fsync)
         try:
             os.rename(tmp, final)  # fails if another writer committed the step meanwhile
@@ -228,43 +194,74 @@ class LocalTier(Tier):
         )
 
     # ---- read --------------------------------------------------------------
-    def _read_shard(self, manifest: Manifest, tensor: str, shard: ShardEntry, region) -> np.ndarray:
-        import zarr
+    def load(self, step: int, *, verify: bool = True) -> Snapshot:
+        """A lazy snapshot whose shards come in the order they lie on disk (a packed step): a consumer walking it
+        reads the packs front to back, with the next shards read ahead."""
+        snap = super().load(step, verify=verify)
+        first = [Shard(name, e.offsets, e.shape) for (name, e), _ in _walk(snap.origin)]
+        if not first:
+            return snap
+        order = {s: snap.data[s] for s in first}
+        order.update((s, src) for s, src in snap.data.items() if s not in order)
+        return replace(snap, data=order)
 
+    def _read_shard(self, manifest: Manifest, tensor: str, shard: ShardEntry, region) -> np.ndarray:
+        if _packed(shard):
+            return self._read_packed(manifest, tensor, shard, region)[0]
         if len(shard.location) != 1:
             raise FormatError(f"local tier step {manifest.step} {tensor}: expected one zarr array per shard")
         rel = shard.location[0].path
-        path = os.path.join(self.root, rel)
         listed = self._chunk_files(manifest).get(rel, ())
         for f in (f"{rel}/zarr.json", *listed):
             self._check_inside(f)
-        meta = zarr_shard.array_meta(path)
-        if tuple(meta["shape"]) != shard.shape:
-            raise FormatError(f"{path}: zarr array shape {meta.get('shape')} != manifest shard shape {list(shard.shape)}")
-        chunk = zarr_shard.plain_layout(meta)
         dt = np.dtype(dtypes.dtype(manifest.tensors[tensor].dtype).storage)
+        return local_zarr.read_array(self.root, rel, listed, shard.shape, dt, region)
+
+    def _read_whole(self, manifest: Manifest, tensor: str, entry: ShardEntry) -> tuple[np.ndarray, str | None]:
+        if not _packed(entry):
+            return super()._read_whole(manifest, tensor, entry)
+        # a reader walking the step in storage order (load, promotion, audit) gets the next shards read ahead
+        read = lambda: self._ahead.get(manifest, lambda: _walk(manifest), (tensor, entry))
+        return self._read_stored(manifest, tensor, entry, full_region(entry.shape), read)
+
+    def _read_packed_whole(self, manifest: Manifest, key: tuple[str, ShardEntry]) -> tuple[np.ndarray, str]:
+        return self._read_packed(manifest, key[0], key[1], None)
+
+    def _read_packed(self, manifest: Manifest, tensor: str, entry: ShardEntry, region) -> tuple[np.ndarray, str]:
+        """Rows of a shard in a pack (``region`` None: all of it) and the digest of the elements read."""
+        piece = entry.location[0]
+        pack = self._pack(manifest, piece.path)
+        storage = dtypes.dtype(manifest.tensors[tensor].dtype).storage
+        if pack.info.storage != storage:
+            raise IntegrityError(f"local tier: {pack.path}: the pack holds {pack.info.storage}, tensor {tensor} is {storage}")
+        shape = entry.shape
+        row = math.prod(shape[1:]) if shape else 1
+        r0, r1 = (0, shape[0] if shape else 1) if region is None or not shape else (region[0].start, region[0].stop)
+        arr, digest = zarr_pack.read_elements(pack, piece.start + r0 * row, (r1 - r0) * row,
+                                              (r1 - r0, *shape[1:]) if shape else (), self.config.workers)
+        if region is not None and shape and region[1:] != full_region(shape)[1:]:
+            arr = arr[(slice(None), *region[1:])]
+        return arr, digest
+
+    def _pack(self, manifest: Manifest, rel: str) -> zarr_pack.PackFile:
+        """A pack checked (metadata and index) once per file version."""
+        data_rel = f"{rel}/c/0"
+        listed = data_rel in self._chunk_files(manifest).get(rel, ())
+        data_path = os.path.join(self.root, data_rel)
         try:
-            whole_rows = all(r.start == 0 and r.stop == n for r, n in zip(region[1:], shard.shape[1:]))
-            if chunk is not None and whole_rows and meta.get("data_type") == dt.name:
-                # hot path: uncompressed single-shard array, read the rows asked for directly
-                key = "/".join([rel, "c", *(["0"] * len(shard.shape))])
-                if key not in listed:
-                    return np.zeros(tuple(r.stop - r.start for r in region), dt)  # zarr stored no chunk: all fill
-                try:
-                    return zarr_shard.read_rows(os.path.join(self.root, key), shard.shape, dt, chunk[0],
-                                                region[0].start, region[0].stop)
-                except FileNotFoundError:
-                    raise IntegrityError(f"local tier: {os.path.join(self.root, key)} is missing (listed in the manifest)") from None
-            for f in listed:
-                # zarr reads a missing chunk as fill values: a lost file must not look like zeros
-                if not os.path.exists(os.path.join(self.root, f)):
-                    raise IntegrityError(f"local tier: {os.path.join(self.root, f)} is missing (listed in the manifest)")
-            arr = zarr.open_array(path, mode="r")
-            return np.asarray(arr[region]) if shard.shape else np.asarray(arr[...])
-        except MemoryError:
-            raise  # not damage: the base turns it into a TooLargeError naming the tensor
-        except Exception as e:  # zarr raises plain ValueError/RuntimeError on a bad CRC or metadata
-            raise IntegrityError(f"local tier: cannot read {path}: {e}") from e
+            st = os.stat(data_path) if listed else None
+        except FileNotFoundError:
+            raise IntegrityError(f"local tier: {data_path} is missing (listed in the manifest)") from None
+        key = (data_path, None if st is None else (st.st_ino, st.st_size, st.st_mtime_ns))
+        pack = self._packs.get(key)
+        if pack is None:  # first read of this file version (a link swapped in is another inode: checked again)
+            for f in (f"{rel}/zarr.json", *([data_rel] if listed else [])):
+                self._check_inside(f)
+            pack = zarr_pack.open_pack(os.path.join(self.root, rel), data_path if listed else None)
+            self._packs[key] = pack
+            while len(self._packs) > 256:
+                self._packs.popitem(last=False)
+        return pack
 
     def _chunk_files(self, manifest: Manifest) -> dict[str, list[str]]:
         """Array path -> its chunk files, once per manifest (not a scan of every file per shard)."""
@@ -396,14 +393,20 @@ class LocalTier(Tier):
         return self.manifest(step).nbytes
 
 
-def _shard_indices(shards: list[Shard]) -> dict[Shard, int]:
-    """Shards of one tensor are numbered 0, 1, ... in snapshot order (their zarr array names)."""
-    seen: dict[str, int] = {}
-    out = {}
-    for s in shards:
-        out[s] = seen.get(s.tensor, 0)
-        seen[s.tensor] = out[s] + 1
-    return out
+def _packed(entry: ShardEntry) -> bool:
+    return len(entry.location) == 1 and entry.location[0].start is not None
+
+
+def _walk(manifest: Manifest) -> list[tuple[tuple[str, ShardEntry], int]]:
+    """The packed shards of a step in the order they lie on disk, with their sizes: what a sequential reader
+    asks for (``load`` hands shards out in this order; the manifest's own order is by name)."""
+    def place(item: tuple[str, ShardEntry]) -> tuple:
+        piece = item[1].location[0]
+        head, _, index = piece.path.rpartition("/")
+        return (head, int(index) if index.isdigit() else -1, index, piece.start)
+
+    shards = sorted(((name, e) for name, t in manifest.tensors.items() for e in t.shards if _packed(e)), key=place)
+    return [((name, e), math.prod(e.shape) * dtypes.dtype(manifest.tensors[name].dtype).itemsize) for name, e in shards]
 
 
 __all__ = ["LocalTier"]

@@ -1,22 +1,27 @@
 """The object tier's read path: safetensors headers, then only the byte ranges asked for, with read-ahead.
 
-A whole shard read while a reader walks a step in manifest order fetches the next shards with it (up to
-READ_AHEAD bytes, few large concurrent requests); a region of a shard reads only its rows.
+A whole shard read while a reader walks a step in file order fetches the next shards with it (up to
+READ_AHEAD bytes, few large concurrent requests), and the batch after that in the background while the reader
+uses this one (their digests computed there too); a region of a shard reads only its rows.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
 from flowcheck import dtypes
+from flowcheck.digest import data_digest
 from flowcheck.errors import FormatError, IntegrityError, TierError
 from flowcheck.manifest import Manifest, Piece, ShardEntry
+from flowcheck.state import Shard
 from flowcheck.tiers import range_reads
 from flowcheck.tiers import safetensors_io as st
-from flowcheck.tiers.base import Tier
+from flowcheck.tiers.base import Tier, full_region
 
 READ_AHEAD = 256 << 20  # bytes of whole shards fetched together when a step is read shard by shard
 
@@ -26,8 +31,11 @@ class ObjectReader:
 
     def _init_reads(self) -> None:
         self._headers: OrderedDict[str, st.Header] = OrderedDict()
-        self._window: dict[tuple, np.ndarray] = {}
+        self._window: dict[tuple, tuple[np.ndarray, str]] = {}  # fetched shards and their digests
         self._expected: tuple | None = None  # the shard a sequential reader asks for next
+        self._ahead: tuple[tuple, list, Future] | None = None  # (first key, batch, fetch) of the next batch
+        self._ahead_pool: ThreadPoolExecutor | None = None
+        self._order_cache: tuple[Manifest, list] | None = None
         self._window_lock = threading.Lock()
 
     def header(self, rel: str) -> st.Header:
@@ -67,9 +75,14 @@ class ObjectReader:
                                lambda: self._read_shard_once(manifest, tensor, shard, region),
                                retry_on=(TierError, IntegrityError))
 
+    def _read_whole(self, manifest: Manifest, tensor: str, entry: ShardEntry) -> tuple[np.ndarray, str | None]:
+        # no retry here: read_shard retries the whole read and its digest check
+        return self._read_stored(manifest, tensor, entry, full_region(entry.shape),
+                                 lambda: self._whole_shard(manifest, tensor, entry))
+
     def _read_shard_once(self, manifest: Manifest, tensor: str, shard: ShardEntry, region) -> np.ndarray:
         if all(r.start == 0 and r.stop == n for r, n in zip(region, shard.shape)):
-            return self._whole_shard(manifest, tensor, shard)
+            return self._whole_shard(manifest, tensor, shard)[0]
         dt = dtypes.dtype(manifest.tensors[tensor].dtype)
         out = np.empty(tuple(s.stop - s.start for s in region), dtype=dt.storage)
         for piece in shard.location:
@@ -77,36 +90,66 @@ class ObjectReader:
             self._read_piece(piece, info, rows, region, shard.shape, out, dt)
         return out
 
-    def _whole_shard(self, manifest: Manifest, tensor: str, shard: ShardEntry) -> np.ndarray:
-        """A whole shard, from a read-ahead window: this shard and the next ones of the manifest
-        (up to READ_AHEAD bytes) are fetched together, so reading a step shard after shard costs a
-        few large concurrent requests instead of one round trip per shard."""
-        key = (manifest.step, manifest.created_at, tensor, shard.offsets)
+    def _whole_shard(self, manifest: Manifest, tensor: str, shard: ShardEntry) -> tuple[np.ndarray, str]:
+        """A whole shard and its digest, from a read-ahead window: this shard and the next ones in file order
+        (up to READ_AHEAD bytes) are fetched together, so reading a step shard after shard costs a few large
+        concurrent requests instead of one round trip per shard; the batch after it is fetched meanwhile."""
+        key = _key(manifest, tensor, shard)
         with self._window_lock:
             hit = self._window.pop(key, None)
+            ahead = self._ahead if self._ahead is not None and self._ahead[0] == key else None
+            if ahead is not None:
+                self._ahead = None
         if hit is not None:
             return hit
-        order = [(n, e) for n, t in manifest.tensors.items() for e in t.shards]
+        order = self._file_order(manifest)
         first = next(i for i, (n, e) in enumerate(order) if n == tensor and e.offsets == shard.offsets)
-        # read ahead only when the reader goes through the step in manifest order (like OS readahead):
+        # read ahead only when the reader goes through the step in file order (like OS readahead):
         # a reader in another order would otherwise fetch a window per shard and use one entry of it
-        sequential = key == self._expected
-        batch, total = [], 0
-        for n, e in order[first:] if sequential else order[first:first + 1]:
-            size = math.prod(e.shape) * dtypes.dtype(manifest.tensors[n].dtype).itemsize
-            if batch and total + size > READ_AHEAD:
-                break
-            batch.append((n, e))
-            total += size
-        arrays = self._fetch_whole(manifest, batch)
+        sequential = ahead is not None or key == self._expected
+        batch = ahead[1] if ahead is not None else _batch(manifest, order, first, sequential)
+        results = ahead[2].result() if ahead is not None else self._fetch_whole(manifest, batch)
         nxt = first + len(batch)
         with self._window_lock:
-            self._window = {(manifest.step, manifest.created_at, n, e.offsets): a for (n, e), a in zip(batch[1:], arrays[1:])}
-            self._expected = (manifest.step, manifest.created_at, order[nxt][0], order[nxt][1].offsets) if nxt < len(order) else None
-        return arrays[0]
+            self._window = {_key(manifest, n, e): r for (n, e), r in zip(batch[1:], results[1:])}
+            self._expected = _key(manifest, *order[nxt]) if nxt < len(order) else None
+            if sequential and nxt < len(order):
+                following = _batch(manifest, order, nxt, True)
+                if self._ahead_pool is None:
+                    self._ahead_pool = ThreadPoolExecutor(1, thread_name_prefix="flowcheck-object-ahead")
+                self._ahead = (self._expected, following, self._ahead_pool.submit(self._fetch_whole, manifest, following))
+        return results[0]
 
-    def _fetch_whole(self, manifest: Manifest, batch) -> list[np.ndarray]:
-        wants, places, outs = [], [], []
+    def load(self, step: int, *, verify: bool = True):
+        """A lazy snapshot whose shards come in the order they lie in the stored files: a consumer walking it
+        reads each file front to back, with the next shards fetched ahead."""
+        snap = Tier.load(self, step, verify=verify)
+        order = {}
+        for name, e in self._file_order(snap.origin):
+            shard = Shard(name, e.offsets, e.shape)
+            order[shard] = snap.data[shard]
+        return dataclasses.replace(snap, data=order)
+
+    def _file_order(self, manifest: Manifest) -> list[tuple[str, ShardEntry]]:
+        """A step's shards by where their (first) piece lies: file, then offset in it (the manifest's order is by
+        name; files hold shards in the order they were written).  Kept for the last manifest asked about."""
+        cached = self._order_cache
+        if cached is not None and cached[0] is manifest:
+            return cached[1]
+
+        def place(item: tuple[str, ShardEntry]) -> tuple:
+            piece = item[1].location[0] if item[1].location else None
+            if piece is None or piece.key is None:
+                return ("", 0)
+            info = self.header(piece.path).tensors.get(piece.key)
+            return (piece.path, info.begin if info is not None else 0)
+
+        order = sorted(((n, e) for n, t in manifest.tensors.items() for e in t.shards), key=place)
+        self._order_cache = (manifest, order)
+        return order
+
+    def _fetch_whole(self, manifest: Manifest, batch) -> list[tuple[np.ndarray, str]]:
+        wants, dests, outs = [], [], []
         for name, entry in batch:
             out = np.empty(entry.shape, dtype=dtypes.dtype(manifest.tensors[name].dtype).storage)
             outs.append(out)
@@ -116,11 +159,9 @@ class ObjectReader:
                 row_bytes = (info.end - info.begin) // max(1, rows[1] - rows[0])
                 start = self.header(piece.path).data_start + info.begin
                 wants.append(range_reads.Want(self._p(piece.path), start, start + info.end - info.begin))
-                places.append((flat, rows[0] * row_bytes))
-        blobs = self._call("reading shards", range_reads.fetch, self.fs, wants)
-        for (flat, offset), blob in zip(places, blobs):
-            flat[offset:offset + len(blob)] = np.frombuffer(blob, np.uint8)
-        return outs
+                dests.append(flat[rows[0] * row_bytes:rows[0] * row_bytes + info.end - info.begin])
+        self._call("reading shards", self.backend.fetch_into, wants, dests)
+        return [(out, data_digest(out)) for out in outs]  # on the fetching thread: a read-ahead batch's digests too
 
     def _read_piece(self, piece, info, rows, region, shape, out, dt) -> None:
         lo = region[0].start if region else 0
@@ -139,3 +180,19 @@ class ObjectReader:
             return
         block = np.frombuffer(raw, dt.storage).reshape((r1 - r0, *shape[1:]))
         out[(slice(r0 - lo, r1 - lo),)] = block[(slice(None), *region[1:])]
+
+
+def _key(manifest: Manifest, tensor: str, shard: ShardEntry) -> tuple:
+    return (manifest.step, manifest.created_at, tensor, shard.offsets)
+
+
+def _batch(manifest: Manifest, order: list, first: int, sequential: bool) -> list:
+    """The shards fetched together from ``first`` on: up to READ_AHEAD bytes for a sequential reader, else one."""
+    batch, total = [], 0
+    for n, e in order[first:] if sequential else order[first:first + 1]:
+        size = math.prod(e.shape) * dtypes.dtype(manifest.tensors[n].dtype).itemsize
+        if batch and total + size > READ_AHEAD:
+            break
+        batch.append((n, e))
+        total += size
+    return batch

@@ -8,6 +8,7 @@ requests go out together through fsspec's ``cat_ranges`` (concurrent on s3fs).
 from __future__ import annotations
 
 import errno
+import os
 from dataclasses import dataclass
 
 from flowcheck.errors import IntegrityError, TierError
@@ -66,3 +67,30 @@ def _named(g: _Group, err: BaseException) -> BaseException:
     if isinstance(err, OSError) and err.errno == errno.EINVAL:  # S3 InvalidRange: 416
         return IntegrityError(f"{g.path}: range {g.start}-{g.end} is past the end of the file; the file is truncated")
     return TierError(f"{g.path}: reading range {g.start}-{g.end} failed: {err}")
+
+
+def read_into(want: Want, dest) -> None:
+    """A local file's byte range read straight into ``dest`` (a writable buffer of ``end - start`` bytes)."""
+    view = memoryview(dest).cast("B")
+    fd = os.open(want.path, os.O_RDONLY)
+    try:
+        done = 0
+        while done < view.nbytes:
+            n = os.preadv(fd, [view[done:done + (1 << 30)]], want.start + done)
+            if n == 0:
+                raise IntegrityError(f"{want.path}: range {want.start}-{want.end} returned {done} bytes; "
+                                     "the file is truncated")
+            done += n
+    finally:
+        os.close(fd)
+
+
+def split(wants: list[Want], dests: list, most: int) -> list[tuple[Want, object]]:
+    """(want, destination) pairs of at most ``most`` bytes covering the given ones."""
+    out = []
+    for w, d in zip(wants, dests):
+        view = memoryview(d).cast("B")
+        for at in range(0, max(1, w.end - w.start), most):
+            end = min(w.end - w.start, at + most)
+            out.append((Want(w.path, w.start + at, w.start + end), view[at:end]))
+    return out

@@ -44,15 +44,20 @@ def make_manifest(
         files=tuple(sorted(files, key=lambda f: f.path)),
         scalars=origin.scalars if origin else snapshot.scalars.to_json(),
         buckets=snapshot.layout.buckets,
-        # a merged multi-node step keeps its node list (and so its digest) in every tier it is copied to
-        format_version=origin.format_version if origin else FORMAT_VERSION,
+        # a merged multi-node step keeps its node list (and so its digest) in every tier it is copied to; a v3
+        # origin's version says only how the local tier laid it out (the writing tier says its own)
+        format_version=origin.format_version if origin and origin.nodes else FORMAT_VERSION,
         nodes=origin.nodes if origin else (),
     )
 
 
 def shard_digests(snapshot: Snapshot, arrays: dict[Shard, np.ndarray]) -> dict[Shard, str]:
     """Data digests, checked against the origin manifest when the snapshot was read back."""
-    out = {s: data_digest(a) for s, a in arrays.items()}
+    return check_digests(snapshot, {s: data_digest(a) for s, a in arrays.items()})
+
+
+def check_digests(snapshot: Snapshot, out: dict[Shard, str]) -> dict[Shard, str]:
+    """Data digests computed while writing, checked against the origin manifest when the snapshot was read back."""
     if snapshot.origin is not None:
         for shard, got in out.items():
             want = _origin_digest(snapshot.origin, shard)

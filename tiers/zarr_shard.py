@@ -1,16 +1,20 @@
-"""Write one zarr v3 shard file directly: the local tier's hot path for uncompressed shards.
+"""Write and read zarr v3 shard files directly: the local tier's hot path for uncompressed data.
 
 zarr's own write path assembles every shard in memory (a full copy), runs a
 Python-level codec pipeline per inner chunk and hands us one big buffer; for
 uncompressed data the format is simple enough to stream straight from the
 array: per inner chunk its raw little-endian bytes plus a CRC32C, then the
 shard index ((offset, nbytes) uint64 pairs, little-endian) plus its CRC32C
-(sharding codec, ``index_location: end``, as zarr writes it).  The metadata
-(``zarr.json``) still comes from zarr, and every file written here is read back
-by zarr in the tests.
+(sharding codec, ``index_location: end``, as zarr writes it).  The bytes move in
+native code (``_native.ChunkWriter``: checksums, digests and writes in one pass,
+GIL released).  ``zarr.json`` comes from a template made once per dtype from
+zarr's own output (byte-identical to what zarr writes; every file written here
+is read back by zarr in the tests).
 """
 from __future__ import annotations
 
+import copy
+import functools
 import json
 import math
 import os
@@ -19,7 +23,7 @@ import google_crc32c
 import numpy as np
 
 from flowcheck import _native
-from flowcheck.digest import DataHasher
+from flowcheck.digest import DATA_ALG
 from flowcheck.errors import IntegrityError
 
 FLUSH_EVERY = 64 << 20
@@ -29,36 +33,58 @@ def write_shard(path: str, arr: np.ndarray, chunk_rows: int) -> tuple[int, str]:
     """Write ``arr`` as one shard of inner chunks of ``chunk_rows`` rows; return (bytes, xxh3 of the file)."""
     if arr.ndim == 0 or arr.size == 0 or not arr.flags.c_contiguous or arr.dtype.byteorder == ">":
         raise ValueError("write_shard takes a non-empty, C-contiguous, little-endian array of rank >= 1")
-    rows = arr.shape[0]
-    row_bytes = arr.nbytes // rows
-    n_chunks = math.ceil(rows / chunk_rows)
-    chunk_bytes = chunk_rows * row_bytes
-    flat = arr.reshape(-1).view(np.uint8)
-    hasher = DataHasher()
-    index = np.empty((n_chunks, 2), dtype="<u8")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        offset = 0
-        for i in range(n_chunks):
-            piece = flat[i * chunk_bytes:min((i + 1) * chunk_bytes, flat.nbytes)]
-            pad = np.zeros(chunk_bytes - piece.nbytes, np.uint8)  # the last chunk is stored full-size
-            crc = google_crc32c.extend(google_crc32c.value(piece), pad) if pad.size else google_crc32c.value(piece)
-            tail = np.concatenate([pad, np.array([crc], dtype="<u4").view(np.uint8)])
-            for part in (piece, tail):
-                offset += _native.pwrite_all(fd, part, offset, FLUSH_EVERY)
-                hasher.update(part)
-            index[i] = (offset - chunk_bytes - 4, chunk_bytes + 4)
-        raw_index = index.reshape(-1).view(np.uint8)
-        footer = np.concatenate([raw_index, np.array([google_crc32c.value(raw_index)], dtype="<u4").view(np.uint8)])
-        offset += _native.pwrite_all(fd, footer, offset)
-        hasher.update(footer)
+        writer = _native.ChunkWriter(fd, chunk_rows * (arr.nbytes // arr.shape[0]), FLUSH_EVERY)
+        writer.write(arr.reshape(-1).view(np.uint8))
+        size, digest = writer.finish()
     finally:
         os.close(fd)
-    return offset, hasher.hexdigest()
+    return size, f"{DATA_ALG}:{digest}"
+
+
+# ---- zarr.json from templates --------------------------------------------------------
+@functools.lru_cache(maxsize=32)
+def _array_template(storage: str) -> dict:
+    """The metadata document zarr itself writes for a sharded array (codecs bytes + crc32c, index at the end)
+    of this dtype, made once per dtype in memory; ``array_json`` fills in the sizes."""
+    import zarr
+    from zarr.codecs import Crc32cCodec
+    from zarr.storage import MemoryStore
+
+    store = MemoryStore()
+    zarr.create_array(store, shape=(1,), dtype=storage, chunks=(1,), shards=(1,), compressors=[Crc32cCodec()],
+                      fill_value=0)
+    return json.loads(store._store_dict["zarr.json"].to_bytes())
+
+
+def _indent() -> int | None:
+    import zarr
+
+    return zarr.config.get("json_indent")
+
+
+def array_json(shape: tuple[int, ...], storage: str, chunk_shape: tuple[int, ...], shard_shape: tuple[int, ...],
+               attributes: dict) -> bytes:
+    """The ``zarr.json`` zarr writes for ``create_array(shape, dtype, chunks=chunk_shape, shards=shard_shape,
+    compressors=[Crc32cCodec()], fill_value=0, attributes=...)``: a cached template with the sizes filled in."""
+    doc = copy.deepcopy(_array_template(storage))
+    doc["shape"] = list(shape)
+    doc["chunk_grid"]["configuration"]["chunk_shape"] = list(shard_shape)
+    doc["codecs"][0]["configuration"]["chunk_shape"] = list(chunk_shape)
+    doc["attributes"] = attributes
+    return json.dumps(doc, allow_nan=True, indent=_indent()).encode()
+
+
+def group_json(attributes: dict) -> bytes:
+    """The ``zarr.json`` of a group with these attributes, as zarr writes it."""
+    return json.dumps({"attributes": attributes, "zarr_format": 3, "node_type": "group"},
+                      allow_nan=True, indent=_indent()).encode()
 
 
 _PLAIN = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]
+_PLAIN_BYTES = [{"name": "bytes"}, {"name": "crc32c"}]  # what zarr writes for one-byte dtypes (no endianness)
 _MISSING = np.uint64(2**64 - 1)
 
 
@@ -96,7 +122,8 @@ def plain_layout(meta: dict) -> tuple[int, ...] | None:
         shape = meta["shape"]
         chunk = conf["chunk_shape"]
         plain = (
-            codec["name"] == "sharding_indexed" and conf["codecs"] == _PLAIN and conf["index_codecs"] == _PLAIN
+            codec["name"] == "sharding_indexed" and conf["codecs"] in (_PLAIN, _PLAIN_BYTES)
+            and conf["index_codecs"] == _PLAIN
             and conf.get("index_location", "end") == "end" and len(shape) >= 1
             and all(s >= n for s, n in zip(shard_shape, shape)) and list(chunk[1:]) == list(shape[1:])
             and len(chunk) == len(shape) and all(_count(n, 1) for n in chunk)

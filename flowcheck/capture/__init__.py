@@ -1,1 +1,1 @@
-"""Capture: how training state reaches a checkpoint node (push from trainers; mirror capture comes later)."""
+"""Capture: how training state reaches a checkpoint node — pushed by trainers (``wire``, ``push``, ``auth``) or rebuilt from mirrored allreduce traffic (``mirror/``)."""

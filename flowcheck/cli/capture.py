@@ -10,7 +10,7 @@ from flowcheck.cli.common import config_option
 
 
 def _load_job(path: str):
-    from flowcheck.capture.job import load_job
+    from flowcheck.capture.mirror.job import load_job
 
     return load_job(path)
 
@@ -23,7 +23,9 @@ def _load_job(path: str):
 @click.option("--json", "as_json", is_flag=True, help="One JSON object (the documented report).")
 @click.option("--dump", "dump_dir", default=None, type=click.Path(file_okay=False),
               help="Write allreduce-<k>.npy (and .missing.npy masks) here.")
-def decode_command(job_path, pcaps, more, as_json, dump_dir):
+@click.option("--workers", type=click.IntRange(1, 64), default=1, show_default=True,
+              help="Threads for the native first pass (parse + ICRC); the report does not depend on it.")
+def decode_command(job_path, pcaps, more, as_json, dump_dir, workers):
     """Print, per allreduce, what was recovered, from which stream, and what is missing.
 
     Exit status 0 when every allreduce is complete, 3 when some are not, 2 on bad input.
@@ -33,13 +35,13 @@ def decode_command(job_path, pcaps, more, as_json, dump_dir):
       flowcheck decode --job sim/job.yaml --pcap sim/mirror-r0-out.pcap sim/mirror-r1-out.pcap --json
     """
     from flowcheck import progress
-    from flowcheck.capture.decode import Decoded, decode, dump, read_all, report
+    from flowcheck.capture.mirror.decode import Decoded, decode, dump, read_all, report
 
     job = _load_job(job_path)
     info = Decoded()
     with progress.activity("read captures"):
         frames = read_all(list(pcaps) + list(more))
-    allreduces = list(progress.bar(decode(job, frames, info), desc="decode", unit="allreduce"))
+    allreduces = list(progress.bar(decode(job, frames, info, workers=workers), desc="decode", unit="allreduce"))
     out = report(allreduces, info)
     if dump_dir:
         dump(allreduces, dump_dir)
@@ -65,22 +67,22 @@ def _print_decode(out: dict) -> None:
 
 
 def _live(job, info, interface: str, duration_s: float | None, max_frames: int | None, settle_s: float,
-          drops: list[int]):
+          drops: list[int], ring):
     """Allreduces decoded from a live interface until the duration, the frame count or SIGINT/SIGTERM;
     ``drops[0]`` counts the frames the kernel dropped because the capture fell behind."""
     import signal
     import threading
     import time
 
-    from flowcheck.capture.live import live_frames
-    from flowcheck.capture.streaming import StreamingDecoder
+    from flowcheck.capture.mirror.live import live_frames
+    from flowcheck.capture.mirror.streaming import StreamingDecoder
 
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     batches = live_frames(interface, duration_s=duration_s, max_frames=max_frames, stop=stop, idle=True,
                           on_open=lambda: click.echo(f"capturing live on {interface}", err=True),
-                          on_drops=lambda n: drops.__setitem__(0, drops[0] + n))
+                          on_drops=lambda n: drops.__setitem__(0, drops[0] + n), ring=ring)
     return StreamingDecoder(job, info, settle_s=settle_s, clock=time.time_ns).run(batches)
 
 
@@ -98,9 +100,15 @@ def _live(job, info, interface: str, duration_s: float | None, max_frames: int |
 @click.option("--init", default=None, help="Initial state: a stored step number or a .safetensors file (default: the job's init).")
 @click.option("--resync", "resync_dir", default=None, type=click.Path(file_okay=False),
               help="Directory of full states step-<N>.safetensors used after an unrecoverable iteration (default: the job's resync).")
+@click.option("--capture-workers", type=click.IntRange(1, 64), default=1, show_default=True,
+              help="Live: PACKET_FANOUT sockets (rings), one reader thread each; flows are hashed over them.")
+@click.option("--ring-block-kb", type=click.IntRange(4, 1 << 20), default=4096, show_default=True,
+              help="Live: PACKET_MMAP block size in KiB (a multiple of the page size).")
+@click.option("--ring-blocks", type=click.IntRange(2, 1 << 16), default=64, show_default=True,
+              help="Live: PACKET_MMAP blocks per socket.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def capture_command(config_path, job_path, pcaps, more, interface, duration_s, max_frames, settle_s, init, resync_dir,
-                    as_json):
+                    capture_workers, ring_block_kb, ring_blocks, as_json):
     """Replay mirrored captures (or capture live) into a RAM replica and commit steps per the policy.
 
     An iteration that cannot be completed marks the state stale (never snapshotted) and
@@ -114,8 +122,8 @@ def capture_command(config_path, job_path, pcaps, more, interface, duration_s, m
     """
     from flowcheck import config as config_mod
     from flowcheck import progress
-    from flowcheck.capture.decode import Decoded, decode, read_all
-    from flowcheck.capture.mirror import (
+    from flowcheck.capture.mirror.decode import Decoded, decode, read_all
+    from flowcheck.capture.mirror.pipeline import (
         ResyncSource,
         Updater,
         initial_replica,
@@ -130,6 +138,12 @@ def capture_command(config_path, job_path, pcaps, more, interface, duration_s, m
         raise click.UsageError("expected captures (--pcap FILE ...) or a live --interface, not both and not neither")
     if not interface and (duration_s is not None or max_frames is not None):
         raise click.UsageError("--duration and --frames apply to a live --interface capture")
+    from flowcheck.capture.mirror.packet_ring import RingConfig
+
+    try:
+        ring = RingConfig(block_size=ring_block_kb << 10, block_count=ring_blocks, workers=capture_workers)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--ring-block-kb") from e
     job = _load_job(job_path)
     store = open_store(config_mod.load(config_path))
     replica = initial_replica(job, init, store)
@@ -142,7 +156,7 @@ def capture_command(config_path, job_path, pcaps, more, interface, duration_s, m
                           resync=ResyncSource(resync_dir or job.resync))
         drops = [0]
         if interface:
-            allreduces = _live(job, info, interface, duration_s, max_frames, settle_s, drops)
+            allreduces = _live(job, info, interface, duration_s, max_frames, settle_s, drops, ring)
         else:
             with progress.activity("read captures"):
                 frames = read_all(files)

@@ -15,7 +15,10 @@
   ``recovery_min``, ``ettr_first_order``, ``ettr_exact`` for a recovery point every iteration;
 * ``cost``: null without ``--gpu-node-usd-h``, else ``gpu_nodes``, ``baseline`` (what capture is
   compared with), ``baseline_ettr``, ``capture_ettr``, ``baseline_usd_day`` and ``capture_usd_day``
-  (lost to failures), ``ckpt_nodes_usd_day``, ``net_saving_usd_day``.
+  (lost to failures), ``ckpt_nodes_usd_day``, ``net_saving_usd_day``;
+* ``mirror_node``: null without ``--params``, else the mirror-capture node's load per iteration
+  (:mod:`flowcheck.capture.mirror.capacity`): ``wire_gb_per_stream``, ``wire_gb``, ``decode_core_s``,
+  ``update_core_s``, ``core_s``, ``cores`` (to keep up with the iteration time), ``rates`` used.
 
 ``--from-benchmarks FILE`` reads a markdown table whose header has the columns ``tier`` and
 ``save s/GB`` (and optionally ``restore s/GB``), e.g.::
@@ -35,6 +38,13 @@ import re
 
 import click
 
+from flowcheck.capture.mirror.capacity import (
+    DEFAULT_DECODE_GB_PER_CORE_S,
+    DEFAULT_UPDATE_NS_PER_PARAM,
+    MirrorLoad,
+    capacity,
+)
+from flowcheck.capture.mirror.capacity import render as render_capacity
 from flowcheck.errors import ConfigError, FlowcheckError
 from flowcheck.plan import (
     CAPTURES,
@@ -236,10 +246,23 @@ def _render(p: Plan) -> list[str]:
                    "needs --state-gb.")
 @click.option("--state-gb", type=click.FloatRange(min=0, min_open=True),
               help="Checkpoint size, GB (for --from-benchmarks).")
+@click.option("--params", type=click.FloatRange(min=0, min_open=True),
+              help="With --capture mirror: parameters the DP group all-reduces (e.g. 1.3e9); adds the node's core count.")
+@click.option("--dp", type=click.IntRange(min=2), help="With --params: ranks in the DP ring (N).")
+@click.option("--mirrored-ranks", type=click.IntRange(min=1), default=3, show_default=True,
+              help="With --params: mirrored streams one node decodes.")
+@click.option("--protocol", type=click.Choice(["ll", "simple"]), default="ll", show_default=True,
+              help="With --params: NCCL protocol of the ring.")
+@click.option("--decode-gb-per-core-s", type=click.FloatRange(min=0, min_open=True),
+              default=DEFAULT_DECODE_GB_PER_CORE_S, show_default=True,
+              help="Measured decode rate, GB of wire per core-second (benchmarks/bench_mirror.py).")
+@click.option("--update-ns-per-param", type=click.FloatRange(min=0), default=DEFAULT_UPDATE_NS_PER_PARAM,
+              show_default=True, help="Measured optimizer update, ns per parameter on one core.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output (fields: flowcheck.cli.plan docs).")
 @click.pass_context
 def plan_command(ctx, config_path, gpus, gpus_per_node, rate, mtbf_hours, restart_min, iteration_s, save, restore,
-                 capture, intervals, gpu_node_usd_h, ckpt_node_usd_h, ckpt_nodes, bench_path, state_gb, as_json):
+                 capture, intervals, gpu_node_usd_h, ckpt_node_usd_h, ckpt_nodes, bench_path, state_gb, params, dp,
+                 mirrored_ranks, protocol, decode_gb_per_core_s, update_ns_per_param, as_json):
     """Recommend checkpoint intervals per tier and the ETTR to expect, with the formulas used.
 
     \b
@@ -248,6 +271,7 @@ def plan_command(ctx, config_path, gpus, gpus_per_node, rate, mtbf_hours, restar
       flowcheck plan --gpus 3072 --mtbf-hours 3 --iteration-s 102 --save-s local=120 object=900 \\
           --restore-s local=60 object=600 --gpu-node-usd-h 32 --ckpt-node-usd-h 4 --ckpt-nodes 48
       flowcheck plan --gpus 1024 --failures-per-node-day 0.0065 --capture mirror --iteration-s 6 --json
+      flowcheck plan --gpus 64 --mtbf-hours 24 --capture mirror --iteration-s 6 --params 1.3e9 --dp 8
     """
     if (rate is None) == (mtbf_hours is None):
         raise click.UsageError("give exactly one of --failures-per-node-day and --mtbf-hours; found "
@@ -257,6 +281,8 @@ def plan_command(ctx, config_path, gpus, gpus_per_node, rate, mtbf_hours, restar
                                  "give the iteration time", param_hint="--iteration-s")
     if gpu_node_usd_h is not None and iteration_s is None:
         raise click.UsageError("the cost view compares against per-iteration capture: give --iteration-s")
+    if params is not None and (capture != "mirror" or dp is None):
+        raise click.UsageError("--params sizes a mirror-capture node: give --capture mirror and --dp too")
     if bench_path is not None and state_gb is None:
         raise click.UsageError("--from-benchmarks gives seconds per GB: give the checkpoint size with --state-gb")
     try:
@@ -272,12 +298,16 @@ def plan_command(ctx, config_path, gpus, gpus_per_node, rate, mtbf_hours, restar
             gpus=gpus, gpus_per_node=gpus_per_node, failures_per_node_day=rate, mtbf_hours=mtbf_hours,
             restart_s=restart_min * 60.0, iteration_s=iteration_s, tiers=tiers, capture=capture,
             capture_restore_s=capture_restore, intervals_s=tuple(m * 60.0 for m in intervals), cost=cost))
+        node = None if params is None else capacity(MirrorLoad(
+            params=params, dp=dp, mirrored=mirrored_ranks, iteration_s=iteration_s, protocol=protocol,
+            decode_gb_per_core_s=decode_gb_per_core_s, update_ns_per_param=update_ns_per_param))
     except (FlowcheckError, OSError) as e:
         click.echo(f"error: {e}", err=True)
         ctx.exit(2)
     if as_json:
-        click.echo(json.dumps(result.to_json(), indent=2, ensure_ascii=False))
+        click.echo(json.dumps({**result.to_json(), "mirror_node": node and node.to_json()}, indent=2,
+                              ensure_ascii=False))
         return
     if not (result.intervals or result.tiers or result.capture):
         click.echo("nothing to evaluate: give --interval-min, --save-s or --iteration-s (see --help)", err=True)
-    click.echo("\n".join(_render(result)))
+    click.echo("\n".join(_render(result) + ([""] + render_capacity(node) if node is not None else [])))

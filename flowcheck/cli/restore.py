@@ -162,12 +162,13 @@ def restore(config_path, step, branch, run, tp, pp, vpp, fmt, prefer, no_optim, 
               help="Model description when the checkpoint carries none (Megatron argument names).")
 @click.option("--tier", default="local", type=click.Choice(["local", "object"]), help="Tier to commit to.")
 @click.option("--trust-pickle", is_flag=True,
-              help="Allow arbitrary pickled objects in the checkpoint's .pt files and DCP .metadata "
-                   "(trusted sources only: unpickling can run code).")
+              help="Allow arbitrary pickled objects in the checkpoint's .pt files and DCP .metadata, and store a DCP "
+                   "directory's non-tensor items as raw bytes (trusted sources only: unpickling can run code).")
 @click.argument("source", type=click.Path(exists=True))
 @handled
 def import_(config_path, run, step, arch_path, tier, trust_pickle, source):
-    """Commit an existing checkpoint (Megatron directory in either format, or safetensors) as a step.
+    """Commit an existing checkpoint (Megatron directory in either format, a PyTorch DCP directory, or safetensors)
+    as a step.
 
     \b
     Example:

@@ -28,7 +28,7 @@ from flowcheck.demo.setup import write_config
 
 ITERS, DP, CHANNELS, MIRROR, LOSS, SEED = 20, 4, 2, "0:out,1:out,2:out", 0.02, 1
 # the loggers that report an iteration lost on every copy (as a WARNING: in production nobody injected it)
-_LOSS_LOGGERS = ("flowcheck.capture.mirror", "flowcheck.tiers.memory")
+_LOSS_LOGGERS = ("flowcheck.capture.mirror.pipeline", "flowcheck.tiers.memory")
 
 
 def mirror_config(base: str) -> Config:
@@ -62,9 +62,9 @@ def run_mirror(workdir: str) -> tuple[Check, ...]:
 
 def _capture(cfg_path: str, job_path: str, pcaps: list[str]):
     """What ``flowcheck capture --config CFG --job JOB --pcap ...`` does, its loss warnings gathered."""
-    from flowcheck.capture.decode import Decoded, decode, read_all
-    from flowcheck.capture.job import load_job
-    from flowcheck.capture.mirror import (
+    from flowcheck.capture.mirror.decode import Decoded, decode, read_all
+    from flowcheck.capture.mirror.job import load_job
+    from flowcheck.capture.mirror.pipeline import (
         ResyncSource,
         Updater,
         initial_replica,

@@ -19,7 +19,7 @@ from typing import Any
 
 from flowcheck.capture.auth import read_token
 from flowcheck.errors import ConfigError, FlowcheckError
-from flowcheck.capture.mirror_stats import CaptureStats
+from flowcheck.capture.mirror.stats import CaptureStats
 from flowcheck.capture.push import PushReceiver
 from flowcheck.config import Config, ServeConfig
 from flowcheck.logs import oneline
@@ -165,10 +165,10 @@ class Node:
         """Mirror capture from the configured files or live interface: decode -> replica -> RAM, snapshots by the policy."""
         import glob
 
-        from flowcheck.capture.decode import Decoded, decode, read_all
-        from flowcheck.capture.job import load_job
-        from flowcheck.capture.mirror import ResyncSource, Updater, initial_replica, publish_to, run_pipeline
-        from flowcheck.capture.mirror_stats import counted
+        from flowcheck.capture.mirror.decode import Decoded, decode, read_all
+        from flowcheck.capture.mirror.job import load_job
+        from flowcheck.capture.mirror.pipeline import ResyncSource, Updater, initial_replica, publish_to, run_pipeline
+        from flowcheck.capture.mirror.stats import counted
 
         serve = self.config.serve
         self.mirror = {"state": "running", "job": serve.mirror_job}
@@ -200,8 +200,8 @@ class Node:
 
     def _live_mirror(self, job, info):
         """Allreduces decoded as the mirror port's frames arrive, until the node stops."""
-        from flowcheck.capture.live import live_frames
-        from flowcheck.capture.streaming import StreamingDecoder
+        from flowcheck.capture.mirror.live import live_frames
+        from flowcheck.capture.mirror.streaming import StreamingDecoder
 
         def read():
             def dropped(n: int) -> None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from flowcheck.capture.ring import RingParams, Send, chunk_range, loops, reduce_order
+from flowcheck.capture.mirror.ring import RingParams, Send, chunk_range, loops, reduce_order
 from flowcheck.errors import JobError
 
 

@@ -102,7 +102,7 @@ class MirrorPort:
     """One port's pcap: frames are fed in time order, batch by batch, injected, then written."""
 
     def __init__(self, spec: MirrorSpec, path: str, injection: Injection, seed: int, index: int) -> None:
-        from flowcheck.capture.pcap import PcapWriter
+        from flowcheck.capture.mirror.pcap import PcapWriter
 
         self.spec = spec
         self.path = path

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import yaml
 
-from flowcheck.capture.job import Bucket, Job, Member, Param, job_to_dict
-from flowcheck.capture.ring import RingParams
+from flowcheck.capture.mirror.job import Bucket, Job, Member, Param, job_to_dict
+from flowcheck.capture.mirror.ring import RingParams
 from flowcheck.simulate.allreduce import ring_allreduce
 from flowcheck.simulate.mirror import MirrorPort
 from flowcheck.simulate.options import SimOptions

@@ -27,8 +27,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from flowcheck.capture.frames import Endpoint, ack_frame, ud_frame, write_frames
-from flowcheck.capture.ring import RingParams, ring_sends
+from flowcheck.capture.mirror.frames import Endpoint, ack_frame, ud_frame, write_frames
+from flowcheck.capture.mirror.ring import RingParams, ring_sends
 from flowcheck.simulate.allreduce import RingReduce
 
 MASK24 = (1 << 24) - 1

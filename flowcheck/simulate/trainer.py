@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from flowcheck.capture.job import OptimizerSpec
+from flowcheck.capture.mirror.job import OptimizerSpec
 from flowcheck.errors import ConfigError
 from flowcheck.simulate.model import GPT, MODELS, synthetic_batch
 from flowcheck.torch.state import snapshot_from_torch

@@ -11,7 +11,7 @@ __all__ = ["capture_rng", "restore_rng", "snapshot_from_torch", "to_numpy", "tor
 
 
 def __getattr__(name: str):
-    if name in ("Checkpointer", "Coordinates"):  # lazy: importing flowcheck.torch stays cheap
+    if name in ("Checkpointer", "Coordinates", "PushConfig"):  # lazy: importing flowcheck.torch stays cheap
         from flowcheck.torch import checkpointer
 
         return getattr(checkpointer, name)

@@ -17,7 +17,9 @@ training goes on.  When the node has a token (``FLOWCHECK_NODE_TOKEN``) the trai
 Data-parallel replicas are not sent N times: each DP rank sends a disjoint share of the tensors
 (FFTrainer's "Checkpoint Razor"), and the manifest's ``scalars.extra.push`` says so.  A Megatron trainer
 (``arch=``) sends boxes of the canonical tensors, and with megatron-core's distributed optimizer each DP rank
-sends the optimizer shards it owns (flowcheck/torch/megatron.py).
+sends the optimizer shards it owns (flowcheck/torch/megatron.py).  An FSDP2 / DTensor trainer sends each rank's
+piece of every DTensor at its global offset, replicated placements once (flowcheck/torch/dtensor.py); it resumes
+through ``flowcheck.dcp.Reader``.  Settings are one checked PushConfig (flowcheck/torch/push_config.py).
 """
 from __future__ import annotations
 
@@ -29,57 +31,22 @@ import time
 from dataclasses import dataclass, field
 from multiprocessing import shared_memory
 from typing import Any
-from urllib.parse import urlparse
 
 import torch
 import xxhash
 
-from flowcheck import _native, dtypes
+from flowcheck import _native
 from flowcheck.capture.auth import DEFAULT_TOKEN_ENV, PushSigner, read_token
 from flowcheck.capture.wire import recv_header, send_frame
 from flowcheck.errors import AuthError, ConfigError, FlowcheckError
 from flowcheck.logs import oneline
+from flowcheck.torch import dtensor
+from flowcheck.torch.coords import Coordinates
 from flowcheck.torch.megatron import MEGATRON_KEY, MegatronRank, hook_targets
+from flowcheck.torch.push_config import PushConfig, push_config
 from flowcheck.torch.state import _flatten_optimizer, _json_ready, capture_rng, param_names_of
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Coordinates:
-    """Where this trainer rank sits: data-parallel rank/size (TP/PP come from Megatron when present)."""
-
-    dp_rank: int = 0
-    dp: int = 1
-    tp_rank: int = 0
-    tp: int = 1
-    pp_rank: int = 0
-    pp: int = 1
-    vpp: int = 1  # virtual pipeline chunks per stage: the model is then the list of its chunks
-
-    @classmethod
-    def detect(cls) -> Coordinates:
-        """From megatron.core.parallel_state when initialised, else torch.distributed (all ranks DP), else 1."""
-        import sys
-
-        ps = sys.modules.get("megatron.core.parallel_state")  # only if the trainer uses Megatron (it is slow to import)
-        if ps is not None:
-            if ps.model_parallel_is_initialized():
-                return cls(ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(),
-                           ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size(),
-                           ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size(),
-                           ps.get_virtual_pipeline_model_parallel_world_size() or 1)
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            return cls(torch.distributed.get_rank(), torch.distributed.get_world_size())
-        return cls()
-
-    @property
-    def sender(self) -> int:
-        return (self.pp_rank * self.tp + self.tp_rank) * self.dp + self.dp_rank
-
-    @property
-    def senders(self) -> int:
-        return self.dp * self.tp * self.pp
 
 
 @dataclass
@@ -106,10 +73,6 @@ class _Entry:
     view: Any  # local tensor -> the box
 
 
-def _identity(t: torch.Tensor) -> torch.Tensor:
-    return t
-
-
 @dataclass
 class _Job:
     step: int
@@ -134,28 +97,23 @@ class Checkpointer:
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, lr_scheduler: Any = None,
-                 *, node: str, run: str, extra: Any = None, coords: Coordinates | None = None,
-                 budget_mib: float | None = None, on_busy: str = "wait", timeout_s: float = 30.0,
-                 transport: str = "auto", hook: bool = True, rng: bool = True, arch: Any = None,
-                 token: str | None = None) -> None:
-        if on_busy not in ("wait", "coalesce"):
-            raise ConfigError(f"on_busy: expected 'wait' or 'coalesce', found {on_busy!r}")
-        if transport not in ("auto", "tcp", "shm"):
-            raise ConfigError(f"transport: expected 'auto', 'tcp' or 'shm', found {transport!r}")
-        url = urlparse(node)
-        if url.scheme != "tcp" or not url.hostname or not url.port:
-            raise ConfigError(f"node: expected tcp://HOST:PORT, found {node!r}")
+                 *, config: PushConfig | None = None, node: str | None = None, run: str | None = None,
+                 extra: Any = None, coords: Coordinates | None = None, budget_mib: float | None = None,
+                 on_busy: str | None = None, timeout_s: float | None = None, transport: str | None = None,
+                 hook: bool | None = None, rng: bool | None = None, arch: Any = None, token: str | None = None) -> None:
+        """``config`` (a PushConfig) or its fields as keywords (a keyword given with ``config`` overrides that field);
+        ``extra``: JSON scalars (or a callable returning them) pushed with each step; ``coords``: where this rank sits
+        (default: detected); ``arch``: a Megatron trainer's model description (flowcheck.restore.arch.ModelArch)."""
+        self.config = config = push_config(config, node=node, run=run, budget_mib=budget_mib, on_busy=on_busy,
+                                           timeout_s=timeout_s, transport=transport, hook=hook, rng=rng, token=token)
         self.model, self.optimizer, self.lr_scheduler = model, optimizer, lr_scheduler
-        self.address = (url.hostname, url.port)
-        self.run, self.extra, self.rng = run, extra, rng
+        self.address, self.run, self.extra, self.rng = config.address, config.run, extra, config.rng
         self.coords = coords or Coordinates.detect()
         self.arch = arch  # flowcheck.restore.arch.ModelArch: needed for TP/PP trainers (global offsets)
-        self.budget = None if budget_mib is None else int(budget_mib * (1 << 20))
-        self.on_busy, self.timeout_s = on_busy, timeout_s
-        self.shm = transport == "shm" or (transport == "auto" and url.hostname in ("127.0.0.1", "localhost", "::1"))
+        self.budget, self.on_busy, self.timeout_s, self.shm = config.budget_bytes, config.on_busy, config.timeout_s, config.shm
         self.stats = CheckpointerStats()
         # the node's shared secret: from $FLOWCHECK_NODE_TOKEN unless given; never logged, never sent (only MACs are)
-        self._token = token if token is not None else read_token(DEFAULT_TOKEN_ENV)
+        self._token = config.token if config.token is not None else read_token(DEFAULT_TOKEN_ENV)
         self._signer: PushSigner | None = None
         # set by load(): the first push accepted after it tells the node the state descends from that step
         self.parent: dict[str, Any] | None = None
@@ -171,7 +129,8 @@ class Checkpointer:
         self._closed = False
         # a Megatron trainer: its tensors are boxes of the canonical ones (restore's rules need the model)
         self._megatron = MegatronRank(model, optimizer, arch, self.coords) if arch is not None else None
-        self._hooks = [opt.register_step_pre_hook(lambda *_: self.wait()) for opt in hook_targets(optimizer)] if hook else []
+        self._hooks = [opt.register_step_pre_hook(lambda *_: self.wait()) for opt in hook_targets(optimizer)] \
+            if config.hook else []
 
     # ---- the trainer's calls ---------------------------------------------------------------
     def save(self, step: int, *, consumed_train_samples: int | None = None) -> bool:
@@ -234,6 +193,10 @@ class Checkpointer:
             raise ConfigError("Checkpointer.load: a Megatron trainer (arch=) resumes from a checkpoint directory: write "
                               "one with `flowcheck restore --step N --tp T --pp P --out DIR` and start Megatron with "
                               "--load DIR (it reshards and loads the distributed optimizer itself)")
+        if any(dtensor.is_dtensor(t) for t in self.model.state_dict().values()):
+            raise ConfigError("Checkpointer.load: an FSDP2/DTensor trainer resumes through DCP, which reshards to its "
+                              "mesh: dcp.load(state, storage_reader=flowcheck.dcp.Reader(config, run=..., step=...)) "
+                              "(README: 'PyTorch DCP and FSDP2')")
         store = store if store is not None else open_store(config)
         tier, manifest = open_step(store, step, prefer)
         snap = tier.load(manifest.step)
@@ -285,7 +248,7 @@ class Checkpointer:
         if self._megatron is not None:
             specs, shared, own = self._megatron.cut(tensors)
         else:
-            (specs, shared), own = self._whole(tensors), []
+            specs, shared, own = self._plain(tensors)
         shared.sort(key=lambda sh: (sh[0], sh[1]))
         mine = [sh for i, sh in enumerate(shared) if i % self.coords.dp == self.coords.dp_rank]
         mine += sorted(own, key=lambda sh: (sh[0], sh[1]))  # distributed-optimizer shards: only this rank holds them
@@ -301,15 +264,14 @@ class Checkpointer:
         self._allocate(at)
         self._entries, self._signature, self._specs = entries, signature, specs
 
-    def _whole(self, tensors: dict[str, torch.Tensor]):
-        """A plain (data-parallel only) trainer: every tensor whole, under its state-dict name."""
+    def _plain(self, tensors: dict[str, torch.Tensor]) -> tuple[list[dict], list[tuple], list[tuple]]:
+        """A plain (data-parallel) or FSDP2/DTensor trainer: plain tensors whole under their state-dict names (DP
+        replicas share them out), DTensors as this rank's piece of the global tensor (flowcheck/torch/dtensor.py)."""
         c = self.coords
         if c.tp > 1 or c.pp > 1:
             raise ConfigError("Checkpointer: a tensor/pipeline-parallel trainer must pass arch= (a "
                               "flowcheck.restore.arch.ModelArch) so its shards are recorded in the global index space")
-        specs = [{"name": n, "dtype": dtypes.from_torch(t.dtype).name, "shape": list(t.shape), "role": "replicated"}
-                 for n, t in sorted(tensors.items())]
-        return specs, [(n, [0] * t.dim(), n, _identity) for n, t in tensors.items()]
+        return dtensor.cut(tensors)
 
     def _allocate(self, nbytes: int) -> None:
         if self._segment is not None:

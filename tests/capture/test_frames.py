@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 
 from flowcheck import _mirror
-from flowcheck.capture import roce
-from flowcheck.capture.frames import (
+from flowcheck.capture.mirror import roce
+from flowcheck.capture.mirror.frames import (
     Endpoint, Opcode, ack_frame, icrc, roce_frame, send_frames, ud_frame, write_frames,
 )  # fmt: skip
-from flowcheck.capture.pcap import Frames, PcapWriter, read_capture
+from flowcheck.capture.mirror.pcap import Frames, PcapWriter, read_capture
 
 PCAPS = Path(__file__).resolve().parents[2] / ".." / "shared" / "data" / "pcaps"
 CAPTURES = ["rdma32", "iter_80000", "allreduce+p2p", "iter_40000_p2p_iter10_2"]

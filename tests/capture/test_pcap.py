@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from flowcheck.capture.pcap import Frames, PcapWriter, read_capture
+from flowcheck.capture.mirror.pcap import Frames, PcapWriter, read_capture
 from flowcheck.errors import CaptureError
 
 PCAPS = Path(__file__).resolve().parents[2] / ".." / "shared" / "data" / "pcaps"

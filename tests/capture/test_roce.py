@@ -12,10 +12,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flowcheck.capture import roce
-from flowcheck.capture.frames import Endpoint, Opcode, ack_frame, icrc, roce_frame, send_frames, ud_frame, write_frames
-from flowcheck.capture.pcap import Frames, read_capture
-from flowcheck.capture.roce import MessageFlag, Status
+from flowcheck.capture.mirror import roce
+from flowcheck.capture.mirror.frames import Endpoint, Opcode, ack_frame, icrc, roce_frame, send_frames, ud_frame, write_frames
+from flowcheck.capture.mirror.pcap import Frames, read_capture
+from flowcheck.capture.mirror.roce import MessageFlag, Status
 
 PCAPS = Path(__file__).resolve().parents[2] / ".." / "shared" / "data" / "pcaps"
 CAPTURES = ["rdma32", "iter_80000", "allreduce+p2p", "iter_40000_p2p_iter10_2"]

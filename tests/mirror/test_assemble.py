@@ -4,10 +4,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from flowcheck.capture import roce
-from flowcheck.capture.assemble import Assembler, RingStream, WireSend, _runs
-from flowcheck.capture.job import job_from_dict
-from flowcheck.capture.ring import ring_sends
+from flowcheck.capture.mirror import roce
+from flowcheck.capture.mirror.assemble import Assembler, RingStream, WireSend, _runs
+from flowcheck.capture.mirror.job import job_from_dict
+from flowcheck.capture.mirror.ring import ring_sends
 
 
 def _job(n: int, buckets: list[int], channels: int = 1, first: list[int] | None = None):

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from flowcheck.capture.job import job_from_dict, job_to_dict, load_job
+from flowcheck.capture.mirror.job import job_from_dict, job_to_dict, load_job
 from flowcheck.errors import JobError
 
 ROOT = Path(__file__).resolve().parents[2]

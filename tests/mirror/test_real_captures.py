@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from flowcheck.capture.decode import Decoded, decode, read_all
-from flowcheck.capture.job import load_job
+from flowcheck.capture.mirror.decode import Decoded, decode, read_all
+from flowcheck.capture.mirror.job import load_job
 from flowcheck.cli import main
 
 PCAPS = Path(__file__).resolve().parents[2] / ".." / "shared" / "data" / "pcaps"
@@ -76,7 +76,7 @@ def test_decode_cli_json_contract_and_exit_codes(tmp_path):
 
 
 def test_ll128_is_refused_clearly():
-    from flowcheck.capture.job import job_from_dict
+    from flowcheck.capture.mirror.job import job_from_dict
     from flowcheck.errors import JobError
 
     job = job_from_dict({"ring": [{"mac": "02:00:00:00:00:01"}, {"mac": "02:00:00:00:00:02"}], "protocol": "ll128",

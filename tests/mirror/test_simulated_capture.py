@@ -10,9 +10,9 @@ import os
 import pytest
 import torch
 
-from flowcheck.capture.decode import Decoded, decode, read_all
-from flowcheck.capture.job import load_job
-from flowcheck.capture.mirror import ResyncSource, Updater, initial_replica, load_state_file, run_pipeline
+from flowcheck.capture.mirror.decode import Decoded, decode, read_all
+from flowcheck.capture.mirror.job import load_job
+from flowcheck.capture.mirror.pipeline import ResyncSource, Updater, initial_replica, load_state_file, run_pipeline
 from flowcheck.simulate import SimOptions, simulate
 
 ITERS = int(os.environ.get("FLOWCHECK_SIM_ITERS", "50"))

@@ -6,10 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from flowcheck.capture.decode import Decoded, decode, read_all
-from flowcheck.capture.job import load_job
-from flowcheck.capture.pcap import Frames
-from flowcheck.capture.streaming import StreamingDecoder
+from flowcheck.capture.mirror.decode import Decoded, decode, read_all
+from flowcheck.capture.mirror.job import load_job
+from flowcheck.capture.mirror.pcap import Frames
+from flowcheck.capture.mirror.streaming import StreamingDecoder
 from flowcheck.errors import CaptureError
 from flowcheck.simulate import SimOptions, simulate
 
@@ -94,7 +94,7 @@ def test_streaming_options_are_checked(tmp_path):
 def test_traffic_without_ring_connections_is_not_held(tmp_path):
     """Frames that never form a ring connection (other traffic on the mirror port) leave the window after a
     second of capture time instead of filling it."""
-    from flowcheck.capture.frames import Endpoint, ud_frame
+    from flowcheck.capture.mirror.frames import Endpoint, ud_frame
 
     sim = simulate(SimOptions(out=str(tmp_path / "sim"), dp=2, iters=1, seed=4))
     a, b = Endpoint("02:00:00:00:00:0a", "fe80::a"), Endpoint("02:00:00:00:00:0b", "fe80::b")
@@ -105,3 +105,56 @@ def test_traffic_without_ring_connections_is_not_held(tmp_path):
         assert decoder.feed(frames.select(i, i + 100)) == []
     assert decoder.held_frames <= 200 and decoder.finish() == []
     assert decoder.info.packets["OK"] == 3000
+
+
+@pytest.mark.parametrize("dp,channels,proto,loss,dup,reorder", [
+    (2, 1, "ll", 0.0, 0.0, 0.0),
+    (4, 2, "simple", 2e-3, 1e-3, 1e-3),
+    (8, 2, "ll", 3e-3, 2e-3, 2e-3),
+])
+def test_decode_with_k_parse_workers_equals_one_worker(tmp_path, monkeypatch, dp, channels, proto, loss, dup, reorder):
+    """K = 1, 2, 4 threads in the first pass give byte-identical reports and vectors (the parse threshold is
+    lowered so the small simulated captures split too)."""
+    import json
+
+    from flowcheck.capture.mirror import roce
+    from flowcheck.capture.mirror.decode import report
+
+    monkeypatch.setattr(roce, "PARALLEL_MIN_FRAMES", 64)
+    sim = simulate(SimOptions(out=str(tmp_path / "sim"), dp=dp, iters=3, channels=channels, proto=proto,
+                              loss=loss, dup=dup, reorder=reorder, seed=7))
+    job, frames = load_job(sim.job_path), read_all(sorted(sim.pcaps.values()))
+    outs = []
+    for k in (1, 2, 4):
+        info = Decoded()
+        ars = list(decode(job, frames, info, workers=k))
+        outs.append((json.dumps(report(ars, info), sort_keys=True, default=str), [_key(a) for a in ars]))
+    assert outs[0] == outs[1] == outs[2]
+
+
+def test_decode_of_the_shared_real_captures_does_not_depend_on_parse_workers(monkeypatch):
+    import glob
+    import json
+    import os
+
+    from flowcheck.capture.mirror import roce
+    from flowcheck.capture.mirror.decode import report
+
+    root = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "data", "pcaps")
+    jobs = os.path.join(os.path.dirname(__file__), "..", "data", "jobs")
+    pcaps = sorted(glob.glob(os.path.join(root, "*.pcapng")))
+    if not pcaps:
+        pytest.skip(f"the shared real captures are missing ({root})")
+    monkeypatch.setattr(roce, "PARALLEL_MIN_FRAMES", 64)
+    for pcap in pcaps:
+        name = os.path.basename(pcap).rsplit(".", 1)[0]
+        job_path = os.path.join(jobs, name + ".yaml")
+        if not os.path.exists(job_path):
+            continue
+        job, frames = load_job(job_path), read_all([pcap])
+        outs = set()
+        for k in (1, 2, 4):
+            info = Decoded()
+            ars = list(decode(job, frames, info, workers=k))
+            outs.add(json.dumps(report(ars, info), sort_keys=True, default=str) + repr([_key(a) for a in ars]))
+        assert len(outs) == 1, name

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from flowcheck.capture.job import job_from_dict
+from flowcheck.capture.mirror.job import job_from_dict
 from flowcheck.errors import JobError
 from flowcheck.update import Replica
 

@@ -181,6 +181,21 @@ def install(faults: Faults) -> None:
 
     _native.pwrite_all = pwrite_all
 
+    class ChunkWriter(_native.ChunkWriter):  # the packed layout's native writer: each call is a write event
+        def write(self, buffer):
+            if faults.hit("write (pack)"):
+                view = memoryview(buffer).cast("B")
+                super().write(view[:faults.torn_bytes(view.nbytes)])  # a torn write, then the crash
+                die()
+            return super().write(buffer)
+
+        def finish(self):
+            if faults.hit("write (pack index)"):
+                die()
+            return super().finish()
+
+    _native.ChunkWriter = ChunkWriter
+
     real_sendfile = os.sendfile
 
     def sendfile(out_fd, in_fd, offset, count, *a, **kw):

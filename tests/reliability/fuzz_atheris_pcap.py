@@ -23,8 +23,8 @@ import atheris
 with atheris.instrument_imports(include=["flowcheck.capture"]):
     import numpy as np
 
-    from flowcheck.capture import roce
-    from flowcheck.capture.pcap import PcapWriter, read_capture
+    from flowcheck.capture.mirror import roce
+    from flowcheck.capture.mirror.pcap import PcapWriter, read_capture
     from flowcheck.errors import FlowcheckError
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -69,7 +69,7 @@ CHILD = textwrap.dedent('''
     import numpy as np
     from flowcheck import _mirror, _native
     assert "asan" in open("/proc/self/maps").read() and _mirror.__file__.startswith(build)
-    from flowcheck.capture import roce
+    from flowcheck.capture.mirror import roce
     from flowcheck.errors import FlowcheckError
     from tests.reliability import test_fuzz as tf
 
@@ -144,6 +144,23 @@ CHILD = textwrap.dedent('''
             else: edits.append((k, r(), rng.randint(0, 95), rng.randint(0, 255)))
         counts[decode(tf._mutate_capture(seed, edits))] += 1; runs += 1
         counts[decode(rng.choice(tf.MAGICS).to_bytes(4, "little") + rng.randbytes(rng.randint(0, 400)))] += 1; runs += 1
+    # the live capture's PACKET_MMAP block copy: mutated TPACKET_V3 blocks (exact-size heap buffers), odd outputs
+    from tests.capture.test_packet_ring import make_block
+    counts["ring_blocks"] = 0
+    for i in range(max(200, n_inputs)):
+        frames = [rng.randbytes(rng.randint(0, 300)) for _ in range(rng.randint(0, 6))]
+        block = make_block(frames, tags={0: 9}, outgoing={1}, size=rng.choice((4096, 8192)))
+        for _ in range(rng.randint(0, 6)):
+            at = rng.randrange(0, min(len(block), 64 + 400 * len(frames)))
+            block[at] = rng.randint(0, 255)
+        rows, size = rng.randint(0, 8), rng.choice((0, 15, 700, 5000))
+        try:
+            _mirror.ring_block(np.frombuffer(bytes(block), np.uint8).copy(), np.empty(size, np.uint8),
+                               rng.randint(0, size), np.empty(rows, np.int64), np.empty(rows, np.int32),
+                               np.empty(rows, np.int64), rng.randint(0, rows))
+            counts["ring_blocks"] += 1
+        except ValueError:
+            pass
     # the other extension: writes and copies with odd sizes and offsets
     fd = os.open(str(tf.WORK / "asan.bin"), os.O_RDWR | os.O_CREAT)
     for size in (0, 1, 7, 4096, 65537):
@@ -159,7 +176,7 @@ CHILD = textwrap.dedent('''
                 pass
     os.close(fd)
     print(f"ASAN-FUZZ inputs={runs} accepted={counts['accepted']} rejected={counts['rejected']} "
-          f"merges={counts['merges']} crashes=0")
+          f"merges={counts['merges']} ring_blocks={counts['ring_blocks']} crashes=0")
 ''')
 
 
@@ -184,4 +201,5 @@ def test_native_packet_path_is_clean_under_address_and_ub_sanitizers(asan_build)
     line = [x for x in proc.stdout.splitlines() if x.startswith("ASAN-FUZZ")]
     assert line, proc.stdout[-2000:]
     assert int(line[0].split("merges=")[1].split()[0]) > 0, line[0]  # the decoder's native merge ran too
+    assert int(line[0].split("ring_blocks=")[1].split()[0]) > 0, line[0]  # and the live ring's block copy
     print("\n" + line[0])

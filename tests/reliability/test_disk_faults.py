@@ -9,6 +9,7 @@ runs and the system call fails with the errno a real disk returns (ENOSPC, EIO, 
 """
 from __future__ import annotations
 
+import dataclasses
 import errno
 import glob
 import os
@@ -79,12 +80,12 @@ class FailingWrites:
     """Makes the real write path fail the way a disk does, from a chosen point on."""
 
     def __init__(self, monkeypatch, *, after_bytes: int | None = None, path_part: str | None = None,
-                 err: int = errno.ENOSPC, fail_sync: bool = False) -> None:
+                 err: int = errno.ENOSPC, fail_sync: bool = False, fail_fsync: bool = False) -> None:
         self.after_bytes, self.path_part, self.err = after_bytes, path_part, err
         self.written = 0
         self.armed = True
         self._fds: dict[int, str] = {}
-        real_open, real_pwrite, real_sync = os.open, _native.pwrite_all, _native.sync_filesystem
+        real_open, real_pwrite, real_sync, real_fsync = os.open, _native.pwrite_all, _native.sync_filesystem, os.fsync
 
         def open_(path, flags, *a, **kw):
             fd = real_open(path, flags, *a, **kw)
@@ -108,9 +109,35 @@ class FailingWrites:
                 raise OSError(self.err, os.strerror(self.err))
             return real_sync(fd)
 
+        faults = self
+
+        class ChunkWriter(_native.ChunkWriter):  # the packed layout's native writer fails the same way
+            def __init__(self, fd, chunk_bytes, flush_every=0):
+                super().__init__(fd, chunk_bytes, flush_every)
+                self.path = faults._fds.get(fd, "")
+
+            def write(self, buffer):
+                view = memoryview(buffer).cast("B")
+                if faults.armed and faults.path_part is not None and faults.path_part in self.path:
+                    raise OSError(faults.err, os.strerror(faults.err), self.path)
+                if faults.armed and faults.after_bytes is not None and faults.written + view.nbytes > faults.after_bytes:
+                    fit = max(0, faults.after_bytes - faults.written)
+                    super().write(view[:fit])  # the part that fit
+                    faults.written += fit
+                    raise OSError(faults.err, os.strerror(faults.err), self.path)
+                faults.written += view.nbytes
+                return super().write(buffer)
+
+        def fsync(fd):  # a file of the step being written (its .tmp folder) fails to reach the disk
+            if self.armed and fail_fsync and ".tmp" in self._fds.get(fd, ""):
+                raise OSError(self.err, os.strerror(self.err), self._fds.get(fd))
+            return real_fsync(fd)
+
         monkeypatch.setattr(os, "open", open_)
         monkeypatch.setattr(_native, "pwrite_all", pwrite_all)
+        monkeypatch.setattr(_native, "ChunkWriter", ChunkWriter)
         monkeypatch.setattr(_native, "sync_filesystem", sync_filesystem)
+        monkeypatch.setattr(os, "fsync", fsync)
 
 
 # ---- a full disk ----------------------------------------------------------------------
@@ -130,12 +157,16 @@ def test_a_full_tmpfs_mid_snapshot_fails_clearly_keeps_older_steps_and_recovers(
     assert_intact(open_store(small_tmpfs, f"file://{tmp_path}/object"), {"local": [10, 11]})
 
 
-@pytest.mark.parametrize("where", ["first-write", "mid-shard", "manifest", "syncfs-EIO"])
+@pytest.mark.parametrize("where", ["first-write", "mid-shard", "manifest", "fsync-EIO", "syncfs-EIO"])
 def test_a_write_failing_anywhere_in_a_snapshot_commits_nothing_and_loses_nothing(tmp_path, monkeypatch, where):
     store = open_store(str(tmp_path))
+    if where == "syncfs-EIO":  # tiers.local.sync_mode: syncfs (the default, fsync, syncs file by file)
+        store = Store(dataclasses.replace(store.config, tiers=dataclasses.replace(
+            store.config.tiers, local=dataclasses.replace(store.config.tiers.local, sync_mode="syncfs"))))
     commit(store, 10, 11)
     kw = {"first-write": dict(after_bytes=0), "mid-shard": dict(after_bytes=MiB + 4096),
-          "manifest": dict(path_part="manifest.json"), "syncfs-EIO": dict(fail_sync=True, err=errno.EIO)}[where]
+          "manifest": dict(path_part="manifest.json"), "fsync-EIO": dict(fail_fsync=True, err=errno.EIO),
+          "syncfs-EIO": dict(fail_sync=True, err=errno.EIO)}[where]
     faults = FailingWrites(monkeypatch, **kw)
     with pytest.raises(TierError) as err:
         store.write(cc.state(12, 1.5), "local")

@@ -52,9 +52,25 @@ class Recorder:
             self.events.append(("write", os.path.abspath(dst)))
             return real_copy(src, dst, *a, **kw)
 
+        events, fds = self.events, self._fds
+
+        class ChunkWriter(_native.ChunkWriter):  # the packed layout's native writer: its writes are writes
+            def __init__(self, fd, chunk_bytes, flush_every=0):
+                super().__init__(fd, chunk_bytes, flush_every)
+                self.path = fds.get(fd, "?")
+
+            def write(self, buffer):
+                events.append(("write", self.path))
+                return super().write(buffer)
+
+            def finish(self):
+                events.append(("write", self.path))
+                return super().finish()
+
         monkeypatch.setattr(os, "open", open_)
         monkeypatch.setattr(os, "fsync", fsync)
         monkeypatch.setattr(_native, "pwrite_all", pwrite_all)
+        monkeypatch.setattr(_native, "ChunkWriter", ChunkWriter)
         monkeypatch.setattr(_native, "sync_filesystem", syncfs)
         monkeypatch.setattr(shutil, "copyfile", copyfile)
         for name in ("rename", "replace", "link"):
@@ -118,10 +134,44 @@ def test_local_tier_makes_data_durable_before_the_manifest_and_the_manifest_befo
     check_local_order(rec, os.path.join(str(tmp_path), "r1"), "step-000000010")
 
 
-def test_the_order_check_fails_when_data_is_not_synced_before_the_commit(tmp_path, monkeypatch):
+# every kind of file the packed layout writes (tiers/zarr_pack.py), by its path in the step folder
+PACKED_KINDS = {
+    "step group zarr.json": lambda rel: rel == "zarr.json",
+    "packs group zarr.json": lambda rel: rel == "packs/zarr.json",
+    "pack array zarr.json": lambda rel: rel.startswith("packs/") and rel.endswith("/zarr.json") and rel.count("/") == 2,
+    "pack shard file": lambda rel: rel.startswith("packs/") and rel.endswith("/c/0"),
+}
+
+
+@pytest.mark.parametrize("sync_mode", ["syncfs", "fsync"])
+def test_every_file_kind_of_the_packed_layout_is_durable_before_the_manifest(tmp_path, monkeypatch, sync_mode):
+    from tests.reliability import crash_child as cc
+
+    tier = LocalTier(LocalConfig(root=str(tmp_path), sync_mode=sync_mode), cc.RUN)
+    rec = Recorder(monkeypatch)
+    m = tier.write(cc.state(10, 1.5))  # three dtypes (float32, bf16, int64): three packs
+    root = os.path.join(str(tmp_path), cc.RUN)
+    check_local_order(rec, root, "step-000000010")
+    written = {os.path.relpath(e[1], root).split("/", 1)[1] for e in rec.events if e[0] == "write" and ".tmp" in e[1]}
+    assert m.format_version == 3
+    for kind, is_kind in PACKED_KINDS.items():
+        assert [r for r in written if is_kind(r)], f"no {kind} among the files written: {sorted(written)}"
+    assert len([r for r in written if PACKED_KINDS["pack shard file"](r)]) == 3
+
+
+@pytest.mark.parametrize("sabotage", ["data files", "metadata and folders", "syncfs"])
+def test_the_order_check_fails_when_data_is_not_synced_before_the_commit(tmp_path, monkeypatch, sabotage):
     """The checker above catches a tier that commits without syncing its data first."""
-    tier = LocalTier(LocalConfig(root=str(tmp_path), sync_mode="fsync"), "r1")
-    monkeypatch.setattr("flowcheck.tiers.local.make_tree_durable", lambda root, mode: None)
+    from flowcheck.tiers import zarr_pack
+
+    tier = LocalTier(LocalConfig(root=str(tmp_path), sync_mode="syncfs" if sabotage == "syncfs" else "fsync"), "r1")
+    if sabotage == "data files":
+        real = zarr_pack.write_pack
+        monkeypatch.setattr(zarr_pack, "write_pack", lambda path, pack, array, written, fsync: real(path, pack, array, written, False))
+    elif sabotage == "metadata and folders":
+        monkeypatch.setattr("flowcheck.tiers.local.sync_paths", lambda paths, workers=8: None)
+    else:
+        monkeypatch.setattr("flowcheck.tiers.local.make_tree_durable", lambda root, mode: None)
     rec = Recorder(monkeypatch)
     tier.write(make_snapshot(step=10))
     with pytest.raises(AssertionError, match="not fsync'd"):

@@ -28,9 +28,9 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from flowcheck.capture import roce
-from flowcheck.capture.job import load_job
-from flowcheck.capture.pcap import PcapWriter, read_capture
+from flowcheck.capture.mirror import roce
+from flowcheck.capture.mirror.job import load_job
+from flowcheck.capture.mirror.pcap import PcapWriter, read_capture
 from flowcheck.config import load as load_config
 from flowcheck.errors import FlowcheckError
 from flowcheck.manifest import canonical_json, parse as parse_manifest

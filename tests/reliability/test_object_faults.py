@@ -33,10 +33,12 @@ SPECS = [TensorSpec("w", "float32", (3072, 1024)), TensorSpec("v", "float32", (2
 def big_snapshot(step: int):
     """~13 MiB: two files of 6 MiB (max_file_mib=6), each uploaded as two multipart parts, and a small one."""
     rng = np.random.default_rng(step)
+    # small shards first: the local tier stores (and promotion reads) shards in snapshot order, so the small
+    # file is uploaded first and is in the bucket when the large file's multipart upload fails
     arrays = {
-        Shard("w", (0, 0), (3072, 1024)): rng.standard_normal((3072, 1024), dtype=np.float32),
-        Shard("v", (0, 0), (256, 1024)): rng.standard_normal((256, 1024), dtype=np.float32),
         Shard("n", (0,), (1000,)): rng.integers(-(1 << 60), 1 << 60, 1000, dtype=np.int64),
+        Shard("v", (0, 0), (256, 1024)): rng.standard_normal((256, 1024), dtype=np.float32),
+        Shard("w", (0, 0), (3072, 1024)): rng.standard_normal((3072, 1024), dtype=np.float32),
     }
     return make_custom_snapshot(SPECS, arrays, step=step)
 

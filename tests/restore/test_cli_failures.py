@@ -202,7 +202,8 @@ def test_memory_running_out_while_reading_is_one_line(tmp_path, gqa_store, monke
     def no_memory(*a, **kw):
         raise MemoryError("Unable to allocate 4.00 TiB")
 
-    monkeypatch.setattr(LocalTier, "_read_shard", no_memory)
+    monkeypatch.setattr(LocalTier, "_read_shard", no_memory)  # a shard of per-shard arrays
+    monkeypatch.setattr(LocalTier, "_read_packed", no_memory)  # a shard in a pack
     line = one_error_line(CliRunner().invoke(main, _cli(tmp_path, command, fmt, tmp_path / "out")))
     assert "local tier step 10 tensor" in line and "cannot allocate" in line and "machine's memory" in line
     assert leftovers(tmp_path) == []
@@ -253,7 +254,7 @@ FORGED = {
     "lr_scheduler": (_scalar("lr_scheduler", "s"), "field 'scalars.lr_scheduler': expected an object or null"),
     "extra": (_scalar("extra", [1]), "field 'scalars.extra': expected an object, found [1]"),
     # a 2**40-element tensor over the same few KiB of zarr files: the reader refuses it before allocating
-    "huge-shape": (_huge, "zarr array shape [32] != manifest shard shape [1099511627776]"),
+    "huge-shape": (_huge, "1099511627776 lie past the pack's"),
     "huge-hole": (lambda raw: _huge(raw, covered=False), "the stored shards cover less than its global shape"),
 }
 
@@ -357,6 +358,7 @@ def test_a_read_that_fails_with_a_bare_oserror_is_not_taken_for_the_output_faili
         raise OSError(errno.EIO, os.strerror(errno.EIO))
 
     monkeypatch.setattr(LocalTier, "_read_shard", eio)
+    monkeypatch.setattr(LocalTier, "_read_packed", eio)
     line = one_error_line(CliRunner().invoke(main, _cli(tmp_path, "export", "safetensors", tmp_path / "out")))
     assert "local tier: cannot read step 10 tensor" in line and "cannot write" not in line
     assert leftovers(tmp_path) == []

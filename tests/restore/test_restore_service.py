@@ -16,6 +16,7 @@ from flowcheck.restore.megatron_common import Target
 from flowcheck.restore.service import restore
 from flowcheck.state import ParallelLayout, Scalars, Shard, Snapshot, StateLayout, TensorSpec
 
+from tests.helpers import flip_shard_byte
 from .conftest import SMALL, canonical_state, make_store, store_config, write_reference
 
 LAYOUTS = [(1, 1, 1), (2, 2, 1), (4, 1, 1), (2, 2, 2)]
@@ -131,11 +132,7 @@ def test_layout_the_model_cannot_take_writes_nothing(tmp_path, gqa_store):
 
 def test_damaged_shard_fails_the_restore_and_leaves_no_partial_directory(tmp_path, gqa_store):
     store, _, _ = gqa_store
-    step_dir = tmp_path / "local" / "r1" / "step-000000010"
-    victim = next(p for p in sorted(step_dir.rglob("*")) if p.is_file() and "linear_fc2" in str(p) and p.stat().st_size > 512)
-    raw = bytearray(victim.read_bytes())
-    raw[-100] ^= 0x01
-    victim.write_bytes(bytes(raw))
+    flip_shard_byte(store.local, 10, next(n for n in store.local.manifest(10).tensors if "linear_fc2" in n))
     with pytest.raises(IntegrityError):
         restore(store, 10, Target(2, 2, 1, "megatron"), str(tmp_path / "x"))
     assert not any(p.name.startswith("x") for p in tmp_path.iterdir())

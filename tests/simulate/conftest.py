@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
-from flowcheck.capture import roce
-from flowcheck.capture.pcap import Frames, read_capture
+from flowcheck.capture.mirror import roce
+from flowcheck.capture.mirror.pcap import Frames, read_capture
 from flowcheck.simulate import SimOptions, simulate
 
 ALL_PORTS = "0:out,1:out,2:out,0:in,1:in,2:in,1:both"

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from flowcheck.capture.ring import RingParams, reduce_order, ring_sends
+from flowcheck.capture.mirror.ring import RingParams, reduce_order, ring_sends
 from flowcheck.simulate.allreduce import chunks, ring_allreduce
 
 # small steps so that a few hundred elements already need several loops and leave empty chunks

@@ -6,7 +6,7 @@ import os
 import pytest
 from click.testing import CliRunner
 
-from flowcheck.capture.job import load_job
+from flowcheck.capture.mirror.job import load_job
 from flowcheck.cli.simulate import simulate_command
 
 

@@ -8,8 +8,8 @@ from collections import Counter
 
 import pytest
 
-from flowcheck.capture import roce
-from flowcheck.capture.pcap import read_capture
+from flowcheck.capture.mirror import roce
+from flowcheck.capture.mirror.pcap import read_capture
 from flowcheck.errors import ConfigError
 from flowcheck.simulate import SimOptions, simulate
 from flowcheck.simulate.mirror import MirrorSpec, parse_mirrors

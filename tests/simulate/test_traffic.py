@@ -6,9 +6,9 @@ import itertools
 import numpy as np
 import pytest
 
-from flowcheck.capture import roce
-from flowcheck.capture.pcap import Frames
-from flowcheck.capture.ring import RingParams, ring_sends
+from flowcheck.capture.mirror import roce
+from flowcheck.capture.mirror.pcap import Frames
+from flowcheck.capture.mirror.ring import RingParams, ring_sends
 from flowcheck.simulate.allreduce import ring_allreduce
 from flowcheck.simulate.traffic import FIFO_ENTRY, SLOTS, Wire, ll_encode, rank_endpoint
 from tests.simulate.conftest import ll_decode, messages

@@ -11,7 +11,7 @@ import torch
 from safetensors.numpy import load_file
 from safetensors.torch import load_file as load_torch
 
-from flowcheck.capture.job import load_job
+from flowcheck.capture.mirror.job import load_job
 from flowcheck.simulate import SimOptions, simulate
 from flowcheck.simulate.allreduce import ring_allreduce
 from flowcheck.simulate.model import GPT, MODELS

@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 
-from flowcheck.capture.pcap import read_capture
+from flowcheck.capture.mirror.pcap import read_capture
 from flowcheck.simulate import SimOptions, simulate
 
 pytestmark = pytest.mark.skipif(shutil.which("tshark") is None,

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import time
 
+import numpy as np
 import pytest
 
 from flowcheck.config import ObjectConfig
@@ -62,16 +63,29 @@ def flip_byte(tier, rel: str, offset: int) -> None:
 
 # ---- local tier: zarr chunks -----------------------------------------------------------------
 def chunk_file(tier, step: int, tensor: str) -> str:
-    (rel,) = [f.path for f in tier.manifest(step).files if f.path.startswith(f"{step_dir(step)}/{tensor}/0/c/")]
-    return rel
+    """The file holding the tensor's first shard: its pack's shard file, or its own array's chunk file."""
+    return shard_bytes_at(tier, step, tensor)[0]
+
+
+def shard_bytes_at(tier, step: int, tensor: str) -> tuple[str, int]:
+    """(file, offset in it of the shard's first byte) of the tensor's first shard."""
+    from flowcheck.tiers.zarr_pack import CHUNK_BYTES
+
+    m = tier.manifest(step)
+    piece = m.tensors[tensor].shards[0].location[0]
+    if piece.start is None:
+        (rel,) = [f.path for f in m.files if f.path.startswith(f"{step_dir(step)}/{tensor}/0/c/")]
+        return rel, 0
+    byte = piece.start * np.dtype(m.tensors[tensor].dtype).itemsize
+    return f"{piece.path}/c/0", byte // CHUNK_BYTES * (CHUNK_BYTES + 4) + byte % CHUNK_BYTES
 
 
 @LOCAL
 def test_a_corrupted_zarr_chunk_is_caught_and_named(tier, two_steps):
-    rel = chunk_file(tier, 20, BIG)
-    flip_byte(tier, rel, 100)
+    rel, at = shard_bytes_at(tier, 20, BIG)
+    flip_byte(tier, rel, at + 100)
     m = tier.manifest(20)
-    with pytest.raises(IntegrityError, match=f"{step_dir(20)}/{BIG}/0"):
+    with pytest.raises(IntegrityError, match=rel):
         tier.read_shard(m, BIG, m.tensors[BIG].shards[0])
     with pytest.raises(IntegrityError):
         tier.read(20, BIG, (slice(0, 2),))  # a region read checks the chunk CRC too
@@ -114,7 +128,8 @@ def test_promoting_a_damaged_step_commits_nothing(tier, tmp_path):
     source = LocalTier(LocalConfig(root=str(tmp_path / "damaged-source")), "r1")
     source.write(make_snapshot(step=10))
     source.write(big_snapshot(20))
-    flip_byte(source, chunk_file(source, 20, BIG), 100)
+    rel, at = shard_bytes_at(source, 20, BIG)
+    flip_byte(source, rel, at + 100)
     with pytest.raises(IntegrityError):
         tier.write(source.load(20))
     assert tier.steps() == []

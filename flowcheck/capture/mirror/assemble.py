@@ -2,7 +2,7 @@
 
 Input is one ``RingStream`` per mirrored ring connection (sender position, channel) holding
 its sends by NCCL step.  Allreduces are found by *structure*: the job says, for allreduce k,
-how many sends of which wire sizes each connection carries (flowcheck.capture.ring); a send
+how many sends of which wire sizes each connection carries (flowcheck.capture.mirror.ring); a send
 that does not fit is another collective and is skipped, never counted blindly.  The final
 (allgather) sends of every matched allreduce are copied into the allreduce's vector: the
 first valid copy of each element wins, later copies are compared (a mismatch is an anomaly
@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from flowcheck.capture.job import Job
-from flowcheck.capture.ring import RingParams, Send, ring_sends
+from flowcheck.capture.mirror.job import Job
+from flowcheck.capture.mirror.ring import RingParams, Send, ring_sends
 
 NUMPY = {"float32": np.float32, "bfloat16": np.uint16, "int32": np.int32}
 
@@ -157,6 +157,7 @@ class Assembler:
         self.dtype = NUMPY[job.dtype]
         self.skipped: list[dict] = []  # sends that belong to no allreduce (other collectives)
         self.cursors: dict[str, int] = {}  # per stream: the first step not taken by a yielded allreduce
+        self.last: Allreduce | None = None  # the allreduce yielded last (a streaming decode carries it over)
 
     def assemble(self, streams: list[RingStream], start: int = 1) -> Iterator[Allreduce]:
         """Allreduces in capture order from allreduce ``start`` (1-based: a streaming decode goes on where its last
@@ -170,14 +171,57 @@ class Assembler:
             if not ats:
                 return
             self._causal(live, ats, elements)
-            if not ats:
+            if not ats or self._resent(live, ats, elements):
                 return
             for s in live:
                 if s.name in ats:
                     pattern = self.matcher.pattern(elements, s.position, s.channel)
                     self._take(ar, s, ats[s.name], pattern)
                     cursors[s.name] = ats[s.name] + len(pattern)
+            self.last = ar
             yield ar
+
+    def _resent(self, live: list[RingStream], ats: dict[str, int], elements: int) -> bool:
+        """Whether the candidate is trailing sends that repeat final data of the last allreduce (an NCCL that
+        re-sends final chunks) rather than an allreduce the capture cut off; such sends are skipped as re-sends.
+
+        Only a candidate that the end of the capture truncates on every stream is asked (schedule), and only
+        content decides: every send that delivers anything must equal, bit for bit, a final chunk of the last
+        allreduce of its size — partial sums of a new allreduce never do.
+        """
+        last, trailing = self.last, []
+        for s in live:
+            if s.name not in ats:
+                continue
+            pattern = self.matcher.pattern(elements, s.position, s.channel)
+            if last is None or not s.ended or ats[s.name] + len(pattern) - 1 <= s.last_step:
+                return False
+            trailing += [(s, step, pattern[step - ats[s.name]].count) for step in range(ats[s.name], s.last_step + 1)
+                         if (ws := s.sends.get(step)) is not None and ws.size]
+        verdicts = [self._repeats(s, s.sends[step], count) for s, step, count in trailing]
+        if not verdicts or False in verdicts or True not in verdicts:
+            return False
+        for s, step, _ in trailing:
+            ws = s.sends[step]
+            self.skipped.append({"stream": s.name, "step": step, "wire_bytes": ws.size, **ws.info, "resend_of": last.index})
+            self.cursors[s.name] = step + 1
+        return True
+
+    def _repeats(self, s: RingStream, ws: WireSend, count: int) -> bool | None:
+        """True: ``ws`` carries a final chunk of the last allreduce again; False: other data; None: it delivered
+        nothing to compare."""
+        last = self.last
+        data, copies = np.zeros(count, self.dtype), np.zeros(count, np.uint8)
+        if not ws.place(data, copies)[0]:
+            return None
+        got, bits = copies > 0, data.view(f"u{data.itemsize}")
+        for send in self.matcher.pattern(last.elements, s.position, s.channel):
+            if send.final and send.count == count:
+                prev = last.data[send.start:send.start + count]
+                if (last.copies[send.start:send.start + count][got] > 0).all() and \
+                        np.array_equal(bits[got], prev.view(bits.dtype)[got]):
+                    return True
+        return False
 
     def _causal(self, live: list[RingStream], ats: dict[str, int], elements: int) -> None:
         """Drop candidates that happen too early to be this allreduce.

@@ -23,11 +23,11 @@ from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
 
-from flowcheck.capture import roce
-from flowcheck.capture.assemble import Allreduce
-from flowcheck.capture.decode import Decoded, Window, concat_frames, decode_window, packet_anomalies
-from flowcheck.capture.job import Job
-from flowcheck.capture.pcap import Frames
+from flowcheck.capture.mirror import roce
+from flowcheck.capture.mirror.assemble import Allreduce
+from flowcheck.capture.mirror.decode import Decoded, Window, concat_frames, decode_window, packet_anomalies
+from flowcheck.capture.mirror.job import Job
+from flowcheck.capture.mirror.pcap import Frames
 from flowcheck.errors import CaptureError
 
 _PACKET_LEVEL = ("psn_gap", "duplicates")
@@ -55,6 +55,7 @@ class StreamingDecoder:
         self._new = 0  # frames that arrived since the last decode
         self._status: Counter[str] = Counter()
         self._opcodes: Counter[str] = Counter()
+        self._last: Allreduce | None = None  # the allreduce handed out last: trailing re-sends are compared to it
         self._reported: set[str] = set()  # connection-level anomalies already reported (they recur every window)
         self.clock = clock
         self._last_try = clock() if clock is not None else 0
@@ -126,6 +127,7 @@ class StreamingDecoder:
         latest = max(int(window.ts_ns.max()), self.clock() if self.clock is not None else 0)
         horizon = None if final else latest - self.settle_ns
         out, cursors = [], {r.name: r.first_step for r in w.rings}
+        w.assembler.last = self._last
         found = w.assembler.assemble(w.rings, start=self.next_index)
         while True:
             mark = len(local.anomalies)
@@ -138,6 +140,10 @@ class StreamingDecoder:
                 break
             out.append(ar)
             cursors = dict(w.assembler.cursors)
+        if final:  # trailing re-sends of final data move the cursors without an allreduce
+            cursors = dict(w.assembler.cursors)
+        if out:
+            self._last = out[-1]
         return out, cursors
 
     def _advance(self, w: Window, window: Frames, cursors: dict[str, int]) -> int:

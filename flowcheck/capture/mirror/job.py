@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
-from flowcheck.capture.ring import PROTOCOLS, RingParams
+from flowcheck.capture.mirror.ring import PROTOCOLS, RingParams
 from flowcheck.errors import JobError
 
 DTYPES = {"float32": 4, "bfloat16": 2, "int32": 4}

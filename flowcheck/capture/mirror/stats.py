@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from flowcheck.capture.assemble import Allreduce
-    from flowcheck.capture.decode import Decoded
-    from flowcheck.capture.pcap import Frames
+    from flowcheck.capture.mirror.assemble import Allreduce
+    from flowcheck.capture.mirror.decode import Decoded
+    from flowcheck.capture.mirror.pcap import Frames
 
 
 @dataclass

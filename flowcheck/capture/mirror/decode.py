@@ -12,11 +12,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from flowcheck.capture import roce
-from flowcheck.capture.assemble import Allreduce, Assembler, RingStream
-from flowcheck.capture.job import Job
-from flowcheck.capture.pcap import Frames, read_capture
-from flowcheck.capture.streams import Msg, StreamInfo, first_flags, ring_streams, segment_flags
+from flowcheck.capture.mirror import roce
+from flowcheck.capture.mirror.assemble import Allreduce, Assembler, RingStream
+from flowcheck.capture.mirror.job import Job
+from flowcheck.capture.mirror.pcap import Frames, read_capture
+from flowcheck.capture.mirror.streams import Msg, StreamInfo, first_flags, ring_streams, segment_flags
 from flowcheck.errors import CaptureError, JobError
 
 
@@ -52,10 +52,11 @@ def concat_frames(parts: Sequence[Frames], source: str) -> Frames:
     )
 
 
-def decode(job: Job, frames: Frames, info: Decoded | None = None) -> Iterator[Allreduce]:
-    """Allreduces in capture order (each settled: every stream has moved past it or ended)."""
+def decode(job: Job, frames: Frames, info: Decoded | None = None, *, workers: int = 1) -> Iterator[Allreduce]:
+    """Allreduces in capture order (each settled: every stream has moved past it or ended); ``workers``: threads
+    for the native first pass (the output does not depend on it)."""
     info = info if info is not None else Decoded()
-    window = decode_window(job, frames, info)
+    window = decode_window(job, frames, info, workers=workers)
     if window.assembler is None:
         return
     yield from window.assembler.assemble(window.rings)
@@ -72,12 +73,14 @@ class Window:
     assembler: Assembler | None  # None: no ring connection in it
 
 
-def decode_window(job: Job, frames: Frames, info: Decoded, resume: dict[str, int] | None = None) -> Window:
-    """Parse, reassemble and find the ring connections of ``frames`` (``resume``: see ``ring_streams``)."""
+def decode_window(job: Job, frames: Frames, info: Decoded, resume: dict[str, int] | None = None, *,
+                  workers: int = 1) -> Window:
+    """Parse (on ``workers`` threads), reassemble and find the ring connections of ``frames`` (``resume``: see
+    ``ring_streams``)."""
     if job.protocol == "ll128":
         raise JobError("protocol ll128: the decoder does not place LL128 lines yet (the schedule and the native "
                        "unpack exist, the line-to-element mapping is unverified); capture with NCCL_PROTO=LL or Simple")
-    packets = roce.parse(frames)
+    packets = roce.parse(frames, workers=workers)
     info.packets = {**packets.status_counts, "opcodes": packets.opcode_counts}
     buf = np.frombuffer(frames.buf, np.uint8)
     streams = _stream_infos(frames, packets, buf, info.anomalies)

@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from flowcheck.capture import roce
-from flowcheck.capture.assemble import RingStream, WireSend
-from flowcheck.capture.job import Job
+from flowcheck.capture.mirror import roce
+from flowcheck.capture.mirror.assemble import RingStream, WireSend
+from flowcheck.capture.mirror.job import Job
 
 
 @dataclass(slots=True)  # many of them: no per-object __dict__ for the garbage collector to walk

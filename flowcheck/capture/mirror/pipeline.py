@@ -8,7 +8,7 @@ state stale (no snapshot can be taken of it), a resync is requested, and — whe
 states is at hand (the trainer's push; offline: the job's ``resync`` directory) — the replica
 restarts from the trainer's state after that iteration.
 
-What went through and what loss did is counted by ``flowcheck.capture.mirror_stats`` (the node's metrics).
+What went through and what loss did is counted by ``flowcheck.capture.mirror.stats`` (the node's metrics).
 """
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from flowcheck.capture.assemble import Allreduce
-from flowcheck.capture.job import Job
+from flowcheck.capture.mirror.assemble import Allreduce
+from flowcheck.capture.mirror.job import Job
 from flowcheck.errors import JobError
 from flowcheck.state import Snapshot
 from flowcheck.update import Replica

@@ -1,0 +1,200 @@
+"""``flowcheck.dcp.Reader``: a PyTorch DCP StorageReader over any stored flowcheck step, so ``dcp.load`` reshards it.
+
+``read_metadata`` describes the step to DCP — each tensor's global shape and its stored shards as DCP chunks
+(boxes in the global index space: what DCP's chunks are), each bytes item — and DCP's own planner decides which
+piece of which chunk every rank needs, at any world size or mesh.  ``read_data`` reads each stored shard the
+plan touches once, through the fastest tier holding the step with its digest checked (falling back to an intact
+copy in another tier), and copies the asked-for pieces into the rank's tensors.  Bytes items go through the
+allow-listed loader first (flowcheck/dcp/objects.py says exactly where anything is unpickled).  Steps pushed
+by a ``Checkpointer`` (no DCP index) are presented under ``get_state_dict``'s keys (flowcheck/dcp/index.py).
+"""
+from __future__ import annotations
+
+import collections
+import io
+import os
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import torch
+from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
+from torch.distributed.checkpoint.storage import StorageReader
+from torch.futures import Future
+
+from flowcheck import dtypes
+from flowcheck.config import Config
+from flowcheck.dcp import objects
+from flowcheck.dcp.index import PUSH_KEYS, PushKeys, View, view_of
+from flowcheck.dcp.target import cores_per_rank, open_config
+from flowcheck.errors import ConfigError, FlowcheckError
+from flowcheck.manifest import Manifest, ParentRef
+from flowcheck.store import Store
+
+READERS = 4  # at most this many shards read (and digest-checked) at once per rank
+
+
+class LoadMismatchError(FlowcheckError, RuntimeError):
+    """The ranks of one ``dcp.load`` resolved different stored states (``latest`` moved while they read it)."""
+
+
+class Reader(StorageReader):
+    """Load step ``step`` (a number, ``latest`` or ``sha256:<prefix>``) of ``run`` through DCP's own resharding.
+
+    ``where`` as for ``Writer``; ``prefer``: ``auto`` (fastest tier, falling back to an intact copy), ``local`` or
+    ``object``; ``trust_pickle`` / ``safe_globals``: see flowcheck/dcp/objects.py; ``push_keys``: the top-level keys
+    a step pushed by a ``Checkpointer`` is loaded under (flowcheck/dcp/index.py).  After ``dcp.load``,
+    ``resumed`` is the loaded state (``ParentRef``): pass the Reader as a ``Writer``'s ``parent`` so the next save
+    descends from it.  Example::
+
+        reader = flowcheck.dcp.Reader("flowcheck.yaml", run="gpt", step="latest")
+        dcp.load(state, storage_reader=reader)
+    """
+
+    def __init__(self, where: Config | str | None = None, *, step: int | str = "latest", run: str | None = None,
+                 branch: str | None = None, prefer: str = "auto", trust_pickle: bool = False,
+                 safe_globals: Sequence[Any] = (), push_keys: PushKeys = PUSH_KEYS) -> None:
+        if prefer not in ("auto", "local", "object"):
+            raise ConfigError(f"flowcheck.dcp.Reader: prefer: expected 'auto', 'local' or 'object', found {prefer!r}")
+        self.config, _ = open_config(where, run)
+        self.step, self.branch, self.prefer = step, branch, prefer
+        self.trust_pickle, self.safe_globals = trust_pickle, tuple(safe_globals)
+        self.push_keys = push_keys
+        self._resumed: ParentRef | Manifest | None = None  # the loaded manifest; its digest once asked for
+        self._tier: Any = None
+        self._manifest: Manifest | None = None
+        self._view: View | None = None
+        self._where: dict[MetadataIndex, Any] = {}
+
+    # ---- DCP's calls ------------------------------------------------------------------
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        self._where = {}
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        tier, m = Store(self.config).open_step(self.step, self.prefer, self.branch)
+        where = f"{tier.name} tier step {m.step} of run {m.run}"
+        view = view_of(list(m.tensors), m.scalars, where, self.push_keys)
+        entries: dict[str, Any] = {}
+        self._where = {}
+        for key, name in view.tensors.items():
+            t = m.tensors[name]
+            chunks = [ChunkStorageMetadata(torch.Size(s.offsets), torch.Size(s.shape)) for s in t.shards]
+            dtype = getattr(torch, dtypes.dtype(t.dtype).torch)
+            entries[key] = TensorStorageMetadata(TensorProperties(dtype=dtype), torch.Size(t.global_shape), chunks)
+            self._where.update({MetadataIndex(key, torch.Size(s.offsets)): (name, i) for i, s in enumerate(t.shards)})
+        for key in [*view.objects, *view.made]:
+            entries[key] = BytesStorageMetadata()
+            self._where[MetadataIndex(key)] = key
+        self._tier, self._manifest, self._view = tier, m, view
+        self._resumed = m
+        meta = StorageMeta(checkpoint_id=f"flowcheck:{m.run}/step-{m.step}")
+        return Metadata(entries, planner_data=dict(view.planner_data) or None, storage_data=None, storage_meta=meta)
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if self._manifest is None:
+            raise FlowcheckError("flowcheck.dcp.Reader: set_up_storage_reader before read_metadata")
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        m = self._manifest  # the state this rank read: every rank must have read the same (its digest costs a JSON pass)
+        plan.storage_data = (m.step, self._branch(), m.created_at, m.layout_digest)
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        states = {p.storage_data for p in plans}
+        if len(states) > 1:
+            raise LoadMismatchError(f"flowcheck.dcp.Reader: the ranks resolved step {self.step!r} to different states "
+                                    f"({sorted(states)}): a save committed "
+                                    "while they read; load again (or load a step number)")
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        by_source: dict[Any, list[Any]] = {}
+        for req in plan.items:
+            by_source.setdefault(self._where[req.storage_index], []).append(req)
+        for key in [k for k in by_source if isinstance(k, str)]:  # bytes items, by their DCP key
+            for req in by_source.pop(key):
+                planner.load_bytes(req, self._bytes(key))
+        for source, src in _ahead(self._shard, list(by_source), cores_per_rank(READERS)):
+            for req in by_source[source]:
+                piece = narrow_tensor_by_index(src, req.storage_offsets, req.lengths)
+                dest = planner.resolve_tensor(req).detach()
+                if dest.size() != piece.size():
+                    raise FlowcheckError(f"flowcheck.dcp.Reader: {req.storage_index.fqn}: DCP asked for "
+                                         f"{list(piece.size())} into a tensor of {list(dest.size())}")
+                dest.copy_(piece)
+                planner.commit_tensor(req, dest)
+        future: Future[None] = Future()
+        future.set_result(None)
+        return future
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return False
+
+    @property
+    def resumed(self) -> ParentRef | None:
+        """The state the last ``dcp.load`` read (None before one, or once a Writer recorded it as a save's parent)."""
+        if isinstance(self._resumed, Manifest):
+            self._resumed = self._resumed.parent_ref()
+        return self._resumed
+
+    @resumed.setter
+    def resumed(self, value: ParentRef | None) -> None:
+        self._resumed = value
+
+    def _branch(self) -> str:
+        return getattr(self._tier, "branch", "main")
+
+    # ---- reads -------------------------------------------------------------------------
+    def _shard(self, source: tuple[str, int]) -> torch.Tensor:
+        """One stored shard, whole and digest-checked, as a CPU tensor of its dtype."""
+        name, i = source
+        m = self._manifest
+        arr = self._tier.read_shard(m, name, m.tensors[name].shards[i])
+        if not arr.flags.writeable:
+            arr = arr.copy()  # torch shares the buffer: it must be writable
+        dtype = m.tensors[name].dtype
+        if dtype == "bfloat16":
+            return torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)
+        return torch.from_numpy(arr)
+
+    def _bytes(self, key: str) -> io.BytesIO:
+        view = self._view
+        if key in view.made:  # rebuilt by flowcheck from the step's JSON scalars: nothing stored is unpickled
+            return io.BytesIO(objects.saved(view.made[key]))
+        name = view.objects[key]
+        raw = self._shard((name, 0)).numpy().tobytes()
+        where = f"{self._tier.name} tier step {self._manifest.step} ({name})"
+        return objects.for_planner(raw, key, where, trust_pickle=self.trust_pickle, safe_globals=self.safe_globals)
+
+
+def _ahead(read: Callable[[Any], Any], items: list[Any], workers: int) -> Iterator[tuple[Any, Any]]:
+    """``(item, read(item))`` in order, with up to ``workers`` reads in flight on threads (the tiers' reads and digests
+    release the GIL), so reading the next shards overlaps copying this one; at most ``workers`` + 1 shards in memory."""
+    if len(items) <= 1:
+        yield from ((item, read(item)) for item in items)
+        return
+    with ThreadPoolExecutor(min(workers, len(items)), thread_name_prefix="flowcheck-dcp-read") as pool:
+        pending = collections.deque((item, pool.submit(read, item)) for item in items[:workers])
+        rest = iter(items[workers:])
+        try:
+            while pending:
+                item, fut = pending.popleft()
+                nxt = next(rest, None)
+                if nxt is not None:
+                    pending.append((nxt, pool.submit(read, nxt)))
+                yield item, fut.result()
+        finally:
+            for _, fut in pending:
+                fut.cancel()

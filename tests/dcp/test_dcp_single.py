@@ -1,0 +1,157 @@
+"""flowcheck.dcp in one process (``no_dist``): lineage of saves after a resume, DCP's non-tensor items and where they
+are (never) unpickled, ``flowcheck import`` of a plain DCP directory, and the errors a user meets."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+import flowcheck.dcp
+from flowcheck.errors import ConfigError
+from flowcheck.manifest import ParentRef
+from flowcheck.store import open_store
+from tests.dcp.test_dcp_fsdp import config, flat
+
+warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+
+
+def state(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"model": {"w": torch.randn(6, 4, generator=g), "b": torch.randn(4, generator=g).to(torch.bfloat16),
+                      "odd key/with slash": torch.arange(5)},
+            "sched": {"last_epoch": seed, "lrs": [0.1, 0.2], "betas": (0.9, 0.95)}, "step": seed}
+
+
+def zeros_like(s: dict) -> dict:
+    return {k: zeros_like(v) if isinstance(v, dict) else torch.zeros_like(v) if isinstance(v, torch.Tensor) else None
+            for k, v in s.items()}
+
+
+def save(cfg: str, s: dict, step: int, **kw) -> flowcheck.dcp.Writer:
+    w = flowcheck.dcp.Writer(cfg, step=step, **kw)
+    dcp.save(s, storage_writer=w, no_dist=True)
+    return w
+
+
+def load(cfg_or_reader, s: dict, **kw) -> dict:
+    reader = cfg_or_reader if isinstance(cfg_or_reader, flowcheck.dcp.Reader) else flowcheck.dcp.Reader(cfg_or_reader, **kw)
+    dcp.load(s, storage_reader=reader, no_dist=True)
+    return s
+
+
+def same(a: dict, b: dict) -> bool:
+    fa, fb = flat(a), flat(b)
+    return sorted(fa) == sorted(fb) and all(
+        torch.equal(fa[k], v) if isinstance(v, torch.Tensor) else fa[k] == v and type(fa[k]) is type(v) for k, v in fb.items())
+
+
+@pytest.mark.parametrize("tier", ["local", "object"])
+def test_a_state_with_tensors_and_python_values_round_trips_exactly_in_either_tier(tmp_path, tier):
+    cfg = config(str(tmp_path))
+    save(cfg, state(3), 3, tier=tier)
+    assert same(load(cfg, zeros_like(state(3)), step=3), state(3))
+    assert getattr(open_store(cfg), tier).steps() == [3]
+
+
+def test_saves_after_a_resume_are_a_branch_of_the_resumed_step_and_then_continue_it(tmp_path):
+    cfg = config(str(tmp_path))
+    save(cfg, state(5), 5)
+    first = save(cfg, state(10), 10).committed
+    assert first.parent.step == 5  # "auto": the current branch's newest step before this one
+    reader = flowcheck.dcp.Reader(cfg, step=5)
+    load(reader, zeros_like(state(5)))
+    assert reader.resumed.step == 5
+    resumed = save(cfg, state(8), 8, parent=reader).committed
+    assert resumed.parent == reader_ref(cfg, 5) and reader.resumed is None  # consumed: later saves continue
+    later = save(cfg, state(12), 12, parent=reader).committed
+    assert later.parent == resumed.parent_ref()
+    store = open_store(cfg)
+    assert store.local.steps() == [5, 10]  # main keeps the first lineage, whole
+    branch = store.local.branch_names()
+    assert len(branch) == 1 and store.tier("local", branch[0]).steps() == [8, 12]
+    assert same(load(cfg, zeros_like(state(12)), step="latest"), state(12))  # latest follows the new branch
+
+
+def reader_ref(cfg: str, step: int) -> ParentRef:
+    return open_store(cfg).local.manifest(step).parent_ref()
+
+
+class Payload:
+    """A pickle that runs a command when unpickled (the attack a stored non-tensor item could carry)."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_a_stored_pickle_payload_is_never_run_and_loading_it_is_refused_naming_the_item(tmp_path):
+    cfg = config(str(tmp_path))
+    marker = tmp_path / "pwned"
+    save(cfg, {"w": torch.ones(3), "evil": Payload(str(marker))}, 1)
+    assert not marker.exists()
+    with pytest.raises(CheckpointException, match=r"DCP item 'evil': refused to unpickle global posix.system"):
+        load(cfg, {"w": torch.zeros(3), "evil": None}, step=1)
+    assert not marker.exists()
+    got = load(cfg, {"w": torch.zeros(3)}, step=1)  # the tensors load without it
+    assert torch.equal(got["w"], torch.ones(3))
+
+
+def test_flowcheck_import_takes_a_dcp_directory_tensors_only_unless_trusted(tmp_path):
+    src = tmp_path / "dcp"
+    dcp.save(state(4), checkpoint_id=str(src), no_dist=True)
+    cfg = config(str(tmp_path))
+    run = [sys.executable, "-m", "flowcheck", "--config", cfg, "import"]
+    done = subprocess.run([*run, "--step", "4", str(src)], check=False, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "4 non-tensor item(s) not imported" in done.stderr and "--trust-pickle" in done.stderr
+    tensors_only = {"model": zeros_like(state(4))["model"]}
+    assert same(load(cfg, tensors_only, step=4), {"model": state(4)["model"]})
+    done = subprocess.run([*run, "--step", "5", "--trust-pickle", str(src)], check=False, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert same(load(cfg, zeros_like(state(4)), step=5), state(4))
+    m = open_store(cfg).manifest(5)  # a second import is a lineage of its own: a branch (README "Branches")
+    assert m.producer.source == "import" and "_dcp_bytes.sched.lrs" in m.tensors
+
+
+def test_importing_a_pickle_payload_with_trust_stores_it_without_running_it(tmp_path):
+    src, marker = tmp_path / "dcp", tmp_path / "pwned"
+    dcp.save({"w": torch.ones(2), "evil": Payload(str(marker))}, checkpoint_id=str(src), no_dist=True)
+    cfg = config(str(tmp_path))
+    done = subprocess.run([sys.executable, "-m", "flowcheck", "--config", cfg, "import", "--step", "1",
+                           "--trust-pickle", str(src)], check=False, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert not marker.exists()
+    with pytest.raises(CheckpointException, match="refused to unpickle"):
+        load(cfg, {"w": torch.zeros(2), "evil": None}, step=1)
+    assert not marker.exists()
+
+
+def test_writer_and_reader_arguments_are_checked_with_what_to_do(tmp_path):
+    cfg = config(str(tmp_path))
+    with pytest.raises(ConfigError, match="step: expected a non-negative integer"):
+        flowcheck.dcp.Writer(cfg, step=-1)
+    with pytest.raises(ConfigError, match="tier: expected one of"):
+        flowcheck.dcp.Writer(cfg, step=1, tier="memory")
+    with pytest.raises(ConfigError, match="prefer: expected"):
+        flowcheck.dcp.Reader(cfg, prefer="memory")
+    with pytest.raises(ConfigError, match="use_collectives=True"):
+        dcp.save({"w": torch.ones(1)}, storage_writer=flowcheck.dcp.Writer(cfg, step=1), use_collectives=False,
+                 no_dist=True)
+    with pytest.raises(CheckpointException, match="no committed step"):
+        load(cfg, {"w": torch.zeros(1)}, step="latest")
+
+
+def test_a_url_or_a_folder_is_a_store_of_its_own(tmp_path):
+    save(f"file://{tmp_path}/obj", state(2), 2, run="gpt")
+    assert same(load(f"file://{tmp_path}/obj", zeros_like(state(2)), run="gpt"), state(2))
+    save(str(tmp_path / "nvme"), state(6), 6, run="gpt")
+    assert os.path.isdir(tmp_path / "nvme" / "gpt" / "step-000000006")
+    assert same(load(str(tmp_path / "nvme"), zeros_like(state(6)), run="gpt"), state(6))
