@@ -20,8 +20,9 @@ class ChunkWriter:
     from offset 0, hashing the data and the file as it writes (GIL released). The fd stays the caller's."""
 
     def __init__(self, fd: int, chunk_bytes: int, flush_every: int = 0) -> None: ...
-    def write(self, buffer: Buffer) -> str:
-        """Append the buffer's bytes to the chunk stream; returns their xxh3-128 (hex). Raises OSError."""
+    def write(self, buffer: Buffer, hash: bool = True) -> str:
+        """Append the buffer's bytes to the chunk stream; returns their xxh3-128 (hex), or '' when hash is False
+        (the caller hashed them already). Raises OSError."""
     def finish(self) -> tuple[int, str]:
         """Pad the last chunk with zeros, write the index; returns (file bytes, xxh3-128 hex of the file)."""
 

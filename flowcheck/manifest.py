@@ -39,7 +39,13 @@ MULTI_NODE_VERSION = 2
 # keeps its identity when promoted.  A flowcheck that predates v3 refuses it instead of reading
 # a pack as one shard.
 PACKED_VERSION = 3
-KNOWN_VERSIONS = (FORMAT_VERSION, MULTI_NODE_VERSION, PACKED_VERSION)
+# v4 = v3 + references (``refs``, a piece's ``ref``): shards the step did not write again because the parent held
+# the same bytes point into the earlier step that holds them (README "Incremental steps").  Only a manifest with at
+# least one reference is v4; locations and refs identify nothing, so its digest is the v1 digest of the same
+# state.  A flowcheck that predates v4 refuses it instead of looking for the bytes in the step's own folder.
+INCREMENTAL_VERSION = 4
+KNOWN_VERSIONS = (FORMAT_VERSION, MULTI_NODE_VERSION, PACKED_VERSION, INCREMENTAL_VERSION)
+_LOCATION_ONLY = (PACKED_VERSION, INCREMENTAL_VERSION)  # differ from v1 only where the bytes lie
 SOURCES = ("mirror", "push", "import", "restore", "snapshot")
 MAX_TENSOR_BYTES = 1 << 63  # numpy and the byte offsets of every format are int64
 
@@ -72,9 +78,12 @@ class Piece:
     key: str | None = None  # tensor key inside a safetensors file
     rows: tuple[int, int] | None = None  # rows [start, stop) of the shard held by this piece
     start: int | None = None  # v3: the shard's first element in the flat (1-D) zarr array at ``path``
+    ref: int | None = None  # v4: index into the manifest's ``refs``: the bytes lie in that earlier step's folder
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"path": self.path}
+        if self.ref is not None:
+            out["ref"] = self.ref
         if self.key is not None:
             out["key"] = self.key
         if self.rows is not None:
@@ -105,6 +114,26 @@ class FileEntry:
     path: str
     bytes: int
     digest: str
+
+
+@dataclass(frozen=True)
+class StepRef:
+    """v4: an earlier committed step holding bytes this step reuses.
+
+    ``branch`` is the branch folder holding it, ``step``/``manifest_digest`` its identity (the digest tells it
+    from a later state at the same number), ``files`` the files of that step the pieces use, with their size and
+    digest as that step committed them, so audit checks them without trusting the other manifest.  A piece
+    ``{"path": "step-…/packs/0", "start": s, "ref": i}`` names its path as ``refs[i]``'s own manifest does
+    (relative to that step's branch folder, inside its step folder)."""
+
+    branch: str
+    step: int
+    manifest_digest: str
+    files: tuple[FileEntry, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"branch": self.branch, "step": self.step, "manifest_digest": self.manifest_digest,
+                "files": [{"path": f.path, "bytes": f.bytes, "digest": f.digest} for f in self.files]}
 
 
 @dataclass(frozen=True)
@@ -174,6 +203,7 @@ class Manifest:
     signature: Mapping[str, str] | None = None
     format_version: int = FORMAT_VERSION
     nodes: tuple[NodeRef, ...] = ()  # v2: the node part manifests this step merges (identity, in the digest)
+    refs: tuple[StepRef, ...] = ()  # v4: earlier steps holding shards this step did not write again
 
     # ---- serialisation -------------------------------------------------
     def to_json(self, *, integrity: bool = True) -> dict[str, Any]:
@@ -217,6 +247,8 @@ class Manifest:
             out["buckets"] = [list(b) for b in self.buckets]
         if self.nodes:
             out["nodes"] = [{"node": n.node, "manifest_digest": n.manifest_digest} for n in self.nodes]
+        if self.refs:
+            out["refs"] = [r.to_json() for r in self.refs]
         if self.signature is not None:
             out["signature"] = dict(self.signature)
         if integrity:
@@ -230,10 +262,11 @@ class Manifest:
     def digest(self) -> str:
         """The manifest digest: identity of the state, independent of the tier holding it."""
         body = self.to_json(integrity=False)
-        if self.format_version == PACKED_VERSION:
-            body["format_version"] = FORMAT_VERSION  # v3 differs from v1 only in locations, which identify nothing
+        if self.format_version in _LOCATION_ONLY:
+            body["format_version"] = FORMAT_VERSION  # v3/v4 differ from v1 only in locations, which identify nothing
         body.pop("signature", None)
         body.pop("files", None)
+        body.pop("refs", None)
         for t in body["tensors"].values():
             for s in t["shards"]:
                 s.pop("location")
@@ -268,7 +301,13 @@ class Manifest:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the files this step wrote (not those of earlier steps it references)."""
         return sum(f.bytes for f in self.files)
+
+    @property
+    def referenced_nbytes(self) -> int:
+        """Bytes of earlier steps' files this step's shards point into (v4)."""
+        return sum(f.bytes for r in self.refs for f in r.files)
 
     @property
     def data_nbytes(self) -> int:
@@ -331,7 +370,7 @@ class _Reader:
 
 def _piece(r: _Reader, raw: Any, path: str, version: int) -> Piece:
     if not isinstance(raw, Mapping):
-        raise r.fail(path, "an object {path, key?, rows?, start?}", raw)
+        raise r.fail(path, "an object {path, key?, rows?, start?, ref?}", raw)
     p = r.relpath(raw, "path", path + ".path")
     key = raw.get("key")
     if key is not None and not isinstance(key, str):
@@ -343,11 +382,17 @@ def _piece(r: _Reader, raw: Any, path: str, version: int) -> Piece:
         rows = (rows[0], rows[1])
     start = raw.get("start")
     if start is not None:
-        if version != PACKED_VERSION:
-            raise r.fail(path + ".start", f"no 'start' outside a format_version {PACKED_VERSION} manifest", start)
+        if version not in _LOCATION_ONLY:
+            raise r.fail(path + ".start", f"no 'start' outside a format_version {list(_LOCATION_ONLY)} manifest", start)
         if not isinstance(start, int) or isinstance(start, bool) or start < 0 or key is not None or rows is not None:
             raise r.fail(path + ".start", "a non-negative integer, in a piece without key and rows", start)
-    return Piece(p, key, rows, start)
+    ref = raw.get("ref")
+    if ref is not None:
+        if version != INCREMENTAL_VERSION:
+            raise r.fail(path + ".ref", f"no 'ref' outside a format_version {INCREMENTAL_VERSION} manifest", ref)
+        if not isinstance(ref, int) or isinstance(ref, bool) or ref < 0 or start is None:
+            raise r.fail(path + ".ref", "a non-negative integer, in a packed piece (with 'start')", ref)
+    return Piece(p, key, rows, start, ref)
 
 
 def _tensor(r: _Reader, name: str, raw: Any, version: int) -> TensorEntry:
@@ -434,6 +479,61 @@ def _nodes(r: _Reader, raw: Mapping[str, Any], version: int) -> tuple[NodeRef, .
     return tuple(out)
 
 
+def _refs(r: _Reader, raw: Mapping[str, Any], version: int, tensors: Mapping[str, TensorEntry]) -> tuple[StepRef, ...]:
+    """v4 lists the earlier steps its pieces point into (at least one, each used); a piece's ``ref`` indexes
+    them and its path lies inside that step's folder.  Earlier versions have none."""
+    if version != INCREMENTAL_VERSION:
+        if "refs" in raw:
+            raise r.fail("refs", f"no 'refs' in a format_version {version} manifest", raw["refs"])
+        return ()
+    from flowcheck.branches import check_branch  # branches imports this module
+
+    expected = "a non-empty list of {branch, step, manifest_digest, files}"
+    items = r.get(raw, "refs", list, "refs", expected)
+    if not items:
+        raise r.fail("refs", expected, items)
+    out = []
+    for i, item in enumerate(items):
+        branch = r.get(item, "branch", str, f"refs[{i}].branch", "a branch name")
+        try:
+            check_branch(branch)
+        except Exception as e:  # noqa: BLE001 - any refusal is a bad field
+            raise r.fail(f"refs[{i}].branch", "a branch name", branch) from e
+        step = r.get(item, "step", int, f"refs[{i}].step", "a non-negative integer")
+        if step < 0:
+            raise r.fail(f"refs[{i}].step", "a non-negative integer", step)
+        digest = r.digest(item, "manifest_digest", f"refs[{i}].manifest_digest", "sha256")
+        files = _file_entries(r, r.get(item, "files", list, f"refs[{i}].files", "a list"), f"refs[{i}].files")
+        out.append(StepRef(branch, step, digest, tuple(files)))
+    used = set()
+    for name, t in tensors.items():
+        for i, s in enumerate(t.shards):
+            for j, p in enumerate(s.location):
+                if p.ref is None:
+                    continue
+                where = f"tensors.{name}.shards[{i}].location[{j}]"
+                if p.ref >= len(out):
+                    raise r.fail(where + ".ref", f"an index into 'refs' (0..{len(out) - 1})", p.ref)
+                prefix = "step-{:09d}/".format(out[p.ref].step)
+                if not p.path.startswith(prefix):
+                    raise r.fail(where + ".path", f"a path inside {prefix} (the referenced step's folder)", p.path)
+                used.add(p.ref)
+    if used != set(range(len(out))):
+        raise r.fail("refs", "only steps some piece references", sorted(set(range(len(out))) - used))
+    return tuple(out)
+
+
+def _file_entries(r: _Reader, items: list, field_: str) -> list[FileEntry]:
+    files: list[FileEntry] = []
+    for i, f in enumerate(items):
+        p = r.relpath(f, "path", f"{field_}[{i}].path")
+        size = r.get(f, "bytes", int, f"{field_}[{i}].bytes", "a non-negative integer")
+        if size < 0:
+            raise r.fail(f"{field_}[{i}].bytes", "a non-negative integer", size)
+        files.append(FileEntry(p, size, r.digest(f, "digest", f"{field_}[{i}].digest", "xxh3-128")))
+    return files
+
+
 def _scalars(r: _Reader, raw: Mapping[str, Any]) -> dict[str, Any]:
     """The scalars object, every field the readers use of the type they use it as (flowcheck/state.py)."""
     scalars = r.get(raw, "scalars", dict, "scalars", "an object")
@@ -479,13 +579,8 @@ def parse(raw_bytes: bytes, where: str, *, verify_integrity: bool = True) -> Man
     layout = ParallelLayout(**dims)
     tensors = {name: _tensor(r, name, t, version)
                for name, t in r.get(raw, "tensors", dict, "tensors", "an object").items()}
-    files: list[FileEntry] = []
-    for i, f in enumerate(r.get(raw, "files", list, "files", "a list")):
-        p = r.relpath(f, "path", f"files[{i}].path")
-        size = r.get(f, "bytes", int, f"files[{i}].bytes", "a non-negative integer")
-        if size < 0:
-            raise r.fail(f"files[{i}].bytes", "a non-negative integer", size)
-        files.append(FileEntry(p, size, r.digest(f, "digest", f"files[{i}].digest", "xxh3-128")))
+    files = _file_entries(r, r.get(raw, "files", list, "files", "a list"), "files")
+    refs = _refs(r, raw, version, tensors)
     _check_file_bytes(r, tensors, files)
     buckets_raw = raw.get("buckets", [])
     if not isinstance(buckets_raw, list) or not all(
@@ -524,6 +619,7 @@ def parse(raw_bytes: bytes, where: str, *, verify_integrity: bool = True) -> Man
         signature=signature,
         format_version=version,
         nodes=nodes,
+        refs=refs,
     )
     if verify_integrity:
         body = {k: v for k, v in raw.items() if k != "integrity"}

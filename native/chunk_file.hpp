@@ -118,20 +118,21 @@ class Writer {
   public:
     Writer(int fd, size_t chunk_bytes, size_t flush_every) : fd_(fd), chunk_(chunk_bytes), flush_every_(flush_every) {}
 
-    // Appends data to the chunk stream; returns the xxh3-128 (hex) of exactly these bytes.
-    std::string write(const unsigned char* data, size_t n) {
+    // Appends data to the chunk stream; returns the xxh3-128 (hex) of exactly these bytes (empty when !hash:
+    // the caller hashed them already, e.g. to find that an unchanged shard need not be written).
+    std::string write(const unsigned char* data, size_t n, bool hash = true) {
         Hasher digest;
         while (n > 0) {
             size_t take = std::min({n, chunk_ - fill_, BLOCK - queued_});
             crc_ = fc_crc::extend(crc_, data, take);
-            digest.update(data, take);
+            if (hash) digest.update(data, take);
             queue(data, take);
             fill_ += take, data += take, n -= take;
             if (fill_ == chunk_) close_chunk();
             if (queued_ >= BLOCK || iov_count_ + 2 > MAX_IOV) flush();
         }
         flush();  // the caller's buffer may change once this returns
-        return digest.hex();
+        return hash ? digest.hex() : std::string();
     }
 
     // Pads the last chunk, writes the index and its checksum; returns (file bytes, xxh3-128 hex of the file).

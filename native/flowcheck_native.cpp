@@ -235,10 +235,10 @@ class ChunkWriter {
     ChunkWriter(int fd, size_t chunk_bytes, size_t flush_every) : w_(fd, chunk_bytes, flush_every) {
         if (chunk_bytes == 0) throw py::value_error("chunk_bytes must be > 0");
     }
-    std::string write(const py::buffer& b) {
+    std::string write(const py::buffer& b, bool hash) {
         View v = readable(b);
         if (finished_) throw py::value_error("ChunkWriter.write after finish");
-        return chunk_call([&] { return w_.write(reinterpret_cast<const unsigned char*>(v.data), v.size); });
+        return chunk_call([&] { return w_.write(reinterpret_cast<const unsigned char*>(v.data), v.size, hash); });
     }
     std::pair<uint64_t, std::string> finish() {
         if (finished_) throw py::value_error("ChunkWriter.finish called twice");
@@ -281,8 +281,9 @@ PYBIND11_MODULE(_native, m) {
                             "Streams one dense zarr shard file of fixed-size inner chunks (crc32c after each, "
                             "index at the end) to fd from offset 0, hashing data and file as it writes.")
         .def(py::init<int, size_t, size_t>(), py::arg("fd"), py::arg("chunk_bytes"), py::arg("flush_every") = 0)
-        .def("write", &ChunkWriter::write, py::arg("buffer"),
-             "Append the buffer's bytes to the chunk stream; returns their xxh3-128 (hex). Raises OSError.")
+        .def("write", &ChunkWriter::write, py::arg("buffer"), py::arg("hash") = true,
+             "Append the buffer's bytes to the chunk stream; returns their xxh3-128 (hex), or '' when hash is "
+             "False (the caller hashed them already). Raises OSError.")
         .def("finish", &ChunkWriter::finish,
              "Pad the last chunk with zeros, write the index; returns (file bytes, xxh3-128 hex of the file).");
     m.def("read_chunks", &read_chunks, py::arg("fd"), py::arg("dst"), py::arg("begin"), py::arg("chunk_bytes"),

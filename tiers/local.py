@@ -35,10 +35,11 @@ from flowcheck.errors import (
     TierError,
     TierMissingError,
 )
-from flowcheck.manifest import PACKED_VERSION, Manifest, ParentRef, ShardEntry
+from flowcheck.branches import MAIN
+from flowcheck.manifest import INCREMENTAL_VERSION, PACKED_VERSION, Manifest, ParentRef, ShardEntry, StepRef
 from flowcheck.progress import Progress, counter
 from flowcheck.state import Shard, Snapshot
-from flowcheck.tiers import local_zarr, zarr_pack
+from flowcheck.tiers import local_refs, local_zarr, zarr_pack
 from flowcheck.tiers.base import Problem, Tier, full_region, make_manifest, parse_step_dir, step_dir
 from flowcheck.tiers.durable import DurableStore, fsync_dir, make_tree_durable, replace_file, sync_paths
 from flowcheck.tiers.read_ahead import ReadAhead
@@ -155,13 +156,35 @@ class LocalTier(Tier):
             on_bytes(nbytes)
 
         if self._packable(snapshot):
-            digests, locations, files, unsynced = zarr_pack.write_step(self.config, snapshot, tmp, written)
+            skip, known, refs = self._reusable(snapshot, parent)
+            for shard in skip:
+                written(shard, math.prod(shard.shape) * dtypes.dtype(snapshot.layout.spec(shard.tensor).dtype).itemsize)
+            digests, locations, files, unsynced = zarr_pack.write_step(self.config, snapshot, tmp, written, skip, known)
             check_digests(snapshot, digests)
             m = make_manifest(snapshot, node=self.node, parent=parent, digests=digests, locations=locations, files=files)
-            return self._sign(replace(m, format_version=PACKED_VERSION)), unsynced
+            m = replace(m, format_version=INCREMENTAL_VERSION if refs else PACKED_VERSION, refs=refs)
+            return self._sign(m), unsynced
         digests, locations, files = local_zarr.write_arrays(self.config, snapshot, store, written)
         m = make_manifest(snapshot, node=self.node, parent=parent, digests=digests, locations=locations, files=files)
         return self._sign(m), None
+
+    def _reusable(self, snapshot: Snapshot, parent: ParentRef | None
+                  ) -> tuple[dict[Shard, zarr_pack.Reused], dict[Shard, str], tuple[StepRef, ...]]:
+        """The shards the parent (in this tier, on any branch) already holds, which are not written again."""
+        found = None if parent is None else local_refs.find_parent(self._search_order(), parent)
+        if found is None:
+            return {}, {}, ()
+        here = os.path.join(local_refs.branch_rel(self.branch), step_dir(snapshot.step))
+        return local_refs.reuse(snapshot, local_refs.candidates(found[1], found[0]), here, self.config.workers)
+
+    def _at(self, branch: str) -> LocalTier:
+        return self if branch == self.branch else self.at_branch(branch)
+
+    def _search_order(self) -> list[LocalTier]:
+        """This branch, then main, then every other branch of the run."""
+        main = self._at(MAIN)
+        names = [self.branch] + [b for b in (MAIN, *main.branch_names()) if b != self.branch]
+        return [self._at(b) for b in names]
 
     def _packable(self, snapshot: Snapshot) -> bool:
         """Packs hold uncompressed data of a single-node state (a v2 step keeps v2, whose pieces have no start)."""
@@ -230,7 +253,17 @@ class LocalTier(Tier):
     def _read_packed(self, manifest: Manifest, tensor: str, entry: ShardEntry, region) -> tuple[np.ndarray, str]:
         """Rows of a shard in a pack (``region`` None: all of it) and the digest of the elements read."""
         piece = entry.location[0]
-        pack = self._pack(manifest, piece.path)
+        if piece.ref is None:
+            return self._read_in(self._pack(manifest, piece.path), manifest, tensor, entry, region)
+        try:
+            return self._read_in(self._ref_pack(manifest, piece), manifest, tensor, entry, region)
+        except (FileNotFoundError, IntegrityError):
+            # the holder may have been deleted (its folder moved to retained/) between finding and reading it
+            return self._read_in(self._ref_pack(manifest, piece), manifest, tensor, entry, region)
+
+    def _read_in(self, pack: zarr_pack.PackFile, manifest: Manifest, tensor: str, entry: ShardEntry, region
+                 ) -> tuple[np.ndarray, str]:
+        piece = entry.location[0]
         storage = dtypes.dtype(manifest.tensors[tensor].dtype).storage
         if pack.info.storage != storage:
             raise IntegrityError(f"local tier: {pack.path}: the pack holds {pack.info.storage}, tensor {tensor} is {storage}")
@@ -244,10 +277,40 @@ class LocalTier(Tier):
         return arr, digest
 
     def _pack(self, manifest: Manifest, rel: str) -> zarr_pack.PackFile:
-        """A pack checked (metadata and index) once per file version."""
+        """A pack of this step, checked (metadata and index) once per file version."""
+        listed = f"{rel}/c/0" in self._chunk_files(manifest).get(rel, ())
+        return self._pack_at(self.root, rel, listed, self._check_inside)
+
+    def _ref_pack(self, manifest: Manifest, piece) -> zarr_pack.PackFile:
+        """A pack of the earlier step a piece references: in that step's folder while it is committed with the
+        referenced digest, else in its retained folder; never outside the run folder."""
+        ref = manifest.refs[piece.ref]
+        folder = os.path.join(local_refs.branch_rel(ref.branch), self._holder_dir(ref))
+        rel = os.path.join(folder, piece.path.partition("/")[2])
+        listed = any(f.path == f"{piece.path}/c/0" for f in ref.files)
+        return self._pack_at(self._run_root(), rel, listed, self._check_inside_run)
+
+    def _holder_dir(self, ref: StepRef) -> str:
+        try:
+            live = self._at(ref.branch).manifest(ref.step, check_signature=False).digest() == ref.manifest_digest
+        except FlowcheckError:
+            live = False
+        return step_dir(ref.step) if live else local_refs.retained_dir(ref.step, ref.manifest_digest)
+
+    def _run_root(self) -> str:
+        return os.path.join(self.config.root, self.run)
+
+    def _check_inside_run(self, rel: str) -> None:
+        """A referenced file lies in the run folder (another branch's folder is fine, a symlink out is not)."""
+        root = os.path.realpath(self._run_root())
+        real = os.path.realpath(os.path.join(root, rel))
+        if not real.startswith(root + os.sep):
+            raise IntegrityError(f"local tier: {os.path.join(self._run_root(), rel)} resolves outside the run folder "
+                                 f"{root} (to {real}); refusing to read it")
+
+    def _pack_at(self, base: str, rel: str, listed: bool, check: Callable[[str], None]) -> zarr_pack.PackFile:
         data_rel = f"{rel}/c/0"
-        listed = data_rel in self._chunk_files(manifest).get(rel, ())
-        data_path = os.path.join(self.root, data_rel)
+        data_path = os.path.join(base, data_rel)
         try:
             st = os.stat(data_path) if listed else None
         except FileNotFoundError:
@@ -256,8 +319,8 @@ class LocalTier(Tier):
         pack = self._packs.get(key)
         if pack is None:  # first read of this file version (a link swapped in is another inode: checked again)
             for f in (f"{rel}/zarr.json", *([data_rel] if listed else [])):
-                self._check_inside(f)
-            pack = zarr_pack.open_pack(os.path.join(self.root, rel), data_path if listed else None)
+                check(f)
+            pack = zarr_pack.open_pack(os.path.join(base, rel), data_path if listed else None)
             self._packs[key] = pack
             while len(self._packs) > 256:
                 self._packs.popitem(last=False)
@@ -297,6 +360,17 @@ class LocalTier(Tier):
 
     # ---- delete / verify / clean -------------------------------------------
     def _delete(self, step: int) -> None:
+        """Delete a step; the bytes of it a committed step of the run references stay (tiers/local_refs.py)."""
+        try:
+            digest: str | None = self.manifest(step, check_signature=False).digest()
+        except FlowcheckError:
+            digest = None  # unreadable: no reference can have been made to it since (a writer reads it first)
+        if digest is not None and _holds_packs(os.path.join(self.root, step_dir(step))):
+            refs = local_refs.references(self._search_order())
+            needed = None if refs is None else refs.get((self.branch, step, digest))
+            if refs is None or needed:  # None: an unreadable manifest somewhere, keep all its packs
+                local_refs.retain(self.root, step, digest, needed, self.config.fsync)
+                return
         path = os.path.join(self.root, step_dir(step))
         trash = f"{path}.{uuid.uuid4().hex[:8]}.deleting.tmp"
         os.rename(path, trash)  # the step vanishes atomically; the data follows
@@ -323,6 +397,7 @@ class LocalTier(Tier):
                 problems.append(Problem(self.name, manifest.step, f"size {size} != manifest {f.bytes}", path))
             elif digest != f.digest:
                 problems.append(Problem(self.name, manifest.step, f"digest {digest} != manifest {f.digest}", path))
+        problems += self._verify_refs(manifest)
         sd = step_dir(manifest.step)
         for dirpath, _dirs, files in os.walk(os.path.join(self.root, sd)):
             for name in files:
@@ -334,8 +409,34 @@ class LocalTier(Tier):
                     problems.append(Problem(self.name, manifest.step, "file not listed in the manifest", rel, "warning"))
         return problems
 
+    def _verify_refs(self, manifest: Manifest) -> list[Problem]:
+        """Every file of an earlier step this step references: there (in the run folder), with the size and digest
+        recorded when the reference was made.  A finding names both steps."""
+        problems = []
+        for ref in manifest.refs:
+            held = (f"step {ref.step} of branch {ref.branch} ({ref.manifest_digest[:19]}), which step "
+                    f"{manifest.step} references")
+            folder = os.path.join(local_refs.branch_rel(ref.branch), self._holder_dir(ref))
+            for f in ref.files:
+                rel = os.path.join(folder, f.path.partition("/")[2])
+                path = os.path.join(self._run_root(), rel)
+                try:
+                    self._check_inside_run(rel)
+                    size, digest = file_digest(path)
+                except IntegrityError as e:
+                    problems.append(Problem(self.name, manifest.step, f"{held}: {e}", path))
+                    continue
+                except FileNotFoundError:
+                    problems.append(Problem(self.name, manifest.step, f"file of {held} is missing", path))
+                    continue
+                if (size, digest) != (f.bytes, f.digest):
+                    problems.append(Problem(self.name, manifest.step, f"file of {held}: size {size}, digest {digest} "
+                                            f"!= recorded {f.bytes}, {f.digest}", path))
+        return problems
+
     def clean_incomplete(self, older_than_s: float, dry_run: bool = False) -> list[str]:
-        removed = []
+        """Abandoned ``.tmp`` folders, and retained bytes of deleted steps that no committed step references."""
+        removed = local_refs.sweep(self.root, self.branch, local_refs.references(self._search_order()), dry_run)
         try:
             names = os.listdir(self.root)
         except FileNotFoundError:
@@ -391,6 +492,10 @@ class LocalTier(Tier):
 
     def size(self, step: int) -> int:
         return self.manifest(step).nbytes
+
+
+def _holds_packs(folder: str) -> bool:
+    return os.path.isdir(os.path.join(folder, zarr_pack.PACKS))
 
 
 def _packed(entry: ShardEntry) -> bool:

@@ -78,6 +78,10 @@ def _origin_digest(m: Manifest, shard: Shard) -> str:
 
 def shard_files(manifest: Manifest, entry: ShardEntry) -> list[str]:
     """The manifest's files holding a shard: its pieces' files, or the files under its zarr array."""
+    refs = [p for p in entry.location if p.ref is not None and p.ref < len(manifest.refs)]
+    if refs:
+        return [f"{p.path} of step {manifest.refs[p.ref].step} (branch {manifest.refs[p.ref].branch}), referenced"
+                for p in refs]
     pieces = {p.path for p in entry.location}
     found = [f.path for f in manifest.files if f.path in pieces or any(f.path.startswith(p + "/") for p in pieces)]
     return found or sorted(pieces) or ["(no file)"]

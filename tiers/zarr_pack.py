@@ -20,9 +20,10 @@ from __future__ import annotations
 import io
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import google_crc32c
 import numpy as np
@@ -84,12 +85,27 @@ def pack_bytes(total: int, workers: int) -> int:
     return min(PACK_MAX, max(PACK_MIN, total // max(1, 2 * workers)))
 
 
-def plan(snapshot: Snapshot, workers: int) -> list[Pack]:
-    """Shards grouped by storage dtype, in snapshot order, cut into packs of about ``pack_bytes``."""
+@dataclass(frozen=True)
+class Reused:
+    """A shard not written again: where an earlier step holds it (``piece.ref`` set), its digest, and that step's
+    folder relative to this one (for readers without flowcheck, in the tensor table)."""
+
+    piece: Piece
+    digest: str
+    folder: str
+
+
+def plan(snapshot: Snapshot, workers: int, skip: Mapping[Shard, Reused] = MappingProxyType({})) -> list[Pack]:
+    """Shards (less ``skip``) grouped by storage dtype, in snapshot order, cut into packs of about ``pack_bytes``."""
     by_dtype: dict[str, list[Shard]] = {}
+    nbytes = 0
     for shard in snapshot.data:
-        by_dtype.setdefault(dtypes.dtype(snapshot.layout.spec(shard.tensor).dtype).storage, []).append(shard)
-    target = pack_bytes(snapshot.nbytes, workers)
+        if shard in skip:
+            continue
+        storage = dtypes.dtype(snapshot.layout.spec(shard.tensor).dtype).storage
+        by_dtype.setdefault(storage, []).append(shard)
+        nbytes += math.prod(shard.shape) * np.dtype(storage).itemsize
+    target = pack_bytes(nbytes, workers)
     packs: list[Pack] = []
     for storage, shards in by_dtype.items():
         itemsize = np.dtype(storage).itemsize
@@ -106,8 +122,10 @@ def plan(snapshot: Snapshot, workers: int) -> list[Pack]:
     return packs
 
 
-def table(snapshot: Snapshot, packs: list[Pack]) -> dict:
-    """The step group's attributes: where every shard lies, for readers without flowcheck."""
+def table(snapshot: Snapshot, packs: list[Pack], skip: Mapping[Shard, Reused] = MappingProxyType({})) -> dict:
+    """The step group's attributes: where every shard lies, for readers without flowcheck.  A shard an earlier
+    step holds names that step's folder relative to this one (``"in": "../step-000000010"``); its ``array`` is
+    relative to that folder."""
     tensors: dict[str, list[dict]] = {}
     for pack in packs:
         for m in pack.members:
@@ -115,37 +133,50 @@ def table(snapshot: Snapshot, packs: list[Pack]) -> dict:
                 "array": pack.path, "start": m.start, "shape": list(m.shard.shape), "offsets": list(m.shard.offsets),
                 "dtype": snapshot.layout.spec(m.shard.tensor).dtype,
             })
+    for shard, r in skip.items():
+        tensors.setdefault(shard.tensor, []).append({
+            "array": r.piece.path.partition("/")[2], "in": r.folder, "start": r.piece.start,
+            "shape": list(shard.shape), "offsets": list(shard.offsets), "dtype": snapshot.layout.spec(shard.tensor).dtype,
+        })
     return {"flowcheck": {"run": snapshot.run, "step": snapshot.step, "layout": LAYOUT, "tensors": tensors}}
 
 
-def write_step(config: LocalConfig, snapshot: Snapshot, tmp: str, written: Callable[[Shard, int], None]
+def write_step(config: LocalConfig, snapshot: Snapshot, tmp: str, written: Callable[[Shard, int], None],
+               skip: Mapping[Shard, Reused] = MappingProxyType({}), known: Mapping[Shard, str] = MappingProxyType({})
                ) -> tuple[dict[Shard, str], dict[Shard, tuple[Piece, ...]], list[FileEntry], list[str] | None]:
     """A step's files in the packed layout under ``tmp``: (shard digests, locations, files, the paths still to
-    fsync before the manifest, or None when ``make_tree_durable`` does it all)."""
-    packs = plan(snapshot, config.workers)
+    fsync before the manifest, or None when ``make_tree_durable`` does it all).
+
+    ``skip``: shards an earlier step holds (not written; their location is the reference); ``known``: digests
+    already computed (those shards are written without hashing them again)."""
+    packs = plan(snapshot, config.workers, skip)
     files = StepFiles(tmp)
-    files.put("zarr.json", zarr_shard.group_json(table(snapshot, packs)))
+    files.put("zarr.json", zarr_shard.group_json(table(snapshot, packs, skip)))
     files.put(f"{PACKS}/zarr.json", zarr_shard.group_json({}))
     for p in packs:
         files.put(f"{p.path}/zarr.json", p.metadata())
         files.makedirs(os.path.dirname(p.data_file))
     per_file = config.fsync and config.sync_mode == "fsync"
     digests: dict[Shard, str] = {}
-    for p, (stored, shard_digests) in zip(packs, _write_packs(config.workers, tmp, packs, snapshot, written, per_file)):
+    for p, (stored, shard_digests) in zip(packs, _write_packs(config.workers, tmp, packs, snapshot, written, per_file,
+                                                               known)):
         if stored is not None:
             files.add(p.data_file, *stored)
         digests.update(shard_digests)
     sd = step_dir(snapshot.step)
     locations = {m.shard: (Piece(f"{sd}/{p.path}", start=m.start),) for p in packs for m in p.members}
+    for shard, r in skip.items():
+        digests[shard], locations[shard] = r.digest, (r.piece,)
     entries = [FileEntry(f"{sd}/{rel}", size, digest) for rel, (size, digest) in files.written.items()]
     return digests, locations, entries, (files.unsynced() if per_file else None)
 
 
 def _write_packs(workers: int, tmp: str, packs: list[Pack], snapshot: Snapshot,
-                 written: Callable[[Shard, int], None], fsync: bool) -> list:
+                 written: Callable[[Shard, int], None], fsync: bool, known: Mapping[Shard, str]) -> list:
     """Every pack's file on writer threads (native, GIL released); none is still writing when this returns."""
     pool = ThreadPoolExecutor(workers, thread_name_prefix="flowcheck-local-write")
-    futures = [pool.submit(write_pack, os.path.join(tmp, p.data_file), p, snapshot.array, written, fsync) for p in packs]
+    futures = [pool.submit(write_pack, os.path.join(tmp, p.data_file), p, snapshot.array, written, fsync, known)
+               for p in packs]
     try:
         wait(futures, return_when="FIRST_EXCEPTION")
         return [f.result() for f in futures]
@@ -156,7 +187,8 @@ def _write_packs(workers: int, tmp: str, packs: list[Pack], snapshot: Snapshot,
 
 
 def write_pack(path: str, pack: Pack, array: Callable[[Shard], np.ndarray], written: Callable[[Shard, int], None],
-               fsync: bool) -> tuple[tuple[int, str] | None, dict[Shard, str]]:
+               fsync: bool, known: Mapping[Shard, str] = MappingProxyType({})
+               ) -> tuple[tuple[int, str] | None, dict[Shard, str]]:
     """Write a pack's shard file (its folder exists) from its shards' arrays: ((file bytes, file digest) or None
     for a pack of empty shards, which has no file; the data digest of every shard).
 
@@ -172,7 +204,11 @@ def write_pack(path: str, pack: Pack, array: Callable[[Shard], np.ndarray], writ
         digests = {}
         for m in pack.members:
             arr = array(m.shard)
-            digests[m.shard] = f"{DATA_ALG}:{writer.write(_bytes_of(arr))}"
+            if m.shard in known:  # hashed already (to compare with the parent's): written without hashing again
+                writer.write(_bytes_of(arr), False)
+                digests[m.shard] = known[m.shard]
+            else:
+                digests[m.shard] = f"{DATA_ALG}:{writer.write(_bytes_of(arr))}"
             written(m.shard, arr.nbytes)
         size, digest = writer.finish()
         if fsync:

@@ -1,0 +1,220 @@
+"""The local tier's references between steps (manifest v4): reusing the parent's unchanged shards, finding
+referenced bytes, and keeping the bytes a kept step references when the step holding them is deleted.
+
+A shard whose data digest equals the one the parent step stores for the same (tensor, offsets, shape, dtype) is
+not written again: the new manifest's piece points at the step that holds the bytes (the *holder*: the parent,
+or the step the parent itself references — references never chain).  Deleting a holder that a committed step
+still references moves its folder, in one rename, to ``<branch folder>/retained/step-<N:09d>-<digest hex16>/``:
+it leaves the listings at once and its bytes keep their place; GC then removes from it whatever no committed
+manifest of the run (any branch) references, and the folder when nothing is left.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import shutil
+from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+
+from flowcheck import _native, dtypes
+from flowcheck.branches import BRANCHES, MAIN
+from flowcheck.digest import DATA_ALG
+from flowcheck.errors import FlowcheckError
+from flowcheck.manifest import FileEntry, Manifest, ParentRef, Piece, StepRef
+from flowcheck.state import Shard, Snapshot
+from flowcheck.tiers.base import step_dir
+from flowcheck.tiers.durable import fsync_dir
+from flowcheck.tiers.zarr_pack import Reused
+
+log = logging.getLogger(__name__)
+
+RETAINED = "retained"
+Key = tuple[str, tuple[int, ...], tuple[int, ...], str]  # tensor, offsets, shape, dtype
+
+
+def branch_rel(branch: str) -> str:
+    """A branch's folder relative to the run folder ('' for main)."""
+    return "" if branch == MAIN else f"{BRANCHES}/{branch}"
+
+
+def retained_dir(step: int, manifest_digest: str) -> str:
+    """Where a deleted holder's referenced bytes stay, relative to its branch folder."""
+    return f"{RETAINED}/{step_dir(step)}-{manifest_digest.partition(':')[2][:16]}"
+
+
+def holder_files(files: Iterable[FileEntry], array: str) -> tuple[FileEntry, ...]:
+    """A pack's files among a step's: its metadata and (unless it holds only empty shards) its shard file."""
+    return tuple(f for f in files if f.path in (f"{array}/zarr.json", f"{array}/c/0"))
+
+
+# ---- write: which shards the parent already holds ------------------------------------------------
+@dataclass(frozen=True)
+class Candidate:
+    """What the parent stores for one shard key: its digest, and where the bytes lie (in the holder)."""
+
+    digest: str
+    holder: tuple[str, int, str]  # branch, step, manifest digest
+    piece: Piece  # path relative to the holder's branch folder, start; no ref
+    files: tuple[FileEntry, ...]
+
+
+def candidates(parent: Manifest, branch: str) -> dict[Key, Candidate]:
+    """Every packed shard of the parent, by key, with the step that holds its bytes."""
+    out: dict[Key, Candidate] = {}
+    own = (branch, parent.step, parent.digest())
+    for name, t in parent.tensors.items():
+        for e in t.shards:
+            if len(e.location) != 1 or e.location[0].start is None:
+                continue  # a compressed or multi-node step: its shards are not reused
+            p = e.location[0]
+            if p.ref is None:
+                holder, files = own, holder_files(parent.files, p.path)
+            else:
+                r = parent.refs[p.ref]
+                holder, files = (r.branch, r.step, r.manifest_digest), holder_files(r.files, p.path)
+            if any(f.path.endswith("/zarr.json") for f in files):
+                out[(name, e.offsets, e.shape, t.dtype)] = Candidate(e.digest, holder, Piece(p.path, start=p.start),
+                                                                     files)
+    return out
+
+
+def reuse(snapshot: Snapshot, found: Mapping[Key, Candidate], here: str, workers: int
+          ) -> tuple[dict[Shard, Reused], dict[Shard, str], tuple[StepRef, ...]]:
+    """(shards not to write again, digests computed for the others that had a candidate, the v4 refs).
+
+    Only shards with a candidate are hashed here, once: the ones that changed are then written without hashing
+    again (``known``).  A snapshot read back from a tier (``origin``) is compared by its manifest's digests,
+    without reading its data.  ``here``: the new step's folder relative to the run folder."""
+    keyed = {s: (s.tensor, s.offsets, s.shape, snapshot.layout.spec(s.tensor).dtype) for s in snapshot.data}
+    todo = [s for s, k in keyed.items() if k in found]
+    if snapshot.origin is not None:
+        digests = {s: _origin_digest(snapshot.origin, s) for s in todo}
+        known: dict[Shard, str] = {}  # written and hashed as usual: the write checks them against the origin
+    else:
+        with ThreadPoolExecutor(max(1, workers), thread_name_prefix="flowcheck-local-hash") as pool:
+            digests = dict(zip(todo, pool.map(lambda s: _digest(snapshot.array(s)), todo)))
+        known = {s: d for s, d in digests.items() if d != found[keyed[s]].digest}
+    order: dict[tuple[str, int, str], int] = {}
+    used: dict[tuple[str, int, str], dict[str, FileEntry]] = {}
+    skip: dict[Shard, Reused] = {}
+    for s in todo:
+        c = found[keyed[s]]
+        if digests[s] != c.digest:
+            continue
+        i = order.setdefault(c.holder, len(order))
+        used.setdefault(c.holder, {}).update((f.path, f) for f in c.files)
+        folder = os.path.relpath(os.path.join(branch_rel(c.holder[0]), step_dir(c.holder[1])), here)
+        skip[s] = Reused(Piece(c.piece.path, start=c.piece.start, ref=i), c.digest, folder)
+    refs = tuple(StepRef(b, n, d, tuple(sorted(used[(b, n, d)].values(), key=lambda f: f.path)))
+                 for (b, n, d) in order)
+    return skip, known, refs
+
+
+def _digest(arr: np.ndarray) -> str:
+    arr = np.ascontiguousarray(arr)
+    if arr.dtype.byteorder == ">":
+        arr = arr.astype(arr.dtype.newbyteorder("<"))
+    return f"{DATA_ALG}:{_native.xxh3_128(arr.reshape(-1).view(np.uint8))}"
+
+
+def _origin_digest(m: Manifest, shard: Shard) -> str | None:
+    for e in m.tensors[shard.tensor].shards:
+        if e.offsets == shard.offsets and e.shape == shard.shape:
+            return e.digest
+    return None
+
+
+def find_parent(tiers: Iterable, parent: ParentRef) -> tuple[str, Manifest] | None:
+    """The parent's committed manifest in this tier (any branch, ``tiers`` in search order), or None."""
+    for t in tiers:
+        if parent.step not in t.steps():
+            continue
+        try:
+            m = t.manifest(parent.step)
+        except FlowcheckError:
+            continue  # unreadable or badly signed: never a source of reused bytes
+        if m.digest() == parent.manifest_digest:
+            return t.branch, m
+    return None
+
+
+def referenced_nbytes(m: Manifest) -> int:
+    return sum(math.prod(e.shape) * dtypes.dtype(t.dtype).itemsize
+               for t in m.tensors.values() for e in t.shards if e.location and e.location[0].ref is not None)
+
+
+# ---- delete: what committed manifests still reference -------------------------------------------
+def references(tiers: Iterable) -> dict[tuple[str, int, str], set[str]] | None:
+    """(branch, step, manifest digest) of every referenced holder -> the files (relative to its step folder)
+    the run's committed manifests (every branch) use; None when some manifest cannot be read (nothing can be
+    ruled unreferenced then)."""
+    out: dict[tuple[str, int, str], set[str]] = {}
+    for t in tiers:
+        for n in t.steps():
+            try:
+                m = t.manifest(n, check_signature=False)
+            except FlowcheckError as e:
+                log.warning("local tier %s: step %d unreadable (%s); keeping every referenced file", t.root, n, e)
+                return None
+            for r in m.refs:
+                files = out.setdefault((r.branch, r.step, r.manifest_digest), set())
+                files.update(f.path.partition("/")[2] for f in r.files)
+    return out
+
+
+def retain(root: str, step: int, manifest_digest: str, needed: set[str] | None, fsync: bool) -> str:
+    """Move a deleted holder's folder to its retained place (one rename: it leaves the listings at once), then
+    drop what no kept step needs (``needed`` None: keep all).  A crash after the rename leaves extra files, which
+    the next GC sweep removes; never a missing one."""
+    dst = os.path.join(root, retained_dir(step, manifest_digest))
+    parent = os.path.dirname(dst)
+    if not os.path.isdir(parent):
+        os.makedirs(parent, exist_ok=True)
+        if fsync:
+            fsync_dir(root)
+    os.rename(os.path.join(root, step_dir(step)), dst)
+    if fsync:
+        fsync_dir(root)
+        fsync_dir(parent)
+    if needed is not None:
+        prune_folder(dst, needed)
+    return dst
+
+
+def prune_folder(folder: str, needed: set[str]) -> None:
+    """Remove a retained folder's packs that hold no needed file (metadata and the manifest stay: they are small
+    and let a plain zarr reader open what is left)."""
+    keep = {f.rpartition("/c/")[0] if "/c/" in f else f.rpartition("/")[0] for f in needed}
+    packs = os.path.join(folder, "packs")
+    for name in sorted(os.listdir(packs)) if os.path.isdir(packs) else ():
+        if f"packs/{name}" not in keep:
+            shutil.rmtree(os.path.join(packs, name), ignore_errors=True)
+    for name in sorted(os.listdir(folder)):
+        if name not in ("packs", "zarr.json", "manifest.json"):
+            path = os.path.join(folder, name)
+            shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.unlink(path)
+
+
+def sweep(root: str, branch: str, refs: dict[tuple[str, int, str], set[str]] | None, dry_run: bool) -> list[str]:
+    """GC of a branch folder's retained holders: each loses what no committed manifest references, and goes
+    when nothing is referenced.  ``refs`` None (an unreadable manifest): nothing is touched."""
+    base = os.path.join(root, RETAINED)
+    if refs is None or not os.path.isdir(base):
+        return []
+    by_name = {retained_dir(n, d).partition("/")[2]: files for (b, n, d), files in refs.items() if b == branch}
+    removed = []
+    for name in sorted(os.listdir(base)):
+        path = os.path.join(base, name)
+        needed = by_name.get(name)
+        if needed:
+            if not dry_run:
+                prune_folder(path, needed)
+            continue
+        removed.append(path)
+        if not dry_run:
+            shutil.rmtree(path, ignore_errors=True)
+    return removed
