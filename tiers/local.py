@@ -258,8 +258,15 @@ class LocalTier(Tier):
         try:
             return self._read_in(self._ref_pack(manifest, piece), manifest, tensor, entry, region)
         except (FileNotFoundError, IntegrityError):
-            # the holder may have been deleted (its folder moved to retained/) between finding and reading it
+            pass  # the holder may have been deleted (its folder moved to retained/) between finding and reading it
+        ref = manifest.refs[piece.ref]
+        try:
             return self._read_in(self._ref_pack(manifest, piece), manifest, tensor, entry, region)
+        except (FileNotFoundError, IntegrityError) as e:
+            raise IntegrityError(
+                f"local tier step {manifest.step} tensor {tensor} shard {list(entry.offsets)}: the bytes it references "
+                f"in step {ref.step} of branch {ref.branch} ({ref.manifest_digest[:19]}) are missing or damaged: {e}"
+            ) from e
 
     def _read_in(self, pack: zarr_pack.PackFile, manifest: Manifest, tensor: str, entry: ShardEntry, region
                  ) -> tuple[np.ndarray, str]:

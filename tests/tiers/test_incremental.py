@@ -140,3 +140,173 @@ def test_plain_zarr_reader_finds_a_referenced_shard(tmp_path):
     got = holder[e["array"]][e["start"]:e["start"] + n].reshape(e["shape"])
     want = snaps[2].array(Shard(FROZEN[2], tuple(e["offsets"]), tuple(e["shape"])))
     assert np.asarray(got).tobytes() == want.tobytes()
+
+
+# ---- deleting and GC by reference ----------------------------------------------------------------
+def retained(tier: LocalTier) -> list[str]:
+    base = os.path.join(tier.root, "retained")
+    return sorted(os.listdir(base)) if os.path.isdir(base) else []
+
+
+def test_deleting_the_holder_keeps_its_referenced_bytes_until_nothing_references_them(tmp_path):
+    tier = local(tmp_path)
+    snaps, _ = commit_history(tier, range(1, 7))
+    tier.delete(1)
+    assert 1 not in tier.steps() and tier.pruned().get(1) is not None
+    assert retained(tier) == [f"step-000000001-{tier.pruned()[1].partition(':')[2][:16]}"]
+    for step in range(2, 7):
+        assert_reads_back(local(tmp_path), snaps[step])
+        assert local(tmp_path).verify(step) == []
+    for step in range(2, 6):
+        tier.delete(step)
+        tier.clean_incomplete(3600)
+    assert len(retained(tier)) == 1  # step 6 still references step 1's frozen shards
+    assert_reads_back(local(tmp_path), snaps[6])
+    # the retained folder lost the pack of step 1's changed shards, kept the frozen one
+    folder = os.path.join(tier.root, "retained", retained(tier)[0])
+    assert len(os.listdir(os.path.join(folder, "packs"))) < len(os.listdir(os.path.join(tier.root, "step-000000006",
+                                                                                         "packs"))) + 2
+    tier.delete(6)
+    assert retained(tier)  # the last reference went with step 6: GC's sweep removes the folder
+    tier.clean_incomplete(3600)
+    assert retained(tier) == []
+
+
+def test_a_step_no_one_references_is_deleted_as_before(tmp_path):
+    tier = local(tmp_path)
+    commit_history(tier, range(1, 4))
+    tier.delete(3)
+    assert retained(tier) == [] and not os.path.exists(os.path.join(tier.root, "step-000000003"))
+
+
+def test_branch_references_keep_main_bytes(tmp_path):
+    main = local(tmp_path)
+    snaps, _ = commit_history(main, range(1, 4))
+    branch = local(tmp_path, "b2-3")
+    other = lora_state(3, seed=9)
+    branch.write(other, main.manifest(2).parent_ref())
+    for step in (1, 2, 3):
+        main.delete(step)
+    main.clean_incomplete(3600)
+    assert retained(main)
+    assert_reads_back(local(tmp_path, "b2-3"), other)
+    assert local(tmp_path, "b2-3").verify(3) == []
+
+
+class Boom(Exception):
+    pass
+
+
+def fail_at(monkeypatch, n: int) -> list[int]:
+    """Make the n-th filesystem mutation of a delete or GC sweep raise (rename, rmtree, unlink)."""
+    import shutil
+
+    from flowcheck.tiers import local as local_mod
+    from flowcheck.tiers import local_refs
+
+    calls = [0]
+
+    def wrap(fn):
+        def inner(*a, **kw):
+            calls[0] += 1
+            if calls[0] == n:
+                raise Boom(f"injected failure at I/O event {n}")
+            return fn(*a, **kw)
+        return inner
+
+    fake_os = type("os", (), {})()
+    for name in dir(os):
+        setattr(fake_os, name, getattr(os, name))
+    fake_os.rename, fake_os.unlink = wrap(os.rename), wrap(os.unlink)
+    fake_shutil = type("shutil", (), {"rmtree": staticmethod(wrap(shutil.rmtree))})()
+    for mod in (local_mod, local_refs):
+        monkeypatch.setattr(mod, "os", fake_os)
+        monkeypatch.setattr(mod, "shutil", fake_shutil)
+    return calls
+
+
+@pytest.mark.parametrize("n", range(1, 12))
+def test_a_gc_failing_at_any_io_event_leaves_every_kept_step_readable(tmp_path, monkeypatch, n):
+    tier = local(tmp_path)
+    snaps, parent = commit_history(tier, range(1, 6))
+    branch = local(tmp_path, "b3-4")
+    other = lora_state(4, seed=5)
+    branch.write(other, tier.manifest(3).parent_ref())
+    calls = fail_at(monkeypatch, n)
+    try:
+        for step in (1, 2, 3, 4):
+            local(tmp_path).delete(step)
+        local(tmp_path).clean_incomplete(0)
+        local(tmp_path, "b3-4").clean_incomplete(0)
+    except Boom:
+        pass
+    monkeypatch.undo()
+    kept = {s: snaps[s] for s in local(tmp_path).steps()}
+    assert 5 in kept
+    for snap in kept.values():
+        assert_reads_back(local(tmp_path), snap)
+    assert_reads_back(local(tmp_path, "b3-4"), other)
+    # a later GC finishes the work and still breaks nothing
+    for step in sorted(set(local(tmp_path).steps()) - {5}):
+        local(tmp_path).delete(step)
+    local(tmp_path).clean_incomplete(0)
+    assert_reads_back(local(tmp_path), snaps[5])
+    assert_reads_back(local(tmp_path, "b3-4"), other)
+    assert calls[0] >= min(n, 1)
+
+
+# ---- audit follows references -----------------------------------------------------------------
+def holder_data_file(tier: LocalTier, step: int) -> str:
+    m = tier.manifest(step)
+    ref = m.refs[0]
+    f = next(f for f in ref.files if f.path.endswith("/c/0"))
+    return os.path.join(tier.root, f.path)
+
+
+@pytest.mark.parametrize("data", [True, False])
+def test_audit_names_both_steps_when_referenced_bytes_are_missing(tmp_path, data):
+    tier = local(tmp_path)
+    commit_history(tier, range(1, 4))
+    os.unlink(holder_data_file(tier, 3))
+    problems = local(tmp_path).verify(3, data=data)
+    assert problems and any("step 1 of branch main" in p.what and "step 3 references" in p.what for p in problems)
+    assert all(p.step == 3 for p in problems)
+
+
+def test_audit_finds_a_flipped_byte_in_a_retained_referenced_shard(tmp_path):
+    tier = local(tmp_path)
+    commit_history(tier, range(1, 4))
+    tier.delete(1)
+    folder = os.path.join(tier.root, "retained", retained(tier)[0])
+    data_files = [os.path.join(dp, f) for dp, _d, fs in os.walk(folder) for f in fs if f == "0"]
+    with open(data_files[0], "r+b") as f:
+        f.seek(100)
+        b = f.read(1)
+        f.seek(100)
+        f.write(bytes([b[0] ^ 1]))
+    problems = local(tmp_path).verify(3, data=False)
+    assert any("step 1 of branch main" in p.what and "digest" in p.what for p in problems), problems
+    with pytest.raises(Exception, match="step 1"):
+        local(tmp_path).load(3).array(Shard(FROZEN[0], (0, 0), (32, 256)))
+
+
+def test_export_of_an_incremental_step_is_self_contained(tmp_path):
+    from safetensors.numpy import load_file
+
+    from flowcheck.restore.export import export_file
+
+    tier = local(tmp_path)
+    snaps, _ = commit_history(tier, range(1, 5))
+    out = str(tmp_path / "step3.safetensors")
+    export_file(tier, tier.manifest(3), out)
+    tier.delete(1)
+    tier.delete(3)
+    tier.clean_incomplete(0)
+    import shutil
+    shutil.rmtree(tier.root)  # the export needs nothing of the store
+    got = load_file(out)
+    for name in FROZEN:
+        want = np.concatenate([snaps[3].array(Shard(name, (0, 0), (32, 256))),
+                               snaps[3].array(Shard(name, (32, 0), (32, 256)))])
+        assert got[name].tobytes() == want.tobytes()
+    assert got[ADAPTERS[0]].tobytes() == snaps[3].array(Shard(ADAPTERS[0], (0, 0), (8, 16))).tobytes()
