@@ -11,7 +11,6 @@ manifest of the run (any branch) references, and the folder when nothing is left
 from __future__ import annotations
 
 import logging
-import math
 import os
 import shutil
 from collections.abc import Iterable, Mapping
@@ -20,10 +19,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from flowcheck import _native, dtypes
+from flowcheck import _native
 from flowcheck.branches import BRANCHES, MAIN
 from flowcheck.digest import DATA_ALG
-from flowcheck.errors import FlowcheckError
+from flowcheck.errors import FlowcheckError, TierError
 from flowcheck.manifest import FileEntry, Manifest, ParentRef, Piece, StepRef
 from flowcheck.state import Shard, Snapshot
 from flowcheck.tiers.base import step_dir
@@ -142,11 +141,6 @@ def find_parent(tiers: Iterable, parent: ParentRef) -> tuple[str, Manifest] | No
     return None
 
 
-def referenced_nbytes(m: Manifest) -> int:
-    return sum(math.prod(e.shape) * dtypes.dtype(t.dtype).itemsize
-               for t in m.tensors.values() for e in t.shards if e.location and e.location[0].ref is not None)
-
-
 # ---- delete: what committed manifests still reference -------------------------------------------
 def references(tiers: Iterable) -> dict[tuple[str, int, str], set[str]] | None:
     """(branch, step, manifest digest) of every referenced holder -> the files (relative to its step folder)
@@ -176,6 +170,11 @@ def retain(root: str, step: int, manifest_digest: str, needed: set[str] | None, 
         os.makedirs(parent, exist_ok=True)
         if fsync:
             fsync_dir(root)
+    if os.path.exists(dst):
+        # the same state was committed again after an earlier copy of it was deleted and retained: two copies
+        # with one identity cannot both be referenced unambiguously, so this one stays (a later GC retries)
+        raise TierError(f"local tier {root}: cannot delete step {step}: {dst} already holds the retained bytes of "
+                        "an earlier copy of the same state that committed steps reference; delete those steps first")
     os.rename(os.path.join(root, step_dir(step)), dst)
     if fsync:
         fsync_dir(root)

@@ -1,0 +1,129 @@
+"""Incremental steps through the store: snapshots from RAM reuse the parent's shards, GC and delete keep what
+kept states (any branch) reference, audit stays clean, promotion and export give whole steps."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from flowcheck.audit import audit
+from flowcheck.config import LocalConfig
+from flowcheck.manifest import INCREMENTAL_VERSION
+from flowcheck.tiers.local import LocalTier
+from tests.test_branches_store import make_store, rollback
+from tests.tiers.test_incremental import assert_reads_back, lora_state
+
+
+def snapshot_steps(store, steps, seed=0):
+    out = {}
+    for step in steps:
+        snap = lora_state(step, seed=seed)
+        store.push(snap)
+        store.snapshot()
+        out[step] = snap
+    return out
+
+
+def test_snapshots_from_ram_are_incremental_and_gc_keeps_referenced_bytes(tmp_path):
+    store = make_store(str(tmp_path), local_keep=3)
+    snaps = snapshot_steps(store, range(1, 11))
+    local = store.tier("local")
+    assert local.manifest(10).format_version == INCREMENTAL_VERSION
+    assert [r.step for r in local.manifest(10).refs] == [1]
+    report = store.gc(tiers=["local"])
+    assert sorted(k.step for k in report.deleted["local"]) == list(range(1, 8))
+    assert local.steps() == [8, 9, 10]
+    for step in (8, 9, 10):
+        assert_reads_back(store.tier("local"), snaps[step])
+    rep = audit(store)
+    assert rep.ok, [str(p) for p in rep.problems]
+    assert audit(store, data=False).ok
+    # step 1's frozen pack stays (retained), its changed shards' pack went
+    retained = os.listdir(os.path.join(local.root, "retained"))
+    assert len(retained) == 1 and retained[0].startswith("step-000000001-")
+
+
+def test_rollback_branch_references_and_survives_gc_of_main(tmp_path):
+    store = make_store(str(tmp_path), local_keep=2, abandoned_hours=1000)
+    snaps = snapshot_steps(store, range(1, 7))
+    rollback(store, 3)
+    other = {}
+    for step in (4, 5):
+        snap = lora_state(step, seed=3)
+        store.push(snap)
+        m = store.snapshot()
+        other[step] = snap
+    branch = next(b for b in store.tier("local").branch_names())
+    bt = store.tier("local", branch)
+    assert m.format_version == INCREMENTAL_VERSION and {r.branch for r in m.refs} == {"main"}
+    store.gc(tiers=["local"])
+    for step, snap in other.items():
+        if step in bt.steps():
+            assert_reads_back(store.tier("local", branch), snap)
+    for step in store.tier("local").steps():
+        assert_reads_back(store.tier("local"), snaps[step])
+    assert audit(store).ok
+
+
+def test_promotion_of_an_incremental_step_uploads_a_whole_step_with_the_same_digest(tmp_path):
+    store = make_store(str(tmp_path))
+    snaps = snapshot_steps(store, range(1, 4))
+    promoted = store.promote(3)
+    assert promoted.digest() == store.tier("local").manifest(3).digest()
+    obj = store.object
+    loaded = obj.load(3)
+    for shard in snaps[3].data:
+        assert np.asarray(loaded.array(shard)).tobytes() == snaps[3].array(shard).tobytes()
+
+
+# ---- a random history of commits, branches, deletions and GC ----------------------------------
+OPS = st.lists(st.tuples(st.sampled_from(["commit", "commit", "branch", "delete", "sweep"]), st.integers(0, 1000)),
+               min_size=3, max_size=12)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=OPS)
+def test_random_histories_never_break_a_kept_state(tmp_path_factory, ops):
+    root = tmp_path_factory.mktemp("hist")
+    tiers = {"main": LocalTier(LocalConfig(root=str(root), fsync=False), "r1")}
+    kept: dict[tuple[str, int], tuple] = {}  # (branch, step) -> (snapshot, manifest)
+    heads: dict[str, int] = {}
+    nbranch = 0
+    for op, x in ops:
+        if op == "commit" or (op == "branch" and not kept):
+            branch = sorted(heads)[x % len(heads)] if heads else "main"
+            step = heads.get(branch, 0) + 1
+            parent = kept.get((branch, step - 1))
+            if parent is None and kept:
+                parent = kept[sorted(kept)[x % len(kept)]]
+        elif op == "branch":
+            parent = kept[sorted(kept)[x % len(kept)]]
+            nbranch += 1
+            branch, step = f"b{nbranch}", parent[1].step + 1
+            tiers[branch] = tiers["main"].at_branch(branch)
+        elif op == "delete":
+            if kept:
+                key = sorted(kept)[x % len(kept)]
+                tiers[key[0]].delete(key[1])
+                del kept[key]
+            continue
+        else:
+            for t in tiers.values():
+                t.clean_incomplete(0)
+            continue
+        snap = lora_state(step, seed=x)
+        m = tiers[branch].write(snap, None if parent is None else parent[1].parent_ref())
+        kept[(branch, step)] = (snap, m)
+        heads[branch] = step
+        for (b, n), (s, _m) in kept.items():
+            assert_reads_back(LocalTier(LocalConfig(root=str(root), fsync=False), "r1").at_branch(b)
+                              if b != "main" else LocalTier(LocalConfig(root=str(root), fsync=False), "r1"), s)
+    for t in tiers.values():
+        t.clean_incomplete(0)
+    for (b, n), (s, _m) in kept.items():
+        fresh = LocalTier(LocalConfig(root=str(root), fsync=False), "r1")
+        t = fresh if b == "main" else fresh.at_branch(b)
+        assert_reads_back(t, s)
+        assert t.verify(n) == []
