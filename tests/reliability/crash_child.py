@@ -41,6 +41,7 @@ QKV = "decoder.layers.0.self_attention.linear_qkv.weight"  # the big one: severa
 NORM = "decoder.final_layernorm.weight"  # bf16, 2 shards
 COUNT = "optimizer.step_count"  # 0-d
 EMPTY = "embedding.padding"  # zero-size
+FROZEN = "embedding.word_embeddings.weight"  # the same every step: later steps reference the first one's bytes
 
 
 # ---- the states the harness writes (a pure function of the step) -------------------
@@ -51,6 +52,7 @@ def layout(big_mib: float) -> StateLayout:
         TensorSpec(NORM, "bfloat16", (64,)),
         TensorSpec(COUNT, "int64", ()),
         TensorSpec(EMPTY, "float32", (0, 4)),
+        TensorSpec(FROZEN, "float32", (64, 256), "vocab"),
     ))
 
 
@@ -66,6 +68,7 @@ def arrays(step: int, big_mib: float) -> dict[Shard, np.ndarray]:
         Shard(NORM, (32,), (32,)): norm[32:].copy(),
         Shard(COUNT, (), ()): np.array(step, dtype=np.int64),
         Shard(EMPTY, (0, 0), (0, 4)): np.zeros((0, 4), np.float32),
+        Shard(FROZEN, (0, 0), (64, 256)): np.random.default_rng(1).standard_normal((64, 256), dtype=np.float32),
     }
 
 
@@ -182,12 +185,12 @@ def install(faults: Faults) -> None:
     _native.pwrite_all = pwrite_all
 
     class ChunkWriter(_native.ChunkWriter):  # the packed layout's native writer: each call is a write event
-        def write(self, buffer):
+        def write(self, buffer, hash=True):
             if faults.hit("write (pack)"):
                 view = memoryview(buffer).cast("B")
-                super().write(view[:faults.torn_bytes(view.nbytes)])  # a torn write, then the crash
+                super().write(view[:faults.torn_bytes(view.nbytes)], hash)  # a torn write, then the crash
                 die()
-            return super().write(buffer)
+            return super().write(buffer, hash)
 
         def finish(self):
             if faults.hit("write (pack index)"):

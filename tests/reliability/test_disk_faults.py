@@ -116,17 +116,17 @@ class FailingWrites:
                 super().__init__(fd, chunk_bytes, flush_every)
                 self.path = faults._fds.get(fd, "")
 
-            def write(self, buffer):
+            def write(self, buffer, hash=True):
                 view = memoryview(buffer).cast("B")
                 if faults.armed and faults.path_part is not None and faults.path_part in self.path:
                     raise OSError(faults.err, os.strerror(faults.err), self.path)
                 if faults.armed and faults.after_bytes is not None and faults.written + view.nbytes > faults.after_bytes:
                     fit = max(0, faults.after_bytes - faults.written)
-                    super().write(view[:fit])  # the part that fit
+                    super().write(view[:fit], hash)  # the part that fit
                     faults.written += fit
                     raise OSError(faults.err, os.strerror(faults.err), self.path)
                 faults.written += view.nbytes
-                return super().write(buffer)
+                return super().write(buffer, hash)
 
         def fsync(fd):  # a file of the step being written (its .tmp folder) fails to reach the disk
             if self.armed and fail_fsync and ".tmp" in self._fds.get(fd, ""):

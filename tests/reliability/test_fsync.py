@@ -59,9 +59,9 @@ class Recorder:
                 super().__init__(fd, chunk_bytes, flush_every)
                 self.path = fds.get(fd, "?")
 
-            def write(self, buffer):
+            def write(self, buffer, hash=True):
                 events.append(("write", self.path))
-                return super().write(buffer)
+                return super().write(buffer, hash)
 
             def finish(self):
                 events.append(("write", self.path))
@@ -167,7 +167,8 @@ def test_the_order_check_fails_when_data_is_not_synced_before_the_commit(tmp_pat
     tier = LocalTier(LocalConfig(root=str(tmp_path), sync_mode="syncfs" if sabotage == "syncfs" else "fsync"), "r1")
     if sabotage == "data files":
         real = zarr_pack.write_pack
-        monkeypatch.setattr(zarr_pack, "write_pack", lambda path, pack, array, written, fsync: real(path, pack, array, written, False))
+        monkeypatch.setattr(zarr_pack, "write_pack",
+                            lambda path, pack, array, written, fsync, *rest: real(path, pack, array, written, False, *rest))
     elif sabotage == "metadata and folders":
         monkeypatch.setattr("flowcheck.tiers.local.sync_paths", lambda paths, workers=8: None)
     else:
