@@ -127,3 +127,18 @@ def test_random_histories_never_break_a_kept_state(tmp_path_factory, ops):
         t = fresh if b == "main" else fresh.at_branch(b)
         assert_reads_back(t, s)
         assert t.verify(n) == []
+
+
+def test_store_audit_names_the_referencing_and_referenced_steps(tmp_path):
+    store = make_store(str(tmp_path), local_keep=2)
+    snapshot_steps(store, range(1, 5))
+    store.gc(tiers=["local"])  # step 1 (the holder) is deleted, its frozen pack retained
+    local = store.tier("local")
+    folder = os.path.join(local.root, "retained", os.listdir(os.path.join(local.root, "retained"))[0])
+    data = next(os.path.join(dp, f) for dp, _d, fs in os.walk(folder) for f in fs if f == "0")
+    os.unlink(data)
+    for report in (audit(store), audit(store, data=False)):
+        assert not report.ok
+        bad = [p for p in report.problems if p.severity == "error"]
+        assert {p.step for p in bad} == {3, 4}
+        assert all("step 1 of branch main" in p.what for p in bad), [str(p) for p in bad]

@@ -60,6 +60,8 @@ class LocalTier(Tier):
         self.root = os.path.join(config.root, self.rel)
         self._chunks_by_manifest: OrderedDict[int, tuple[Manifest, dict[str, list[str]]]] = OrderedDict()
         self._packs: OrderedDict[tuple, zarr_pack.PackFile] = OrderedDict()  # checked packs by file identity
+        self._holders: dict[tuple, tuple[object, bool]] = {}  # referenced step -> (its manifest token, committed)
+        self._branch_tiers: dict[str, LocalTier] = {}
         self._ahead: ReadAhead = ReadAhead(self._read_packed_whole, config.workers, READ_AHEAD)
 
     def at_branch(self, branch: str) -> LocalTier:
@@ -178,7 +180,13 @@ class LocalTier(Tier):
         return local_refs.reuse(snapshot, local_refs.candidates(found[1], found[0]), here, self.config.workers)
 
     def _at(self, branch: str) -> LocalTier:
-        return self if branch == self.branch else self.at_branch(branch)
+        """This run's tier at another branch, kept (its manifest cache serves every reference into it)."""
+        if branch == self.branch:
+            return self
+        t = self._branch_tiers.get(branch)
+        if t is None:
+            t = self._branch_tiers[branch] = self.at_branch(branch)
+        return t
 
     def _search_order(self) -> list[LocalTier]:
         """This branch, then main, then every other branch of the run."""
@@ -298,11 +306,22 @@ class LocalTier(Tier):
         return self._pack_at(self._run_root(), rel, listed, self._check_inside_run)
 
     def _holder_dir(self, ref: StepRef) -> str:
-        try:
-            live = self._at(ref.branch).manifest(ref.step, check_signature=False).digest() == ref.manifest_digest
-        except FlowcheckError:
-            live = False
-        return step_dir(ref.step) if live else local_refs.retained_dir(ref.step, ref.manifest_digest)
+        """The referenced step's folder (relative to its branch folder): its own while it is committed with the
+        referenced digest, else its retained one.  Decided once per version of its manifest file."""
+        holder = self._at(ref.branch)
+        token = holder._manifest_token(ref.step)
+        key = (ref.branch, ref.step, ref.manifest_digest)
+        hit = self._holders.get(key)
+        if hit is None or token is None or hit[0] != token:
+            try:
+                live = token is not None and holder.manifest(ref.step, check_signature=False).digest() == ref.manifest_digest
+            except FlowcheckError:
+                live = False
+            hit = (token, live)
+            self._holders[key] = hit
+            while len(self._holders) > 256:
+                self._holders.pop(next(iter(self._holders)))
+        return step_dir(ref.step) if hit[1] else local_refs.retained_dir(ref.step, ref.manifest_digest)
 
     def _run_root(self) -> str:
         return os.path.join(self.config.root, self.run)
