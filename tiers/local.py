@@ -462,7 +462,9 @@ class LocalTier(Tier):
 
     def clean_incomplete(self, older_than_s: float, dry_run: bool = False) -> list[str]:
         """Abandoned ``.tmp`` folders, and retained bytes of deleted steps that no committed step references."""
-        removed = local_refs.sweep(self.root, self.branch, local_refs.references(self._search_order()), dry_run)
+        removed = []
+        if os.path.isdir(os.path.join(self.root, local_refs.RETAINED)):  # the run's references counted only then
+            removed = local_refs.sweep(self.root, self.branch, local_refs.references(self._search_order()), dry_run)
         try:
             names = os.listdir(self.root)
         except FileNotFoundError:
