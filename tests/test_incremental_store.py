@@ -142,3 +142,23 @@ def test_store_audit_names_the_referencing_and_referenced_steps(tmp_path):
         bad = [p for p in report.problems if p.severity == "error"]
         assert {p.step for p in bad} == {3, 4}
         assert all("step 1 of branch main" in p.what for p in bad), [str(p) for p in bad]
+
+
+def test_cli_snapshots_of_a_partly_frozen_state_show_their_references_and_audit_clean(tmp_path):
+    import torch
+    from click.testing import CliRunner
+
+    from flowcheck.cli import main
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"run: r\ntiers:\n  local: {{root: {tmp_path / 'l'}}}\n  object: {{url: 'file://{tmp_path / 'o'}'}}\n")
+    frozen = torch.randn(256, 256)
+    for step in (5, 6):
+        torch.save({"frozen": frozen, "adapter": torch.full((4, 4), float(step))}, tmp_path / "state.pt")
+        got = CliRunner().invoke(main, ["snapshot", "--state", str(tmp_path / "state.pt"), "--step", str(step),
+                                        "--config", str(cfg)])
+        assert got.exit_code == 0, got.output
+    shown = CliRunner().invoke(main, ["show", "--step", "6", "--config", str(cfg)])
+    assert shown.exit_code == 0 and "references" in shown.output and "in step 5" in shown.output, shown.output
+    assert CliRunner().invoke(main, ["audit", "--config", str(cfg)]).exit_code == 0
+    assert CliRunner().invoke(main, ["audit", "--no-data", "--config", str(cfg)]).exit_code == 0

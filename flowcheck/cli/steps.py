@@ -118,6 +118,9 @@ def show(config_path, step, branch, prefer, as_json, verify):
     click.echo(f"layout     {m.layout_digest}  source tp={m.source_layout.tp} pp={m.source_layout.pp} dp={m.source_layout.dp}")
     click.echo(f"tensors    {len(m.tensors)} ({sum(len(t.shards) for t in m.tensors.values())} shards)")
     click.echo(f"files      {len(m.files)} ({human(m.nbytes)})")
+    if m.refs:  # an incremental step (format_version 4): shards it did not write again
+        held = ", ".join(f"step {r.step}" + ("" if r.branch == "main" else f" ({r.branch})") for r in m.refs)
+        click.echo(f"references {human(m.referenced_nbytes)} in {held}")
     click.echo(f"scalars    optimizer_step={m.scalars.get('optimizer_step')} rng={sorted(m.scalars.get('rng', {}))}")
     click.echo(f"signature  {'hmac-sha256' if m.signature else 'unsigned'}")
     click.echo(f"tiers      {', '.join(holders)}")
