@@ -15,6 +15,7 @@ import logging
 import math
 import os
 import shutil
+import threading
 import time
 import uuid
 from collections import OrderedDict
@@ -61,6 +62,7 @@ class LocalTier(Tier):
         self._chunks_by_manifest: OrderedDict[int, tuple[Manifest, dict[str, list[str]]]] = OrderedDict()
         self._packs: OrderedDict[tuple, zarr_pack.PackFile] = OrderedDict()  # checked packs by file identity
         self._holders: dict[tuple, tuple[object, bool]] = {}  # referenced step -> (its manifest token, committed)
+        self._holders_lock = threading.Lock()
         self._branch_tiers: dict[str, LocalTier] = {}
         self._ahead: ReadAhead = ReadAhead(self._read_packed_whole, config.workers, READ_AHEAD)
 
@@ -314,13 +316,15 @@ class LocalTier(Tier):
         hit = self._holders.get(key)
         if hit is None or token is None or hit[0] != token:
             try:
-                live = token is not None and holder.manifest(ref.step, check_signature=False).digest() == ref.manifest_digest
+                committed = holder.manifest(ref.step, check_signature=False) if token is not None else None
+                live = committed is not None and committed.digest() == ref.manifest_digest
             except FlowcheckError:
                 live = False
             hit = (token, live)
-            self._holders[key] = hit
-            while len(self._holders) > 256:
-                self._holders.pop(next(iter(self._holders)))
+            with self._holders_lock:  # read-ahead threads resolve references too
+                self._holders[key] = hit
+                while len(self._holders) > 256:
+                    self._holders.pop(next(iter(self._holders)))
         return step_dir(ref.step) if hit[1] else local_refs.retained_dir(ref.step, ref.manifest_digest)
 
     def _run_root(self) -> str:
