@@ -391,14 +391,14 @@ class LocalTier(Tier):
     # ---- delete / verify / clean -------------------------------------------
     def _delete(self, step: int) -> None:
         """Delete a step; the bytes of it a committed step of the run references stay (tiers/local_refs.py)."""
-        try:
-            digest: str | None = self.manifest(step, check_signature=False).digest()
-        except FlowcheckError:
-            digest = None  # unreadable: no reference can have been made to it since (a writer reads it first)
-        if digest is not None and _holds_packs(os.path.join(self.root, step_dir(step))):
-            refs = local_refs.references(self._search_order())
+        if _holds_packs(os.path.join(self.root, step_dir(step))):
+            refs = local_refs.references(self._search_order(), exclude=(self.branch, step))
+            try:
+                digest: str | None = self.manifest(step, check_signature=False).digest()
+            except FlowcheckError:  # damaged since it was referenced: the references still name its identity
+                digest = next((d for (b, n, d) in refs or {} if (b, n) == (self.branch, step)), None)
             needed = None if refs is None else refs.get((self.branch, step, digest))
-            if refs is None or needed:  # None: an unreadable manifest somewhere, keep all its packs
+            if digest is not None and (refs is None or needed):  # None: a manifest unreadable, keep all packs
                 local_refs.retain(self.root, step, digest, needed, self.config.fsync)
                 return
         path = os.path.join(self.root, step_dir(step))

@@ -142,13 +142,16 @@ def find_parent(tiers: Iterable, parent: ParentRef) -> tuple[str, Manifest] | No
 
 
 # ---- delete: what committed manifests still reference -------------------------------------------
-def references(tiers: Iterable) -> dict[tuple[str, int, str], set[str]] | None:
+def references(tiers: Iterable, exclude: tuple[str, int] | None = None
+               ) -> dict[tuple[str, int, str], set[str]] | None:
     """(branch, step, manifest digest) of every referenced holder -> the files (relative to its step folder)
-    the run's committed manifests (every branch) use; None when some manifest cannot be read (nothing can be
-    ruled unreferenced then)."""
+    the run's committed manifests (every branch; less ``exclude``, the step being deleted) use; None when some
+    manifest cannot be read (nothing can be ruled unreferenced then)."""
     out: dict[tuple[str, int, str], set[str]] = {}
     for t in tiers:
         for n in t.steps():
+            if (t.branch, n) == exclude:
+                continue
             try:
                 m = t.manifest(n, check_signature=False)
             except FlowcheckError as e:

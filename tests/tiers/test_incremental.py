@@ -348,3 +348,14 @@ def test_signed_incremental_steps_read_back_and_a_forged_reference_is_refused(tm
         f.write(reseal(raw))
     with pytest.raises(ManifestError, match="signature"):
         LocalTier(LocalConfig(root=str(tmp_path / "local")), "r1", signing_key=key, require_signature=True).manifest(3)
+
+
+def test_deleting_a_referenced_step_whose_manifest_was_damaged_still_keeps_the_referenced_bytes(tmp_path):
+    tier = local(tmp_path)
+    snaps, _ = commit_history(tier, range(1, 4))
+    path = os.path.join(tier.root, "step-000000001", "manifest.json")
+    with open(path, "ab") as f:
+        f.write(b"garbage")
+    local(tmp_path).delete(1)
+    assert retained(tier)
+    assert_reads_back(local(tmp_path), snaps[3])
