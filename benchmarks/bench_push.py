@@ -43,7 +43,7 @@ import yaml
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as c  # noqa: E402
 
-from flowcheck.capture.auth import read_token  # noqa: E402
+from flowcheck.capture.push.auth import read_token  # noqa: E402
 from flowcheck.node.client import control_request  # noqa: E402
 
 SCRIPT = "bench_push.py"

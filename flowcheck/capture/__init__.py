@@ -1,1 +1,2 @@
-"""Capture: how training state reaches a checkpoint node — pushed by trainers (``wire``, ``push``, ``auth``) or rebuilt from mirrored allreduce traffic (``mirror/``)."""
+"""Capture: how training state reaches a checkpoint node — pushed by trainers (``push/``: wire format, signed
+pushes, the node's receiver) or rebuilt from mirrored allreduce traffic (``mirror/``)."""

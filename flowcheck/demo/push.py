@@ -230,7 +230,7 @@ def _settle(cfg: Config, last: int) -> dict[str, Any]:
 def _api(cfg: Config, path: str, method: str = "GET") -> dict:
     import urllib.request
 
-    from flowcheck.capture.auth import read_token
+    from flowcheck.capture.push.auth import read_token
     from flowcheck.node.client import control_request
 
     req = control_request(f"http://{cfg.serve.http}{path}", method, token=read_token(cfg.serve.auth_token_env))

@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _train(cfg, args: argparse.Namespace) -> int:
-    from flowcheck.capture.auth import read_token
+    from flowcheck.capture.push.auth import read_token
     from flowcheck.demo.model import ARCH, megatron_args, setup, train_step
     from flowcheck.torch.checkpointer import Checkpointer
 

@@ -12,7 +12,7 @@ A save asked while the previous one is still in flight is coalesced (skipped) or
 point that may block, bounded by ``timeout_s``); a slow or dead node is reported (``stats``, log) and
 training goes on.  When the node has a token (``FLOWCHECK_NODE_TOKEN``) the trainer needs the same one
 (``token=``, read from that variable by default): every push is signed for its connection
-(flowcheck/capture/auth.py), and a node that cannot prove it holds the token gets nothing.
+(flowcheck/capture/push/auth.py), and a node that cannot prove it holds the token gets nothing.
 
 Data-parallel replicas are not sent N times: each DP rank sends a disjoint share of the tensors
 (FFTrainer's "Checkpoint Razor"), and the manifest's ``scalars.extra.push`` says so.  A Megatron trainer
@@ -36,8 +36,8 @@ import torch
 import xxhash
 
 from flowcheck import _native
-from flowcheck.capture.auth import DEFAULT_TOKEN_ENV, PushSigner, read_token
-from flowcheck.capture.wire import recv_header, send_frame
+from flowcheck.capture.push.auth import DEFAULT_TOKEN_ENV, PushSigner, read_token
+from flowcheck.capture.push.wire import recv_header, send_frame
 from flowcheck.errors import AuthError, ConfigError, FlowcheckError
 from flowcheck.logs import oneline
 from flowcheck.torch import dtensor

@@ -18,7 +18,7 @@ import urllib.request
 
 import pytest
 
-from flowcheck.capture.auth import DEFAULT_TOKEN_ENV
+from flowcheck.capture.push.auth import DEFAULT_TOKEN_ENV
 from flowcheck.node.client import control_request
 
 

@@ -17,8 +17,8 @@ import pytest
 import torch
 import xxhash
 
-from flowcheck.capture.auth import DEFAULT_TOKEN_ENV, PushSigner, push_mac
-from flowcheck.capture.wire import recv_header, send_frame
+from flowcheck.capture.push.auth import DEFAULT_TOKEN_ENV, PushSigner, push_mac
+from flowcheck.capture.push.wire import recv_header, send_frame
 from flowcheck.errors import AuthError
 from flowcheck.store import open_store
 from flowcheck.torch.checkpointer import Checkpointer, generation_at

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from flowcheck.capture.auth import PushSigner
-from flowcheck.capture.wire import recv_header, send_frame
+from flowcheck.capture.push.auth import PushSigner
+from flowcheck.capture.push.wire import recv_header, send_frame
 from flowcheck.store import open_store
 from flowcheck.torch.checkpointer import Checkpointer
 
@@ -258,7 +258,7 @@ def test_a_shared_memory_payload_is_checked_by_its_generation_not_hashed(node):
 def test_a_buffer_rewritten_during_the_nodes_copy_is_refused_as_torn(tmp_path, monkeypatch, node_token):
     """The trainer starts writing its segment while the node copies it (a push it gave up on): torn, refused."""
     from flowcheck import _native
-    from flowcheck.capture import push
+    from flowcheck.capture.push import receiver as push
     from flowcheck.torch.checkpointer import generation_at
 
     store = open_store(NodeProcess(str(tmp_path)).config)

@@ -6,8 +6,8 @@ import struct
 
 import pytest
 
-from flowcheck.capture.push import parse_part
-from flowcheck.capture.wire import MAGIC, MAX_HEADER, WireError, encode_header, recv_header, send_frame
+from flowcheck.capture.push.receiver import parse_part
+from flowcheck.capture.push.wire import MAGIC, MAX_HEADER, WireError, encode_header, recv_header, send_frame
 
 
 def _pair():

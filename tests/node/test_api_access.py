@@ -12,7 +12,7 @@ import socket
 import pytest
 import yaml
 
-from flowcheck.capture.auth import DEFAULT_TOKEN_ENV
+from flowcheck.capture.push.auth import DEFAULT_TOKEN_ENV
 from flowcheck.config import load
 from flowcheck.errors import ConfigError
 

@@ -22,7 +22,7 @@ from flowcheck.restore.arch import ModelArch
 from flowcheck.restore.megatron_common import cut
 from flowcheck.restore.megatron_map import model_params, rank_tensors
 
-from flowcheck.capture.auth import DEFAULT_TOKEN_ENV
+from flowcheck.capture.push.auth import DEFAULT_TOKEN_ENV
 from flowcheck.store import open_store
 
 from ..capture.conftest import NodeProcess

@@ -9,7 +9,7 @@ socket; an even ``generation`` counter at ``generation_at`` in the segment, odd 
 must read the same before and after the node's copy).  The node answers every frame
 with a small JSON reply frame (``ack`` or ``error``).  A damaged header or payload is refused, never
 stored.  A sender opens each connection with a ``hello``, answered with the node's challenge; a node with
-a token takes only pushes whose header carries ``auth`` (flowcheck/capture/auth.py).
+a token takes only pushes whose header carries ``auth`` (flowcheck/capture/push/auth.py).
 """
 from __future__ import annotations
 

@@ -24,7 +24,7 @@ import secrets
 import socket
 from typing import Any
 
-from flowcheck.capture.wire import recv_header, send_frame
+from flowcheck.capture.push.wire import recv_header, send_frame
 from flowcheck.errors import AuthError, ConfigError, FlowcheckError
 
 DEFAULT_TOKEN_ENV = "FLOWCHECK_NODE_TOKEN"

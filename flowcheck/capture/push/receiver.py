@@ -6,7 +6,7 @@ generation counter, read before and after the copy (the only way a payload there
 Once the memory tier holds a state of the same layout, parts are received straight into its arrays
 inside one ``update(step)`` (copy-on-write keeps a snapshot in flight intact), so the node holds the
 state about once; a part that fails or a sender that vanishes aborts the update, which marks the state
-stale — never a torn or unverified step.  With a token (flowcheck/capture/auth.py) a push is checked
+stale — never a torn or unverified step.  With a token (flowcheck/capture/push/auth.py) a push is checked
 before any of it is read: an unsigned, wrongly signed or replayed frame is refused and its connection
 closed, its payload never read.  Every connection is bounded (flowcheck/node/limits.py): a frame header
 must arrive within ``header_timeout_s``, a connection idles between frames only once it pushed, and the
@@ -29,8 +29,8 @@ import numpy as np
 import xxhash
 
 from flowcheck import _native, dtypes
-from flowcheck.capture.auth import DEFAULT_TOKEN_ENV, PushGate
-from flowcheck.capture.wire import WireError, recv_exact, recv_header, reply
+from flowcheck.capture.push.auth import DEFAULT_TOKEN_ENV, PushGate
+from flowcheck.capture.push.wire import WireError, recv_exact, recv_header, reply
 from flowcheck.errors import AuthError, FlowcheckError
 from flowcheck.logs import oneline
 from flowcheck.manifest import ParentRef
