@@ -9,6 +9,9 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import threading
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timezone
 from typing import TYPE_CHECKING
 
@@ -21,6 +24,7 @@ if TYPE_CHECKING:
     from flowcheck.tiers.object import ObjectTier
 
 S3_PROTOCOLS = ("s3", "s3a")
+READERS = 4  # threads reading a local folder's files (streams of a fetch at once)
 
 
 def aws_endpoint_region(config: ObjectConfig) -> tuple[str | None, str | None]:
@@ -97,14 +101,17 @@ class Backend:
             raise FileExistsError(path)
         self.tier._call(what, self.tier.fs.pipe_file, path, data)
 
-    def fetch_into(self, wants: list, dests: list) -> None:
-        """Read every byte range (``range_reads.Want``) into its destination (a writable uint8 array)."""
+    def fetch_into(self, wants: list, dests: list, done=None) -> None:
+        """Read every byte range (``range_reads.Want``) into its destination (a writable uint8 array), calling
+        ``done(i)`` once want i's bytes are in (here: after all of them came)."""
         import numpy as np
 
         from flowcheck.tiers import range_reads
 
         for dest, blob in zip(dests, range_reads.fetch(self.tier.fs, wants)):
             dest[:] = np.frombuffer(blob, np.uint8)
+        for i in range(len(wants)) if done is not None else ():
+            done(i)
 
     def upload(self, local: str, remote: str, size: int, bar, what: str) -> None:
         from flowcheck.tiers.object_write import bar_callback
@@ -135,6 +142,11 @@ class FileBackend(Backend):
 
     retries = 0
 
+    def __init__(self, tier: ObjectTier, protocol: str) -> None:
+        super().__init__(tier, protocol)
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
+
     def root_exists(self, base: str) -> bool:
         """A missing folder whose parent exists is a store not created yet (the first write creates it);
         with its parent missing too it is a typo or an unmounted volume: TierMissingError."""
@@ -155,20 +167,40 @@ class FileBackend(Backend):
         os.makedirs(os.path.dirname(path), exist_ok=True)
         replace_file(path, data)
 
-    def fetch_into(self, wants: list, dests: list) -> None:
-        """Ranges read straight into their destinations (no bytes objects, no copy), in parts of at most 16 MiB
-        on a few threads (one reader alone does not keep a fast disk busy)."""
-        from concurrent.futures import ThreadPoolExecutor
+    def fetch_into(self, wants: list, dests: list, done=None) -> None:
+        """Ranges read straight into their destinations (no bytes objects, no copy) as a few sequential streams on
+        threads shared by this tier's fetches (one reader alone does not keep a disk busy; a read-ahead fetch
+        queues behind the one before it, so the disk does not wait between them); ``done(i)`` runs on the
+        reading thread as soon as want i's bytes are in."""
+        from flowcheck.tiers.range_reads import read_stream, streams
 
-        from flowcheck.tiers.range_reads import read_into, split
+        total = sum(w.end - w.start for w in wants)
+        jobs = streams(wants, dests, max(16 << 20, -(-total // READERS)))
+        left = Counter(i for _, pieces in jobs for i, _, _ in pieces)  # pieces of each want not read yet
+        lock = threading.Lock()
 
-        parts = split(wants, dests, 16 << 20)
-        if len(parts) <= 1:
-            for w, d in parts:
-                read_into(w, d)
+        def piece_done(i: int) -> None:
+            with lock:
+                left[i] -= 1
+                last = left[i] == 0
+            if last and done is not None:
+                done(i)
+
+        if len(jobs) <= 1:
+            for path, pieces in jobs:
+                read_stream(path, pieces, piece_done)
             return
-        with ThreadPoolExecutor(min(4, len(parts)), thread_name_prefix="flowcheck-object-read") as pool:
-            list(pool.map(lambda part: read_into(*part), parts))
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(READERS, thread_name_prefix="flowcheck-object-read")
+        futures = [self._pool.submit(read_stream, path, pieces, piece_done) for path, pieces in jobs]
+        try:
+            for f in futures:
+                f.result()
+        except BaseException:
+            for f in futures:
+                f.cancel()  # a failed fetch leaves nothing queued behind it
+            raise
 
     def create_exclusive(self, path: str, data: bytes, what: str) -> None:
         os.makedirs(os.path.dirname(path), exist_ok=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import threading
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
@@ -108,16 +108,22 @@ class ObjectReader:
         # a reader in another order would otherwise fetch a window per shard and use one entry of it
         sequential = ahead is not None or key == self._expected
         batch = ahead[1] if ahead is not None else _batch(manifest, order, first, sequential)
-        results = ahead[2].result() if ahead is not None else self._fetch_whole(manifest, batch)
+        fetch = ahead[2] if ahead is not None else None
         nxt = first + len(batch)
+        if sequential and nxt < len(order):
+            # the next batch is queued before this one is waited for: the disk stays busy meanwhile
+            with self._window_lock:
+                if self._ahead_pool is None:
+                    self._ahead_pool = ThreadPoolExecutor(2, thread_name_prefix="flowcheck-object-ahead")
+                if fetch is None:
+                    fetch = self._ahead_pool.submit(self._fetch_whole, manifest, batch)
+                following = _batch(manifest, order, nxt, True)
+                self._ahead = (_key(manifest, *order[nxt]), following,
+                               self._ahead_pool.submit(self._fetch_whole, manifest, following))
+        results = fetch.result() if fetch is not None else self._fetch_whole(manifest, batch)
         with self._window_lock:
             self._window = {_key(manifest, n, e): r for (n, e), r in zip(batch[1:], results[1:])}
             self._expected = _key(manifest, *order[nxt]) if nxt < len(order) else None
-            if sequential and nxt < len(order):
-                following = _batch(manifest, order, nxt, True)
-                if self._ahead_pool is None:
-                    self._ahead_pool = ThreadPoolExecutor(1, thread_name_prefix="flowcheck-object-ahead")
-                self._ahead = (self._expected, following, self._ahead_pool.submit(self._fetch_whole, manifest, following))
         return results[0]
 
     def load(self, step: int, *, verify: bool = True):
@@ -149,10 +155,9 @@ class ObjectReader:
         return order
 
     def _fetch_whole(self, manifest: Manifest, batch) -> list[tuple[np.ndarray, str]]:
-        wants, dests, outs = [], [], []
+        wants, dests, outs, owner = [], [], [], []
         for name, entry in batch:
             out = np.empty(entry.shape, dtype=dtypes.dtype(manifest.tensors[name].dtype).storage)
-            outs.append(out)
             flat = out.reshape(-1).view(np.uint8)
             for piece in entry.location:
                 info, rows = self._piece_info(manifest, name, entry, piece)
@@ -160,8 +165,27 @@ class ObjectReader:
                 start = self.header(piece.path).data_start + info.begin
                 wants.append(range_reads.Want(self._p(piece.path), start, start + info.end - info.begin))
                 dests.append(flat[rows[0] * row_bytes:rows[0] * row_bytes + info.end - info.begin])
-        self._call("reading shards", self.backend.fetch_into, wants, dests)
-        return [(out, data_digest(out)) for out in outs]  # on the fetching thread: a read-ahead batch's digests too
+                owner.append(len(outs))
+            outs.append(out)
+
+        def fetch() -> list[str | None]:
+            # each shard is hashed by the thread that read its last bytes, while the others still read
+            digests: list[str | None] = [None] * len(outs)
+            left = Counter(owner)  # pieces of each shard not read yet
+            lock = threading.Lock()
+
+            def done(i: int) -> None:
+                with lock:
+                    left[owner[i]] -= 1
+                    last = left[owner[i]] == 0
+                if last:
+                    digests[owner[i]] = data_digest(outs[owner[i]])
+
+            self.backend.fetch_into(wants, dests, done)
+            return digests
+
+        digests = self._call("reading shards", fetch)
+        return [(out, d if d is not None else data_digest(out)) for out, d in zip(outs, digests)]
 
     def _read_piece(self, piece, info, rows, region, shape, out, dt) -> None:
         lo = region[0].start if region else 0

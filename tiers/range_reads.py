@@ -69,28 +69,42 @@ def _named(g: _Group, err: BaseException) -> BaseException:
     return TierError(f"{g.path}: reading range {g.start}-{g.end} failed: {err}")
 
 
-def read_into(want: Want, dest) -> None:
-    """A local file's byte range read straight into ``dest`` (a writable buffer of ``end - start`` bytes)."""
-    view = memoryview(dest).cast("B")
-    fd = os.open(want.path, os.O_RDONLY)
+def streams(wants: list[Want], dests: list, most: int) -> list[tuple[str, list[tuple[int, int, memoryview]]]]:
+    """The wants (each with a writable destination of its size) as streams of at most ``most`` bytes: ranges that
+    follow each other in one file join, a longer one is cut.  A stream is ``(path, [(want index, file offset,
+    destination view)])``, read front to back on one file descriptor so that the kernel reads ahead of it."""
+    out: list[tuple[str, list[tuple[int, int, memoryview]]]] = []
+    size, end = 0, None
+    for i in sorted(range(len(wants)), key=lambda i: (wants[i].path, wants[i].start)):
+        w, view = wants[i], memoryview(dests[i]).cast("B")
+        at = 0
+        while True:
+            if not out or out[-1][0] != w.path or end != w.start + at or size >= most:
+                out.append((w.path, []))
+                size = 0
+            take = min(w.end - w.start - at, most - size)
+            out[-1][1].append((i, w.start + at, view[at:at + take]))
+            size, at, end = size + take, at + take, w.start + at + take
+            if at >= w.end - w.start:
+                break
+    return out
+
+
+def read_stream(path: str, pieces: list[tuple[int, int, memoryview]], done, block: int = 2 << 20) -> None:
+    """One stream of ``streams``: its ranges read in order into their views, in requests of ``block`` bytes on
+    one descriptor (the kernel's sequential readahead keeps the disk busy ahead of them; one large request would
+    wait for all its bytes, then leave the disk idle); ``done(i)`` after each piece."""
+    fd = os.open(path, os.O_RDONLY)
     try:
-        done = 0
-        while done < view.nbytes:
-            n = os.preadv(fd, [view[done:done + (1 << 30)]], want.start + done)
-            if n == 0:
-                raise IntegrityError(f"{want.path}: range {want.start}-{want.end} returned {done} bytes; "
-                                     "the file is truncated")
-            done += n
+        os.posix_fadvise(fd, pieces[0][1], 0, os.POSIX_FADV_SEQUENTIAL)
+        for i, start, view in pieces:
+            got = 0
+            while got < view.nbytes:
+                n = os.preadv(fd, [view[got:got + block]], start + got)
+                if n == 0:
+                    raise IntegrityError(f"{path}: range {start}-{start + view.nbytes} returned {got} bytes; "
+                                         "the file is truncated")
+                got += n
+            done(i)
     finally:
         os.close(fd)
-
-
-def split(wants: list[Want], dests: list, most: int) -> list[tuple[Want, object]]:
-    """(want, destination) pairs of at most ``most`` bytes covering the given ones."""
-    out = []
-    for w, d in zip(wants, dests):
-        view = memoryview(d).cast("B")
-        for at in range(0, max(1, w.end - w.start), most):
-            end = min(w.end - w.start, at + most)
-            out.append((Want(w.path, w.start + at, w.start + end), view[at:end]))
-    return out

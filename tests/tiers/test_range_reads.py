@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import fsspec
+import numpy as np
 import pytest
 
 from flowcheck.errors import IntegrityError
-from flowcheck.tiers.range_reads import Want, fetch, merge
+from flowcheck.tiers.range_reads import Want, fetch, merge, read_stream, streams
 
 
 def test_nearby_ranges_of_one_file_merge_and_far_ones_do_not():
@@ -25,3 +26,22 @@ def test_fetch_returns_each_wants_bytes_and_names_a_truncated_file(tmp_path):
     assert got == [data[10:20], data[0:4], data[900:1024], b""]
     with pytest.raises(IntegrityError, match="truncated"):
         fetch(fs, [Want(path, 1000, 2000)])
+
+
+def test_streams_join_following_ranges_cut_long_ones_and_read_each_want_whole(tmp_path):
+    data = bytes(range(256)) * 4
+    (tmp_path / "f").write_bytes(data)
+    path = str(tmp_path / "f")
+    wants = [Want(path, 100, 300), Want(path, 0, 40), Want(path, 40, 100), Want(path, 500, 500), Want(path, 900, 1024)]
+    dests = [np.zeros(w.end - w.start, np.uint8) for w in wants]
+    jobs = streams(wants, dests, 128)
+    # 0-40 and 40-100 join (and 100-228 fills that stream to 128 bytes); the rest of 100-300 goes on in the next
+    assert [[(i, at, v.nbytes) for i, at, v in pieces] for _, pieces in jobs] == [
+        [(1, 0, 40), (2, 40, 60), (0, 100, 28)], [(0, 128, 128)], [(0, 256, 44)], [(3, 500, 0)], [(4, 900, 124)]]
+    seen = []
+    for p, pieces in jobs:
+        read_stream(p, pieces, seen.append, block=16)
+    assert sorted(seen) == [0, 0, 0, 1, 2, 3, 4]  # once per piece
+    assert [bytes(d) for d in dests] == [data[w.start:w.end] for w in wants]
+    with pytest.raises(IntegrityError, match="truncated"):
+        read_stream(path, streams([Want(path, 1000, 2000)], [np.zeros(1000, np.uint8)], 1 << 20)[0][1], seen.append)
