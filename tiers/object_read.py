@@ -1,8 +1,9 @@
 """The object tier's read path: safetensors headers, then only the byte ranges asked for, with read-ahead.
 
 A whole shard read while a reader walks a step in file order fetches the next shards with it (up to
-READ_AHEAD bytes, few large concurrent requests), and the batch after that in the background while the reader
-uses this one (their digests computed there too); a region of a shard reads only its rows.
+READ_AHEAD bytes, few large concurrent requests), with the batch after it queued behind it, so the store never
+waits for the reader (each shard's digest is computed by the thread that read it); a region of a shard reads only
+its rows.
 """
 from __future__ import annotations
 
@@ -93,7 +94,7 @@ class ObjectReader:
     def _whole_shard(self, manifest: Manifest, tensor: str, shard: ShardEntry) -> tuple[np.ndarray, str]:
         """A whole shard and its digest, from a read-ahead window: this shard and the next ones in file order
         (up to READ_AHEAD bytes) are fetched together, so reading a step shard after shard costs a few large
-        concurrent requests instead of one round trip per shard; the batch after it is fetched meanwhile."""
+        concurrent requests instead of one round trip per shard; the batch after it is queued behind it."""
         key = _key(manifest, tensor, shard)
         with self._window_lock:
             hit = self._window.pop(key, None)
