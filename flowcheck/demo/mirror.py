@@ -28,7 +28,7 @@ from flowcheck.demo.setup import write_config
 
 ITERS, DP, CHANNELS, MIRROR, LOSS, SEED = 20, 4, 2, "0:out,1:out,2:out", 0.02, 1
 # the loggers that report an iteration lost on every copy (as a WARNING: in production nobody injected it)
-_LOSS_LOGGERS = ("flowcheck.capture.mirror.pipeline", "flowcheck.tiers.memory")
+_LOSS_LOGGERS = ("flowcheck.capture.mirror.pipeline", "flowcheck.tiers.memory", "flowcheck.policy")
 
 
 def mirror_config(base: str) -> Config:
@@ -118,13 +118,15 @@ def _diff(cfg_path: str, store, last: int, truth: str) -> Check:
 
 @contextmanager
 def _gathered(names: tuple[str, ...]) -> Iterator[list[logging.LogRecord]]:
-    """Hold back (and collect) these loggers' reports of an iteration lost on every copy: the demo injected
-    the loss, and says so itself; anything else they log goes through."""
+    """Hold back (and collect) these loggers' reports of an iteration lost on every copy, and of a timed
+    snapshot skipped while the state it left stale waits for its resync: the demo injected the loss, and says so
+    itself; anything else they log goes through."""
     records: list[logging.LogRecord] = []
 
     def hold(record: logging.LogRecord) -> bool:
         message = record.getMessage()
-        if "unrecoverable" in message or "marked stale" in message:
+        skipped_stale = getattr(record, "event", None) == "snapshot_skipped" and "is stale" in message
+        if "unrecoverable" in message or "marked stale" in message or skipped_stale:
             records.append(record)
             return False
         return True
