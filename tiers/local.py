@@ -26,7 +26,7 @@ import numpy as np
 
 from flowcheck import dtypes
 from flowcheck.config import LocalConfig
-from flowcheck.digest import file_digest
+from flowcheck.digest import data_digest, file_digest
 from flowcheck.errors import (
     FlowcheckError,
     FormatError,
@@ -277,6 +277,32 @@ class LocalTier(Tier):
                 f"local tier step {manifest.step} tensor {tensor} shard {list(entry.offsets)}: the bytes it references "
                 f"in step {ref.step} of branch {ref.branch} ({ref.manifest_digest[:19]}) are missing or damaged: {e}"
             ) from e
+
+    def read_packed_run(self, manifest: Manifest, items: list[tuple[str, ShardEntry]], threads: int = 1
+                        ) -> list[np.ndarray]:
+        """Whole shards lying in order in one pack of this step (``packed_run`` groups them), read in one native pass
+        over their span (every chunk's CRC32C checked), each then checked against its own digest: flat arrays,
+        views of one buffer, in the order given."""
+        first, last = items[0][1].location[0], items[-1][1].location[0]
+        pack = self._pack(manifest, first.path)
+        for tensor, _ in items:
+            storage = dtypes.dtype(manifest.tensors[tensor].dtype).storage
+            if pack.info.storage != storage:
+                raise IntegrityError(f"local tier: {pack.path}: the pack holds {pack.info.storage}, tensor {tensor} is "
+                                     f"{storage}")
+        end = last.start + math.prod(items[-1][1].shape)
+        span, _ = zarr_pack.read_elements(pack, first.start, end - first.start, (end - first.start,), threads)
+        out = []
+        for tensor, entry in items:
+            a = entry.location[0].start - first.start
+            arr = span[a:a + math.prod(entry.shape)]
+            got = data_digest(arr)
+            if got != entry.digest:
+                raise IntegrityError(f"local tier step {manifest.step} tensor {tensor} shard {list(entry.offsets)} "
+                                     f"(stored in {pack.path}): data digest {got} != manifest {entry.digest}; this "
+                                     "copy is damaged — read the step from another tier")
+            out.append(arr)
+        return out
 
     def _read_in(self, pack: zarr_pack.PackFile, manifest: Manifest, tensor: str, entry: ShardEntry, region
                  ) -> tuple[np.ndarray, str]:
@@ -532,6 +558,28 @@ def _holds_packs(folder: str) -> bool:
 
 def _packed(entry: ShardEntry) -> bool:
     return len(entry.location) == 1 and entry.location[0].start is not None
+
+
+def packed_runs(items: list[tuple[str, ShardEntry]], most: int
+                ) -> tuple[list[list[tuple[str, ShardEntry]]], list[tuple[str, ShardEntry]]]:
+    """Whole shards to read, as runs for ``LocalTier.read_packed_run`` — shards of one pack of the step itself, in
+    order, each starting within a chunk's worth of elements of where the one before ends, spanning at most ``most``
+    elements (a larger shard is a run of its own) — and the rest (not packed, or held by an earlier step: read
+    them one by one)."""
+    own = [item for item in items if _packed(item[1]) and item[1].location[0].ref is None]
+    rest = [item for item in items if not (_packed(item[1]) and item[1].location[0].ref is None)]
+    runs: list[list[tuple[str, ShardEntry]]] = []
+    end = 0
+    for item in sorted(own, key=lambda item: (item[1].location[0].path, item[1].location[0].start)):
+        piece, n = item[1].location[0], math.prod(item[1].shape)
+        head = runs[-1][0][1].location[0] if runs else None
+        if (head is not None and head.path == piece.path and end <= piece.start <= end + zarr_pack.CHUNK_BYTES // 8
+                and piece.start + n - head.start <= most):
+            runs[-1].append(item)
+        else:
+            runs.append([item])
+        end = piece.start + n
+    return runs, rest
 
 
 def _walk(manifest: Manifest) -> list[tuple[tuple[str, ShardEntry], int]]:

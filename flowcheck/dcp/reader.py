@@ -41,8 +41,11 @@ from flowcheck.dcp.target import cores_per_rank, open_config
 from flowcheck.errors import ConfigError, FlowcheckError
 from flowcheck.manifest import Manifest, ParentRef
 from flowcheck.store import Store
+from flowcheck.tiers.fallback import DAMAGE
+from flowcheck.tiers.local import packed_runs
 
-READERS = 4  # at most this many shards read (and digest-checked) at once per rank
+READERS = 4  # at most this many reads (runs of shards, digest-checked) at once per rank
+RUN_ELEMENTS = 16 << 20  # the most one read spans (64 MiB of fp32): a rank holds up to READERS + 1 while it copies
 
 
 class LoadMismatchError(FlowcheckError, RuntimeError):
@@ -122,10 +125,15 @@ class Reader(StorageReader):
         by_source: dict[Any, list[Any]] = {}
         for req in plan.items:
             by_source.setdefault(self._where[req.storage_index], []).append(req)
-        for key in [k for k in by_source if isinstance(k, str)]:  # bytes items, by their DCP key
+        for key in [k for k in by_source if k in self._view.made]:  # rebuilt from the step's JSON scalars
             for req in by_source.pop(key):
-                planner.load_bytes(req, self._bytes(key))
-        for source, src in _ahead(self._shard, list(by_source), cores_per_rank(READERS)):
+                planner.load_bytes(req, io.BytesIO(objects.saved(self._view.made[key])))
+        stored = {(self._view.objects[k], 0): k for k in by_source if isinstance(k, str)}  # bytes items' uint8 shards
+        for source, src in self._read(sorted(set(stored) | {k for k in by_source if not isinstance(k, str)})):
+            if source in stored:
+                for req in by_source[stored[source]]:
+                    planner.load_bytes(req, self._bytes(stored[source], src))
+                continue
             for req in by_source[source]:
                 piece = narrow_tensor_by_index(src, req.storage_offsets, req.lengths)
                 dest = planner.resolve_tensor(req).detach()
@@ -157,26 +165,45 @@ class Reader(StorageReader):
         return getattr(self._tier, "branch", "main")
 
     # ---- reads -------------------------------------------------------------------------
-    def _shard(self, source: tuple[str, int]) -> torch.Tensor:
-        """One stored shard, whole and digest-checked, as a CPU tensor of its dtype."""
-        name, i = source
-        m = self._manifest
-        arr = self._tier.read_shard(m, name, m.tensors[name].shards[i])
-        if not arr.flags.writeable:
-            arr = arr.copy()  # torch shares the buffer: it must be writable
-        dtype = m.tensors[name].dtype
-        if dtype == "bfloat16":
-            return torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)
-        return torch.from_numpy(arr)
+    def _read(self, sources: list[tuple[str, int]]) -> Iterator[tuple[tuple[str, int], torch.Tensor]]:
+        """``(source, shard)`` for each stored shard named, whole and digest-checked, as a CPU tensor of its dtype.
 
-    def _bytes(self, key: str) -> io.BytesIO:
-        view = self._view
-        if key in view.made:  # rebuilt by flowcheck from the step's JSON scalars: nothing stored is unpickled
-            return io.BytesIO(objects.saved(view.made[key]))
-        name = view.objects[key]
-        raw = self._shard((name, 0)).numpy().tobytes()
+        On the local tier, shards lying together in a pack (a rank reads back what it saved: one part, in order)
+        are read as runs, one native pass each (tiers/local.py ``read_packed_run``); the next run is read while
+        this one is copied out.  Anything else, and a run found damaged, is read shard by shard through the tier
+        (which falls back to an intact copy in another tier)."""
+        m = self._manifest
+        items = [(name, m.tensors[name].shards[i]) for name, i in sources]
+        source = {(name, e.offsets): (name, i) for (name, i), (_, e) in zip(sources, items)}
+        runs, rest = packed_runs(items, RUN_ELEMENTS) if hasattr(self._tier, "read_packed_run") else ([], items)
+        threads = cores_per_rank(READERS)
+
+        def read(run: list[tuple[str, Any]]) -> list[np.ndarray]:
+            if len(run) > 1:
+                try:
+                    return self._tier.read_packed_run(m, run, threads)
+                except DAMAGE:
+                    pass  # shard by shard: the error names the shard, or another tier holds an intact copy
+            return [self._tier.read_shard(m, name, entry) for name, entry in run]
+
+        for run, arrays in _ahead(read, runs + [[item] for item in rest], threads):
+            for (name, entry), arr in zip(run, arrays):
+                yield source[(name, entry.offsets)], _tensor(arr.reshape(entry.shape), m.tensors[name].dtype)
+
+    def _bytes(self, key: str, src: torch.Tensor) -> io.BytesIO:
+        """A bytes item from its stored uint8 shard, through the allow-listed loader (flowcheck/dcp/objects.py)."""
+        name = self._view.objects[key]
         where = f"{self._tier.name} tier step {self._manifest.step} ({name})"
-        return objects.for_planner(raw, key, where, trust_pickle=self.trust_pickle, safe_globals=self.safe_globals)
+        return objects.for_planner(src.numpy().tobytes(), key, where, trust_pickle=self.trust_pickle,
+                                   safe_globals=self.safe_globals)
+
+
+def _tensor(arr: np.ndarray, dtype: str) -> torch.Tensor:
+    if not arr.flags.writeable:
+        arr = arr.copy()  # torch shares the buffer: it must be writable
+    if dtype == "bfloat16":
+        return torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(arr)
 
 
 def _ahead(read: Callable[[Any], Any], items: list[Any], workers: int) -> Iterator[tuple[Any, Any]]:

@@ -2,6 +2,7 @@
 are (never) unpickled, ``flowcheck import`` of a plain DCP directory, and the errors a user meets."""
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -155,3 +156,36 @@ def test_a_url_or_a_folder_is_a_store_of_its_own(tmp_path):
     save(str(tmp_path / "nvme"), state(6), 6, run="gpt")
     assert os.path.isdir(tmp_path / "nvme" / "gpt" / "step-000000006")
     assert same(load(str(tmp_path / "nvme"), zeros_like(state(6)), run="gpt"), state(6))
+
+
+def test_a_rank_reads_its_shards_from_a_pack_in_one_pass_and_a_damaged_pack_is_read_from_an_intact_copy(tmp_path):
+    """The local tier's shards lie back to back in a pack: one run, one read, every shard still checked against its
+    own digest; a flipped byte fails the run, and then each shard is read alone (falling back to the object copy)."""
+    import dataclasses
+
+    from flowcheck.errors import IntegrityError
+    from flowcheck.tiers.local import packed_runs
+
+    cfg = config(str(tmp_path))
+    save(cfg, state(3), 3)
+    store = open_store(cfg)
+    m = store.local.manifest(3)
+    items = [(n, e) for n, t in m.tensors.items() for e in t.shards]
+    runs, rest = packed_runs(items, 1 << 24)
+    assert not rest and len(runs) < len(items)
+    run = max(runs, key=len)
+    assert [a.size for a in store.local.read_packed_run(m, run)] == [math.prod(e.shape) for _, e in run]
+    name, entry = run[-1]
+    wrong = dataclasses.replace(entry, digest="xxh3-128:" + "0" * 32)
+    with pytest.raises(IntegrityError, match="data digest"):
+        store.local.read_packed_run(m, [*run[:-1], (name, wrong)])
+
+    store.promote(3)
+    pack = next(f.path for f in m.files if f.path.endswith("/c/0") and "rank-" in f.path)
+    path = tmp_path / "local" / "gpt" / pack
+    raw = bytearray(path.read_bytes())
+    raw[100] ^= 0x01
+    path.write_bytes(bytes(raw))
+    assert same(load(cfg, zeros_like(state(3)), step=3), state(3))  # auto: the object tier's intact copy
+    with pytest.raises(CheckpointException, match="CRC32C|digest"):
+        load(cfg, zeros_like(state(3)), step=3, prefer="local")
