@@ -277,6 +277,9 @@ class Store:
         or a ``sha256:`` manifest-digest prefix. A state that was deleted on purpose raises StepPrunedError
         (a StepNotFoundError) saying when and by what."""
         tiers = self.tiers() if prefer == "auto" else [self.tier(prefer)]
+        found = self._numbered_on_main(step, branch, tiers)
+        if found is not None:
+            return found
         hist = self.history()
         mem = self.memory
         if self.memory in tiers and mem.step is not None and mem.head is not None and branch is None and step == "latest":
@@ -300,6 +303,20 @@ class Store:
             f"step {at} of run {self.config.run!r} is not committed in {prefer if prefer != 'auto' else 'any tier'}"
             f"{' (held by: ' + ', '.join(holders) + ')' if holders else ''}"
             f"{'; the ' + prefer + ' tier copy was ' + gone[-1] if gone else ''}")
+
+    def _numbered_on_main(self, step: int | str, branch: str | None, tiers: list[Tier]) -> tuple[Tier, int] | None:
+        """A step number of a run that never branched (no tier holds a branch) is main's step of that number, in
+        the first tier listing it: what ``resolve`` finds, without reading every stored manifest (a DCP load asks on
+        every rank).  None: ask the history (RAM holds a state, a branch exists, the step is not listed, an error)."""
+        if (not isinstance(step, int) or isinstance(step, bool) or branch not in (None, MAIN)
+                or self.memory.step is not None):
+            return None
+        try:
+            if any(t.branch_names() for t in self.tiers(include_memory=False)):
+                return None
+            return next(((t, step) for t in tiers if t is not self.memory and step in t.steps()), None)
+        except FlowcheckError:
+            return None
 
     def resolve(self, step: int | str, branch: str | None = None, hist: History | None = None) -> Located:
         """The state a reference names (``History.resolve``), with the errors saying more: another run of the
