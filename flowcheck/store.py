@@ -277,7 +277,7 @@ class Store:
         or a ``sha256:`` manifest-digest prefix. A state that was deleted on purpose raises StepPrunedError
         (a StepNotFoundError) saying when and by what."""
         tiers = self.tiers() if prefer == "auto" else [self.tier(prefer)]
-        found = self._numbered_on_main(step, branch, tiers)
+        found = self._on_unbranched_main(step, branch, tiers)
         if found is not None:
             return found
         hist = self.history()
@@ -304,19 +304,38 @@ class Store:
             f"{' (held by: ' + ', '.join(holders) + ')' if holders else ''}"
             f"{'; the ' + prefer + ' tier copy was ' + gone[-1] if gone else ''}")
 
-    def _numbered_on_main(self, step: int | str, branch: str | None, tiers: list[Tier]) -> tuple[Tier, int] | None:
-        """A step number of a run that never branched (no tier holds a branch) is main's step of that number, in
-        the first tier listing it: what ``resolve`` finds, without reading every stored manifest (a DCP load asks on
-        every rank).  None: ask the history (RAM holds a state, a branch exists, the step is not listed, an error)."""
-        if (not isinstance(step, int) or isinstance(step, bool) or branch not in (None, MAIN)
-                or self.memory.step is not None):
+    def _on_unbranched_main(self, step: int | str, branch: str | None, tiers: list[Tier]) -> tuple[Tier, int] | None:
+        """``locate`` for a run that never branched (no tier holds a branch), from the tiers' listings instead of
+        every stored manifest (a DCP load asks on every rank): a step number is main's step of that number;
+        ``latest`` the highest step, when a copy of its manifest reads and passes the signature rule (else the
+        history decides which to vouch for).  None: ask the history (RAM holds a state, a branch exists, the step
+        is not listed, an error)."""
+        number = isinstance(step, int) and not isinstance(step, bool)
+        if not (number or step == "latest") or branch not in (None, MAIN) or self.memory.step is not None:
             return None
         try:
-            if any(t.branch_names() for t in self.tiers(include_memory=False)):
+            stored = self.tiers(include_memory=False)
+            if any(t.branch_names() for t in stored):
                 return None
-            return next(((t, step) for t in tiers if t is not self.memory and step in t.steps()), None)
+            listed = {t.name: t.steps() for t in stored}
+            n = step if number else max((n for steps in listed.values() for n in steps), default=None)
+            if n is None or not number and not self._vouched([t for t in stored if n in listed[t.name]], n):
+                return None
+            return next(((t, n) for t in tiers if t is not self.memory and n in listed[t.name]), None)
         except FlowcheckError:
             return None
+
+    @staticmethod
+    def _vouched(holders: list[Tier], step: int) -> bool:
+        """Whether a tier holding the step can vouch for it, as the history counts it (its manifest reads and
+        passes the signature rule); the manifest stays in that tier's cache for the read that follows."""
+        for t in holders:
+            try:
+                t.manifest(step)
+                return True
+            except FlowcheckError:
+                continue
+        return False
 
     def resolve(self, step: int | str, branch: str | None = None, hist: History | None = None) -> Located:
         """The state a reference names (``History.resolve``), with the errors saying more: another run of the

@@ -14,6 +14,7 @@ from flowcheck.config import Config, LocalConfig, ObjectConfig, PolicyConfig, Ti
 from flowcheck.errors import StepNotFoundError
 from flowcheck.state import Scalars
 from flowcheck.store import Store
+from flowcheck.tiers.base import step_dir
 from tests.helpers import W, global_array, make_snapshot
 
 
@@ -149,3 +150,25 @@ def test_a_step_missing_from_the_run_names_the_other_run_that_holds_it(tmp_path)
     assert store.runs() == ["r1", "r2"]
     with pytest.raises(StepNotFoundError, match=r"step 7 is not committed on branch 'main' of run 'r1'.*r2.*--run r2"):
         store.locate(7)
+
+
+def test_a_run_that_never_branched_is_located_without_reading_every_manifest_and_as_the_history_would(tmp_path):
+    store = make_store(tmp_path, local_keep=5)
+    store.push(make_snapshot(step=10))
+    store.snapshot()
+    for step in (11, 12):
+        advance(store, step)
+        store.snapshot()
+    reader = Store(store.config)  # a fresh process's store: RAM holds nothing
+    assert reader.history().resolve("latest") == Located(12) and reader.history().resolve(11) == Located(11)
+    reader = Store(store.config)
+    seen = []
+    reader.local.manifest = lambda step, **kw: seen.append(step) or type(reader.local).manifest(reader.local, step, **kw)
+    assert reader.locate(11) == (reader.local, 11) and seen == []  # a number: the listing says it all
+    assert reader.locate("latest") == (reader.local, 12) and seen == [12]  # only the newest is read, to vouch for it
+    # the newest manifest damaged: the history decides, as without the shortcut (the newest readable one)
+    path = os.path.join(store.local.root, step_dir(12), "manifest.json")
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) - 20)
+    reader = Store(store.config)
+    assert reader.locate("latest") == (reader.local, 11)
