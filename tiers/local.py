@@ -26,7 +26,7 @@ import numpy as np
 
 from flowcheck import dtypes
 from flowcheck.config import LocalConfig
-from flowcheck.digest import data_digest, file_digest
+from flowcheck.digest import file_digest
 from flowcheck.errors import (
     FlowcheckError,
     FormatError,
@@ -280,28 +280,29 @@ class LocalTier(Tier):
 
     def read_packed_run(self, manifest: Manifest, items: list[tuple[str, ShardEntry]], threads: int = 1
                         ) -> list[np.ndarray]:
-        """Whole shards lying in order in one pack of this step (``packed_run`` groups them), read in one native pass
-        over their span (every chunk's CRC32C checked), each then checked against its own digest: flat arrays,
-        views of one buffer, in the order given."""
-        first, last = items[0][1].location[0], items[-1][1].location[0]
-        pack = self._pack(manifest, first.path)
+        """Whole shards of one pack of this step (``packed_runs`` groups them), read through one open file, each in
+        one native pass that checks every chunk's CRC32C and computes the digest checked against the shard's own:
+        flat arrays, views of one buffer, in the order given."""
+        rel = items[0][1].location[0].path
+        if any(entry.location[0].path != rel or entry.location[0].ref is not None for _, entry in items):
+            raise ValueError("read_packed_run: shards of several packs, or held by an earlier step, given as one run")
+        pack = self._pack(manifest, rel)
         for tensor, _ in items:
             storage = dtypes.dtype(manifest.tensors[tensor].dtype).storage
             if pack.info.storage != storage:
                 raise IntegrityError(f"local tier: {pack.path}: the pack holds {pack.info.storage}, tensor {tensor} is "
                                      f"{storage}")
-        end = last.start + math.prod(items[-1][1].shape)
-        span, _ = zarr_pack.read_elements(pack, first.start, end - first.start, (end - first.start,), threads)
-        out = []
-        for tensor, entry in items:
-            a = entry.location[0].start - first.start
-            arr = span[a:a + math.prod(entry.shape)]
-            got = data_digest(arr)
+        sizes = [math.prod(entry.shape) for _, entry in items]
+        flat, digests = zarr_pack.read_ranges(pack, [(e.location[0].start, n) for (_, e), n in zip(items, sizes)],
+                                              threads)
+        out, at = [], 0
+        for (tensor, entry), n, got in zip(items, sizes, digests):
             if got != entry.digest:
                 raise IntegrityError(f"local tier step {manifest.step} tensor {tensor} shard {list(entry.offsets)} "
                                      f"(stored in {pack.path}): data digest {got} != manifest {entry.digest}; this "
                                      "copy is damaged — read the step from another tier")
-            out.append(arr)
+            out.append(flat[at:at + n])
+            at += n
         return out
 
     def _read_in(self, pack: zarr_pack.PackFile, manifest: Manifest, tensor: str, entry: ShardEntry, region
