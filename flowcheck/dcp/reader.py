@@ -46,7 +46,7 @@ from flowcheck.tiers.local import packed_runs
 
 READERS = 4  # at most this many threads read a run (native, in parts of >= 16 MiB) per rank
 RUN_ELEMENTS = 64 << 20  # the most one read spans (256 MiB of fp32; a pack holds at most 512 MB): few long reads
-# keep the kernel's readahead going (runs of 16 MiB measured 0.6x DCP's reader, 64 MiB 0.9x, 256 MiB 1.1x)
+# keep the kernel's readahead going (BENCHMARKS.md: 16 MiB runs were clearly slower, 64 vs 256 MiB within noise)
 
 
 class LoadMismatchError(FlowcheckError, RuntimeError):
