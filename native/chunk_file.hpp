@@ -72,6 +72,18 @@ inline uint32_t get_le32(const unsigned char* in) {
     return v;
 }
 
+// Drops the first n bytes from an iovec array (whole entries, then the front of the next one).
+inline void consume(struct iovec*& iov, int& count, size_t n) {
+    while (count > 0 && n >= iov->iov_len) {
+        n -= iov->iov_len;
+        iov++, count--;
+    }
+    if (count > 0) {
+        iov->iov_base = static_cast<char*>(iov->iov_base) + n;
+        iov->iov_len -= n;
+    }
+}
+
 // pwritev of every iovec, retrying short writes and EINTR.
 inline void pwritev_all(int fd, struct iovec* iov, int count, off_t offset) {
     while (count > 0) {
@@ -82,14 +94,7 @@ inline void pwritev_all(int fd, struct iovec* iov, int count, off_t offset) {
         }
         if (n == 0) throw IoError{EIO};
         offset += n;
-        while (count > 0 && static_cast<size_t>(n) >= iov->iov_len) {
-            n -= static_cast<ssize_t>(iov->iov_len);
-            iov++, count--;
-        }
-        if (count > 0) {
-            iov->iov_base = static_cast<char*>(iov->iov_base) + n;
-            iov->iov_len -= static_cast<size_t>(n);
-        }
+        consume(iov, count, static_cast<size_t>(n));
     }
 }
 
@@ -103,14 +108,7 @@ inline void preadv_all(int fd, struct iovec* iov, int count, off_t offset) {
         }
         if (n == 0) throw DataError{"the file ends early (truncated)"};
         offset += n;
-        while (count > 0 && static_cast<size_t>(n) >= iov->iov_len) {
-            n -= static_cast<ssize_t>(iov->iov_len);
-            iov++, count--;
-        }
-        if (count > 0) {
-            iov->iov_base = static_cast<char*>(iov->iov_base) + n;
-            iov->iov_len -= static_cast<size_t>(n);
-        }
+        consume(iov, count, static_cast<size_t>(n));
     }
 }
 
