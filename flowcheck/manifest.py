@@ -123,7 +123,8 @@ class StepRef:
     ``branch`` is the branch folder holding it, ``step``/``manifest_digest`` its identity (the digest tells it
     from a later state at the same number), ``files`` the files of that step the pieces use, with their size and
     digest as that step committed them, so audit checks them without trusting the other manifest.  A piece
-    ``{"path": "step-…/packs/0", "start": s, "ref": i}`` names its path as ``refs[i]``'s own manifest does
+    ``{"path": "step-…/packs/0", "start": s, "ref": i}`` (local tier) or ``{"path": "step-…/attempt-…/shard-…
+    .safetensors", "key": k, "ref": i}`` (object tier) names its path as ``refs[i]``'s own manifest does
     (relative to that step's branch folder, inside its step folder)."""
 
     branch: str
@@ -390,8 +391,9 @@ def _piece(r: _Reader, raw: Any, path: str, version: int) -> Piece:
     if ref is not None:
         if version != INCREMENTAL_VERSION:
             raise r.fail(path + ".ref", f"no 'ref' outside a format_version {INCREMENTAL_VERSION} manifest", ref)
-        if not isinstance(ref, int) or isinstance(ref, bool) or ref < 0 or start is None:
-            raise r.fail(path + ".ref", "a non-negative integer, in a packed piece (with 'start')", ref)
+        if not isinstance(ref, int) or isinstance(ref, bool) or ref < 0 or (start is None and key is None):
+            raise r.fail(path + ".ref", "a non-negative integer, in a packed piece (with 'start') or a safetensors "
+                         "one (with 'key')", ref)
     return Piece(p, key, rows, start, ref)
 
 
@@ -430,29 +432,34 @@ def _tensor(r: _Reader, name: str, raw: Any, version: int) -> TensorEntry:
     return TensorEntry(dt, shape, role, tuple(shards))
 
 
-def _check_file_bytes(r: _Reader, tensors: Mapping[str, TensorEntry], files: list[FileEntry]) -> None:
+def _check_file_bytes(r: _Reader, tensors: Mapping[str, TensorEntry], files: list[FileEntry],
+                      refs: tuple[StepRef, ...] = ()) -> None:
     """A piece with a ``key`` is a tensor inside a safetensors file, which holds its bytes densely: that file must
-    be listed, with at least the bytes of every piece in it.  Checked here, so that a forged shape (2**40
-    elements over a few KiB of files) never sizes a buffer.  zarr pieces (no key) may be compressed or sparse
-    (all-fill chunks are not stored): their size is bounded only when they are read."""
-    listed = {f.path: (i, f.bytes) for i, f in enumerate(files)}
-    held: dict[str, int] = {}
+    be listed (in ``files``, or in its ``refs[i].files`` for a v4 referenced piece), with at least the bytes of
+    every piece in it.  Checked here, so that a forged shape (2**40 elements over a few KiB of files) never sizes a
+    buffer.  zarr pieces (no key) may be compressed or sparse (all-fill chunks are not stored): their size is
+    bounded only when they are read."""
+    listed = {(None, f.path): (f"files[{i}]", f.bytes) for i, f in enumerate(files)}
+    listed.update(((k, f.path), (f"refs[{k}].files[{i}]", f.bytes))
+                  for k, ref in enumerate(refs) for i, f in enumerate(ref.files))
+    held: dict[tuple[int | None, str], int] = {}
     for name, t in tensors.items():
         itemsize = dtypes.dtype(t.dtype).itemsize
         for i, s in enumerate(t.shards):
             for j, p in enumerate(s.location):
                 if p.key is None:
                     continue
-                if p.path not in listed:
+                if (p.ref, p.path) not in listed:
+                    where = "'files'" if p.ref is None else f"'refs[{p.ref}].files'"
                     raise r.fail(f"tensors.{name}.shards[{i}].location[{j}].path",
-                                 "a file listed in 'files' (a safetensors piece)", p.path)
+                                 f"a file listed in {where} (a safetensors piece)", p.path)
                 shape = s.shape if p.rows is None or not s.shape else (p.rows[1] - p.rows[0], *s.shape[1:])
-                held[p.path] = held.get(p.path, 0) + math.prod(shape) * itemsize
-    for path, need in held.items():
-        i, size = listed[path]
+                held[(p.ref, p.path)] = held.get((p.ref, p.path), 0) + math.prod(shape) * itemsize
+    for key, need in held.items():
+        field_, size = listed[key]
         if need > size:
-            raise r.fail(f"files[{i}].bytes", f"at least {need:,}: the bytes of tensor data its pieces place in "
-                         f"{path} (a manifest that claims more data than its files hold is forged)", size)
+            raise r.fail(f"{field_}.bytes", f"at least {need:,}: the bytes of tensor data its pieces place in "
+                         f"{key[1]} (a manifest that claims more data than its files hold is forged)", size)
 
 
 def _nodes(r: _Reader, raw: Mapping[str, Any], version: int) -> tuple[NodeRef, ...]:
@@ -581,7 +588,7 @@ def parse(raw_bytes: bytes, where: str, *, verify_integrity: bool = True) -> Man
                for name, t in r.get(raw, "tensors", dict, "tensors", "an object").items()}
     files = _file_entries(r, r.get(raw, "files", list, "files", "a list"), "files")
     refs = _refs(r, raw, version, tensors)
-    _check_file_bytes(r, tensors, files)
+    _check_file_bytes(r, tensors, files, refs)
     buckets_raw = raw.get("buckets", [])
     if not isinstance(buckets_raw, list) or not all(
         isinstance(b, list) and all(isinstance(n, str) for n in b) for b in buckets_raw

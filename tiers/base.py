@@ -78,6 +78,7 @@ class Tier(ABC):
         self.require_signature = require_signature
         self._manifest_cache: dict[int, tuple[object, Manifest]] = {}
         self._verified: set[tuple] = set()  # shards read whole with a right digest (region reads trust them)
+        self._branch_tiers: dict[str, Tier] = {}
 
     # ---- primitives ------------------------------------------------------
     @abstractmethod
@@ -304,6 +305,22 @@ class Tier(ABC):
     def at_branch(self, branch: str) -> Tier:
         """This tier opened at another branch of the same run (a tier object per branch root)."""
         raise NotImplementedError(f"the {self.name} tier holds one state and has no branches")
+
+    def _at(self, branch: str) -> Tier:
+        """This run's tier at another branch, kept (its manifest cache serves every reference into it)."""
+        if branch == self.branch:
+            return self
+        t = self._branch_tiers.get(branch)
+        if t is None:
+            t = self._branch_tiers[branch] = self.at_branch(branch)
+        return t
+
+    def _search_order(self) -> list[Tier]:
+        """This branch, then main, then every other branch of the run (where references between steps are
+        looked for: manifest v4, README "Incremental steps")."""
+        main = self._at(MAIN)
+        names = [self.branch] + [b for b in (MAIN, *main.branch_names()) if b != self.branch]
+        return [self._at(b) for b in names]
 
     def _same_kw(self) -> dict[str, Any]:
         return dict(node=self.node, signing_key=self.signing_key, require_signature=self.require_signature)

@@ -36,7 +36,6 @@ from flowcheck.errors import (
     TierError,
     TierMissingError,
 )
-from flowcheck.branches import MAIN
 from flowcheck.manifest import INCREMENTAL_VERSION, PACKED_VERSION, Manifest, ParentRef, ShardEntry, StepRef
 from flowcheck.progress import Progress, counter
 from flowcheck.state import Shard, Snapshot
@@ -63,7 +62,6 @@ class LocalTier(Tier):
         self._packs: OrderedDict[tuple, zarr_pack.PackFile] = OrderedDict()  # checked packs by file identity
         self._holders: dict[tuple, tuple[object, bool]] = {}  # referenced step -> (its manifest token, committed)
         self._holders_lock = threading.Lock()
-        self._branch_tiers: dict[str, LocalTier] = {}
         self._ahead: ReadAhead = ReadAhead(self._read_packed_whole, config.workers, READ_AHEAD)
 
     def at_branch(self, branch: str) -> LocalTier:
@@ -180,21 +178,6 @@ class LocalTier(Tier):
             return {}, {}, ()
         here = os.path.join(local_refs.branch_rel(self.branch), step_dir(snapshot.step))
         return local_refs.reuse(snapshot, local_refs.candidates(found[1], found[0]), here, self.config.workers)
-
-    def _at(self, branch: str) -> LocalTier:
-        """This run's tier at another branch, kept (its manifest cache serves every reference into it)."""
-        if branch == self.branch:
-            return self
-        t = self._branch_tiers.get(branch)
-        if t is None:
-            t = self._branch_tiers[branch] = self.at_branch(branch)
-        return t
-
-    def _search_order(self) -> list[LocalTier]:
-        """This branch, then main, then every other branch of the run."""
-        main = self._at(MAIN)
-        names = [self.branch] + [b for b in (MAIN, *main.branch_names()) if b != self.branch]
-        return [self._at(b) for b in names]
 
     def _packable(self, snapshot: Snapshot) -> bool:
         """Packs hold uncompressed data of a single-node state (a v2 step keeps v2, whose pieces have no start)."""

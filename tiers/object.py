@@ -17,6 +17,7 @@ import logging
 
 from flowcheck.config import ClusterConfig, ObjectConfig, TierPolicy
 from flowcheck.errors import FlowcheckError, StepNotFoundError, TierError
+from flowcheck.tiers import object_refs
 from flowcheck.tiers.base import Tier, parse_step_dir, step_dir
 from flowcheck.tiers.object_backend import aws_endpoint_region, backend_for, botocore_options, filesystem
 from flowcheck.tiers.object_read import READ_AHEAD, ObjectReader
@@ -133,11 +134,23 @@ class ObjectTier(ObjectWriter, ObjectReader, ObjectChecks, Tier):
         return bool(self._call("checking " + rel, self.fs.exists, self._p(rel)))
 
     def _delete(self, step: int) -> None:
+        """Delete a step; the files of it that committed steps of the run reference stay (tiers/object_refs.py)."""
         sd = step_dir(step)
+        held = object_refs.held_files(self, exclude=step)  # counted before anything goes
         self._call("deleting a manifest", self.fs.rm, self._p(f"{sd}/{MANIFEST}"))  # the step stops existing first
+        self._headers.clear()
+        keep = None if held is None else held.get(step, set())
+        if keep is None or keep:
+            # referenced (or, with a manifest unreadable, maybe referenced): only what nobody references goes;
+            # the rest stays in place until a later delete or GC counts it unreferenced
+            files = self._files(sd) if keep is not None else {}
+            for rel in sorted(f for f in files if not object_refs.holds(f, keep)):
+                self.remove_file(rel, "deleting step data")
+            log.info("object tier %s: step %d deleted; %s of its files stay: committed steps reference them",
+                     self.url, step, "all" if keep is None else len(keep))
+            return
         # the whole prefix: the committed attempt's files, and any a losing writer left
         self._call("deleting step data", self.fs.rm, self._p(sd), recursive=True)
-        self._headers.clear()
 
     # ---- records -------------------------------------------------------------
     def _put_record(self, name: str, data: bytes) -> None:

@@ -20,7 +20,7 @@ from flowcheck.digest import data_digest
 from flowcheck.errors import FormatError, IntegrityError, TierError
 from flowcheck.manifest import Manifest, Piece, ShardEntry
 from flowcheck.state import Shard
-from flowcheck.tiers import range_reads
+from flowcheck.tiers import object_refs, range_reads
 from flowcheck.tiers import safetensors_io as st
 from flowcheck.tiers.base import Tier, full_region
 
@@ -39,24 +39,35 @@ class ObjectReader:
         self._order_cache: tuple[Manifest, list] | None = None
         self._window_lock = threading.Lock()
 
-    def header(self, rel: str) -> st.Header:
-        """The parsed safetensors header of a stored file (two small range reads, cached)."""
-        if rel in self._headers:
-            self._headers.move_to_end(rel)
-            return self._headers[rel]
-        path = self._p(rel)
+    def header(self, rel: str, path: str | None = None) -> st.Header:
+        """The parsed safetensors header of a stored file (two small range reads, cached); ``path``: its store
+        path when it is not ``rel`` under this branch's folder (a referenced step's file, see ``piece_path``)."""
+        path = path or self._p(rel)
+        if path in self._headers:
+            self._headers.move_to_end(path)
+            return self._headers[path]
         size = self._call(f"stat {rel}", self.fs.size, path)
         h = st.parse_header(lambda a, b: self._call(f"reading {rel}", self.fs.cat_file, path, start=a, end=b), size, f"{self.url}/{rel}")
-        self._headers[rel] = h
+        self._headers[path] = h
         while len(self._headers) > 256:
             self._headers.popitem(last=False)
         return h
+
+    def piece_path(self, manifest: Manifest, piece: Piece) -> str:
+        """The store path of a piece's file: under this branch's folder, or (manifest v4) under the referenced
+        step's branch folder, inside the run's prefix (tiers/object_refs.py)."""
+        if piece.ref is None:
+            return self._p(piece.path)
+        return object_refs.holder_path(self, manifest.refs[piece.ref], piece.path)
+
+    def _piece_header(self, manifest: Manifest, piece: Piece) -> st.Header:
+        return self.header(piece.path, self.piece_path(manifest, piece))
 
     def _piece_info(self, manifest: Manifest, tensor: str, shard: ShardEntry, piece: Piece):
         """(header entry, row range) of one stored piece, checked against the manifest."""
         dt = dtypes.dtype(manifest.tensors[tensor].dtype)
         rows = piece.rows or ((0, shard.shape[0]) if shard.shape else (0, 1))
-        info = self.header(piece.path).tensors.get(piece.key or "")
+        info = self._piece_header(manifest, piece).tensors.get(piece.key or "")
         want_shape = shard.shape if piece.rows is None else (rows[1] - rows[0], *shard.shape[1:])
         if info is None or info.dtype != dt.name or info.shape != tuple(want_shape):
             raise FormatError(
@@ -88,7 +99,7 @@ class ObjectReader:
         out = np.empty(tuple(s.stop - s.start for s in region), dtype=dt.storage)
         for piece in shard.location:
             info, rows = self._piece_info(manifest, tensor, shard, piece)
-            self._read_piece(piece, info, rows, region, shard.shape, out, dt)
+            self._read_piece(manifest, piece, info, rows, region, shard.shape, out, dt)
         return out
 
     def _whole_shard(self, manifest: Manifest, tensor: str, shard: ShardEntry) -> tuple[np.ndarray, str]:
@@ -148,8 +159,9 @@ class ObjectReader:
             piece = item[1].location[0] if item[1].location else None
             if piece is None or piece.key is None:
                 return ("", 0)
-            info = self.header(piece.path).tensors.get(piece.key)
-            return (piece.path, info.begin if info is not None else 0)
+            path = self.piece_path(manifest, piece)
+            info = self.header(piece.path, path).tensors.get(piece.key)
+            return (path, info.begin if info is not None else 0)
 
         order = sorted(((n, e) for n, t in manifest.tensors.items() for e in t.shards), key=place)
         self._order_cache = (manifest, order)
@@ -163,8 +175,8 @@ class ObjectReader:
             for piece in entry.location:
                 info, rows = self._piece_info(manifest, name, entry, piece)
                 row_bytes = (info.end - info.begin) // max(1, rows[1] - rows[0])
-                start = self.header(piece.path).data_start + info.begin
-                wants.append(range_reads.Want(self._p(piece.path), start, start + info.end - info.begin))
+                start = self._piece_header(manifest, piece).data_start + info.begin
+                wants.append(range_reads.Want(self.piece_path(manifest, piece), start, start + info.end - info.begin))
                 dests.append(flat[rows[0] * row_bytes:rows[0] * row_bytes + info.end - info.begin])
                 owner.append(len(outs))
             outs.append(out)
@@ -188,15 +200,15 @@ class ObjectReader:
         digests = self._call("reading shards", fetch)
         return [(out, d if d is not None else data_digest(out)) for out, d in zip(outs, digests)]
 
-    def _read_piece(self, piece, info, rows, region, shape, out, dt) -> None:
+    def _read_piece(self, manifest, piece, info, rows, region, shape, out, dt) -> None:
         lo = region[0].start if region else 0
         hi = region[0].stop if region else 1
         r0, r1 = max(lo, rows[0]), min(hi, rows[1])
         row_bytes = (info.end - info.begin) // max(1, rows[1] - rows[0])
         if (r0 >= r1 and shape) or row_bytes == 0:
             return  # nothing to fetch (an empty range is refused by S3)
-        start = self.header(piece.path).data_start + info.begin + (r0 - rows[0]) * row_bytes
-        raw = self._call(f"reading {piece.path}", self.fs.cat_file, self._p(piece.path),
+        start = self._piece_header(manifest, piece).data_start + info.begin + (r0 - rows[0]) * row_bytes
+        raw = self._call(f"reading {piece.path}", self.fs.cat_file, self.piece_path(manifest, piece),
                          start=start, end=start + (r1 - r0) * row_bytes)
         if len(raw) != (r1 - r0) * row_bytes:
             raise IntegrityError(f"{self.url}/{piece.path}: short read ({len(raw)} of {(r1 - r0) * row_bytes} bytes); file truncated?")

@@ -13,7 +13,8 @@ from collections.abc import Callable
 from datetime import datetime
 
 from flowcheck.errors import FlowcheckError, FormatError, IntegrityError, TierError
-from flowcheck.manifest import FileEntry, Manifest
+from flowcheck.manifest import FileEntry, Manifest, StepRef
+from flowcheck.tiers import object_refs
 from flowcheck.tiers.base import Problem, parse_step_dir, step_dir
 from flowcheck.tiers.object_write import ATTEMPT, MANIFEST, attempt_of
 
@@ -34,14 +35,29 @@ class ObjectChecks:
                 node = cluster.node_of(f.path) if manifest.nodes else None
                 # a multi-node step names the node whose file is damaged
                 problems.append(Problem(self.name, manifest.step, f"node {node}: {what}" if node else what, f.path))
-        return problems + self._stray_problems(manifest)
+        return problems + self._verify_refs(manifest, on_bytes) + self._stray_problems(manifest)
+
+    def _verify_refs(self, manifest: Manifest, on_bytes: Callable[[int], None]) -> list[Problem]:
+        """Every referenced file (manifest v4) where the holder's branch folder has it, with the size and digest
+        the holder committed it with and a header naming the holder: a missing or damaged one is an error on this
+        step that names the referenced step."""
+        problems = []
+        for ref in manifest.refs:
+            for f in ref.files:
+                what = self._check_file(manifest, f, ref.manifest_digest, holder=ref)
+                if what:
+                    problems.append(Problem(self.name, manifest.step, f"file of referenced step {ref.step} (branch "
+                                            f"{ref.branch}), which holds bytes of this step: {what}", f.path))
+        return problems
 
     def _stray_problems(self, manifest: Manifest) -> list[Problem]:
         """What under a committed step its manifest does not name. Another writer's attempt folder is its
         upload in progress (a warning) until untouched for the grace period, then abandoned (an error);
-        a stray file outside any attempt (a killed commit's manifest temporary) is never data: a warning."""
+        a stray file outside any attempt (a killed commit's manifest temporary) is never data: a warning.
+        The files of an earlier, deleted state at this step number that kept steps reference are not strays."""
         now, problems = time.time(), []
-        for rel, newest in sorted(self._strays(manifest, self._files(step_dir(manifest.step))).items()):
+        strays = self._strays(manifest, self._files(step_dir(manifest.step)))
+        for rel, newest in sorted(self._unreferenced(manifest.step, strays, None).items()):
             age = now - newest
             if rel.rsplit("/", 1)[-1].startswith(ATTEMPT) and age >= self.grace_s:
                 problems.append(Problem(self.name, manifest.step, f"another writer's files, not named by the manifest "
@@ -82,21 +98,24 @@ class ObjectChecks:
         return {p[len(self.root) + 1:]: _mtime(info) for p, info in found.items()
                 if p.startswith(self.root + "/") and info.get("type") != "directory"}
 
-    def _check_file(self, manifest: Manifest, f: FileEntry, manifest_id: str) -> str | None:
+    def _check_file(self, manifest: Manifest, f: FileEntry, manifest_id: str, holder: StepRef | None = None
+                    ) -> str | None:
         """What is wrong with one stored file (size, digest, safetensors header, the manifest it names), or None.
+        ``holder``: the file is that referenced step's (manifest v4), in its branch folder.
 
         A mismatch is read again before it is believed: a body cut short in transit looks the same."""
         try:
             return self._retry.run(f"object tier {self.url}: checking {f.path}",
-                                   lambda: self._check_file_once(manifest, f, manifest_id),
+                                   lambda: self._check_file_once(manifest, f, manifest_id, holder),
                                    retry_on=(TierError, IntegrityError))
         except IntegrityError as e:
             return str(e)
         except TierError as e:
             return f"cannot be read: {e}"
 
-    def _check_file_once(self, manifest: Manifest, f: FileEntry, manifest_id: str) -> str | None:
-        path = self._p(f.path)
+    def _check_file_once(self, manifest: Manifest, f: FileEntry, manifest_id: str, holder: StepRef | None = None
+                         ) -> str | None:
+        path = self._p(f.path) if holder is None else object_refs.holder_path(self, holder, f.path)
         self.fs.invalidate_cache(path)
         try:
             size = self._call(f"stat {f.path}", self.fs.size, path)
@@ -108,10 +127,11 @@ class ObjectChecks:
         if digest != f.digest:
             raise IntegrityError(f"digest {digest} != manifest {f.digest}")
         try:
-            meta = self.header(f.path).metadata
+            meta = self.header(f.path, path).metadata
         except FormatError as e:
             return str(e)
-        if meta.get("manifest_id") != manifest_id or meta.get("step") != str(manifest.step):
+        if meta.get("manifest_id") != manifest_id or meta.get("step") != str(manifest.step if holder is None
+                                                                             else holder.step):
             return "safetensors __metadata__ names another step/manifest"
         return None
 
@@ -143,11 +163,27 @@ class ObjectChecks:
             if f"{name}/{MANIFEST}" in files:
                 removed += self._clean_strays(step, files, cutoff, dry_run)
             elif max(files.values(), default=0.0) < cutoff:
-                removed.append(path)
-                if not dry_run:
-                    self._call("deleting an abandoned step", self.fs.rm, path, recursive=True)
+                removed += self._clean_step_folder(name, step, files, dry_run)
         removed += self.backend.abort_multipart(cutoff, dry_run)
         return removed
+
+    def _clean_step_folder(self, name: str, step: int, files: dict[str, float], dry_run: bool) -> list[str]:
+        """Remove a step folder without a manifest (an abandoned write, or a deleted step) less the files kept
+        steps reference (all of it stays when some manifest cannot be read)."""
+        if not self._unreferenced(step, {name: 0.0}, {}):
+            gone = sorted(self._unreferenced(step, dict.fromkeys(files, 0.0), {}))
+            for rel in gone if not dry_run else ():
+                self.remove_file(rel, "deleting an unreferenced file of a deleted step")
+            return [self._p(rel) for rel in gone]
+        if not dry_run:
+            self._call("deleting an abandoned step", self.fs.rm, self._p(name), recursive=True)
+        return [self._p(name)]
+
+    def remove_file(self, rel: str, what: str) -> None:
+        try:
+            self._call(what, self.fs.rm, self._p(rel))
+        except FileNotFoundError:
+            pass
 
     def _store_now(self, dry_run: bool) -> float:
         """Now, never later than the store's clock: the earlier of this host's time and the time the store stamps
@@ -192,7 +228,8 @@ class ObjectChecks:
             log.warning("object tier %s: step %d: manifest unreadable (%s); its folder is left as it is",
                         self.url, step, e)
             return []
-        stale = sorted(rel for rel, newest in self._strays(m, files).items() if newest < cutoff)
+        strays = self._strays(m, files)
+        stale = sorted(rel for rel, newest in self._unreferenced(step, strays, {}).items() if newest < cutoff)
         for rel in stale if not dry_run else ():
             try:
                 self._call("deleting an abandoned attempt", self.fs.rm, self._p(rel), recursive=True)
@@ -200,13 +237,28 @@ class ObjectChecks:
                 pass
         return [self._p(rel) for rel in stale]
 
+    def _unreferenced(self, step: int, units: dict[str, float], unknown: dict[str, float] | None
+                      ) -> dict[str, float]:
+        """``units`` (files or folders under step ``step``) less those holding a file a committed manifest of the run
+        references (manifest v4: a deleted holder's referenced files stay in place); ``unknown`` (None: ``units``)
+        when some manifest cannot be read."""
+        if not units:
+            return units
+        held = object_refs.held_files(self)
+        if held is None:
+            return units if unknown is None else unknown
+        keep = held.get(step, set())
+        return {u: t for u, t in units.items() if not object_refs.holds(u, keep)}
+
     def incomplete(self) -> list[str]:
         try:
             entries = self._call("listing", self.fs.ls, self.root, detail=False)
         except FileNotFoundError:
             return []
         names = [p.rstrip("/").split("/")[-1] for p in entries]
-        return sorted(n for n in names if parse_step_dir(n) is not None and not self._exists(f"{n}/{MANIFEST}"))
+        found = {n: 0.0 for n in names if parse_step_dir(n) is not None and not self._exists(f"{n}/{MANIFEST}")}
+        # a deleted step whose files kept steps reference is no incomplete write
+        return sorted(n for n in found if self._unreferenced(parse_step_dir(n), {n: 0.0}, None))
 
 
 def _mtime(info: dict) -> float:

@@ -22,9 +22,10 @@ import numpy as np
 
 from flowcheck import dtypes
 from flowcheck.errors import IntegrityError, StepExistsError, TierError
-from flowcheck.manifest import FileEntry, Manifest, ParentRef, Piece, parse
+from flowcheck.manifest import INCREMENTAL_VERSION, FileEntry, Manifest, ParentRef, Piece, parse
 from flowcheck.progress import Progress
 from flowcheck.state import Shard, Snapshot
+from flowcheck.tiers import object_refs
 from flowcheck.tiers import safetensors_io as st
 from flowcheck.tiers.base import make_manifest, shard_digests, step_dir
 
@@ -71,7 +72,8 @@ class ObjectWriter:
             if self._exists(f"{step_dir(snapshot.step)}/{MANIFEST}"):
                 return self._already_committed(snapshot)
             attempt = attempt_dir(step_dir(snapshot.step))
-            m = self._commit_attempt(self.store_files(snapshot, parent, attempt, progress), attempt)
+            m = self._commit_attempt(self.store_files(snapshot, parent, attempt, progress, incremental=True),
+                                     attempt)
         except TierError as e:  # the same kind (TierMissingError, TierAccessError), saying what it left
             raise type(e)(f"object tier {self.url}: step {snapshot.step} was not committed (no part of it is "
                           f"visible; GC removes its uploaded files): {e}") from e
@@ -88,13 +90,16 @@ class ObjectWriter:
                                       locations={s: () for s in snapshot.data}, files=())
 
     def store_files(self, snapshot: Snapshot, parent: ParentRef | None, prefix: str,
-                    progress: Progress | None = None) -> Manifest:
+                    progress: Progress | None = None, *, incremental: bool = False) -> Manifest:
         """Upload a snapshot's files under ``prefix`` (relative to the run root: a folder of this write
         alone, see ``attempt_dir``); return the (signed, not yet committed) manifest naming them.
         ``progress`` counts the file bytes uploaded (else the tier's own bar, when it was opened with
-        ``progress=True``)."""
+        ``progress=True``).  ``incremental``: the shards the parent's committed copy in this tier holds with the
+        same digest are not uploaded; the manifest references them (v4, tiers/object_refs.py)."""
         digests, identity = self.identity(snapshot, parent)
-        plan = self._plan(snapshot)
+        skip, refs = object_refs.reusable(self, snapshot, parent, digests) if incremental else ({}, ())
+        todo = [s for s in snapshot.data if s not in skip]
+        plan = self._plan(snapshot, todo) if todo or not skip else []
         staging = os.path.join(self.staging_dir, f"{self.run}-{step_dir(snapshot.step)}-{uuid.uuid4().hex[:8]}")
         try:
             _make_staging(staging)
@@ -109,7 +114,10 @@ class ObjectWriter:
             if self.own_staging:  # flowcheck's own staging root is not left behind empty (a failed write included)
                 with contextlib.suppress(OSError):  # not empty: another write is using it
                     os.rmdir(self.staging_dir)
+        locations.update(skip)
         m = make_manifest(snapshot, node=self.node, parent=parent, digests=digests, locations=locations, files=files)
+        if refs:
+            m = dataclasses.replace(m, format_version=INCREMENTAL_VERSION, refs=refs)
         m = self._sign(dataclasses.replace(m, created_at=identity.created_at))  # the identity the files name
         if m.digest() != identity.digest():
             raise IntegrityError(f"object tier {self.url}: step {m.step}: manifest identity changed while writing")
@@ -121,21 +129,24 @@ class ObjectWriter:
             return {Shard(n, s.offsets, s.shape): s.digest for n, t in o.tensors.items() for s in t.shards}
         return {s: shard_digests(snapshot, {s: snapshot.array(s)})[s] for s in snapshot.data}
 
-    def _plan(self, snapshot: Snapshot) -> list[list[_Planned]]:
+    def _plan(self, snapshot: Snapshot, shards: list[Shard]) -> list[list[_Planned]]:
         """Pack shards into files of at most max_file_mib, splitting larger shards by rows.
 
         A step smaller than four full files is cut into about four (of at least
         256 MiB): staging file i+1 then overlaps uploading file i instead of
         preceding all of it (BENCHMARKS.md, P5).
         """
-        limit = min(self.config.max_file_mib << 20, max(PIPELINE_MIN_FILE, -(-snapshot.nbytes // 4)))
+        limit = min(self.config.max_file_mib << 20, max(PIPELINE_MIN_FILE, -(-_nbytes(snapshot, shards) // 4)))
         files: list[list[_Planned]] = [[]]
         used = 0
         counters: dict[str, int] = {}
+        wanted = set(shards)
         for shard in snapshot.data:
+            index = counters[shard.tensor] = counters.get(shard.tensor, -1) + 1  # keys number every shard of a tensor
+            if shard not in wanted:
+                continue
             spec = snapshot.layout.spec(shard.tensor)
             itemsize = dtypes.dtype(spec.dtype).itemsize
-            index = counters[shard.tensor] = counters.get(shard.tensor, -1) + 1
             nbytes = math.prod(shard.shape) * itemsize
             if nbytes <= limit or not shard.shape or shard.shape[0] <= 1:
                 pieces = [(None, nbytes)]
@@ -168,13 +179,14 @@ class ObjectWriter:
             size, digest = st.write(local, entries, meta)
             return local, size, digest, size - sum(e.nbytes for e in entries)
 
-        files, locations = [], {s: [] for s in snapshot.data}
+        files, locations = [], {p.shard: [] for planned in plan for p in planned}
+        total = _nbytes(snapshot, list(locations))
         if progress is not None:
-            progress.total = snapshot.nbytes  # each file's header bytes are added as it is staged
-        own = tqdm(total=snapshot.nbytes, unit="B", unit_scale=True, desc=f"upload {sd}",
+            progress.total = total  # each file's header bytes are added as it is staged
+        own = tqdm(total=total, unit="B", unit_scale=True, desc=f"upload {sd}",
                    disable=not self.progress or progress is not None)
         with ThreadPoolExecutor(1, "fc-stage") as stager, own, contextlib.nullcontext(own if progress is None else progress) as bar:
-            ahead = stager.submit(stage, 0)
+            ahead = stager.submit(stage, 0) if plan else None
             for i, planned in enumerate(plan):
                 local, size, digest, header_bytes = ahead.result()
                 if i + 1 < len(plan):
@@ -281,6 +293,10 @@ class ObjectWriter:
         if snapshot.origin is not None and snapshot.origin.digest() == existing.digest():
             return existing
         raise StepExistsError(f"object tier {self.url}: step {snapshot.step} is already committed with different content")
+
+
+def _nbytes(snapshot: Snapshot, shards: list[Shard]) -> int:
+    return sum(math.prod(s.shape) * dtypes.dtype(snapshot.layout.spec(s.tensor).dtype).itemsize for s in shards)
 
 
 def _make_staging(path: str) -> None:
