@@ -224,7 +224,10 @@ class Store:
         ours = {(sh.tensor, sh.offsets, sh.shape, data_digest(snapshot.array(sh))) for sh in snapshot.shards()}
         scalars = snapshot.scalars.to_json()
         for c in candidates:
-            m = self.tier(c.tier, c.branch).manifest(c.step, check_signature=False)
+            try:
+                m = self.tier(c.tier, c.branch).manifest(c.step, check_signature=False)
+            except StepNotFoundError:
+                continue  # listed when the tier was last listed (not live now), deleted since: not a state any more
             theirs = {(name, e.offsets, e.shape, e.digest) for name, t in m.tensors.items() for e in t.shards}
             if theirs == ours and dict(m.scalars) == scalars and m.layout_digest == snapshot.layout.digest():
                 return Located(c.step, c.branch), m

@@ -319,7 +319,9 @@ class LocalTier(Tier):
 
     def _holder_dir(self, ref: StepRef) -> str:
         """The referenced step's folder (relative to its branch folder): its own while it is committed with the
-        referenced digest, else its retained one.  Decided once per version of its manifest file."""
+        referenced digest and the referenced files (the same state can be committed again at its step number with
+        its shards packed otherwise: then the bytes referenced are the retained copy's), else its retained one.
+        Decided once per version of its manifest file."""
         holder = self._at(ref.branch)
         token = holder._manifest_token(ref.step)
         key = (ref.branch, ref.step, ref.manifest_digest)
@@ -327,7 +329,9 @@ class LocalTier(Tier):
         if hit is None or token is None or hit[0] != token:
             try:
                 committed = holder.manifest(ref.step, check_signature=False) if token is not None else None
-                live = committed is not None and committed.digest() == ref.manifest_digest
+                own = {f.path: (f.bytes, f.digest) for f in committed.files} if committed is not None else {}
+                live = (committed is not None and committed.digest() == ref.manifest_digest
+                        and all(own.get(f.path) == (f.bytes, f.digest) for f in ref.files))
             except FlowcheckError:
                 live = False
             hit = (token, live)

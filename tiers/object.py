@@ -110,13 +110,24 @@ class ObjectTier(ObjectWriter, ObjectReader, ObjectChecks, Tier):
 
     # ---- listing / manifests ---------------------------------------------
     def _committed_steps(self) -> list[int]:
-        self.fs.invalidate_cache(self.root)
+        self._forget_listings()
         try:
             found = self._call("listing", self.fs.glob, self._p(f"step-*/{MANIFEST}"))
         except FileNotFoundError:
             return []
         steps = {parse_step_dir(p.rstrip("/").split("/")[-2]) for p in found}
         return sorted(s for s in steps if s is not None)
+
+    def _forget_listings(self) -> None:
+        """Drop every cached listing under the run's prefix (s3fs's ``invalidate_cache(path)`` drops the path and
+        its parents only): another process may have deleted a manifest and kept the step's referenced files, and a
+        stale listing of that step's folder would still show the manifest."""
+        root = self.fs._strip_protocol(self.root).rstrip("/")
+        cache = getattr(self.fs, "dircache", None)
+        if cache is not None:
+            for key in [k for k in list(cache) if k == root or k.startswith(root + "/")]:
+                cache.pop(key, None)
+        self.fs.invalidate_cache(self.root)
 
     def _manifest_token(self, step: int) -> object | None:
         # committed manifests are written once (exclusive create) and only deleted by GC: the
