@@ -40,6 +40,8 @@ BENCHES = {
     "p4": Bench("bench_push.py", "push: blocking per save, slowdown; P7 node RSS",
                 quick=("--iters", "2", "--warmup", "1", "--layers", "2", "--p7-iters", "2", "--snapshots", "1",
                        "--pairs", "3")),
+    "rss": Bench("bench_node_rss.py", "node RSS at --gb of state: pushes every iteration + back-to-back snapshots",
+                 quick=("--iters", "2")),
     "mirror": Bench("bench_mirror.py", "mirror capture: decode vs memcpy, replica AdamW vs torch, e2e", sized=False,
                     quick=("--only", "a,b", "--grad-mb", "2", "--channels", "1", "--update-mparams", "2",
                            "--update-threads", "1")),

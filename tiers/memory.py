@@ -52,6 +52,7 @@ class MemoryTier(Tier):
         self.head: ParentRef | None = None  # the committed step this state descends from (lineage parent)
         self.cow_copies = 0  # shards copied because a snapshot held them (a metric)
         self.cow_waits = 0  # updates that waited for a snapshot to write a shard (the budget was spent)
+        self.cow_waiting = 0  # updates waiting for that right now (a receiver's timeout does not count this time)
         self._cow_bytes = 0  # bytes copied away while pins hold the originals (freed when the pins go)
 
     # ---- state in ------------------------------------------------------------
@@ -76,11 +77,14 @@ class MemoryTier(Tier):
             return self._manifest
 
     @contextmanager
-    def update(self, step: int, scalars: Scalars | None = None) -> Iterator[_Update]:
+    def update(self, step: int, scalars: Scalars | None = None, *, rewrite: bool = False) -> Iterator[_Update]:
         """Apply step ``step`` in place; the new step becomes visible only when the block exits cleanly.
 
         An exception inside the block marks the state stale: it will not be
-        snapshotted until a full state is written again.
+        snapshotted until a full state is written again.  ``rewrite``: the caller
+        writes every shard it takes whole (a full push); a stale state becomes
+        fresh again when such an update took every shard and exits cleanly — the
+        full state written again in place, without a second copy of it in RAM.
         """
         with self._cond:
             # a waiting snapshot goes first: back-to-back updates must not starve it
@@ -91,7 +95,7 @@ class MemoryTier(Tier):
             self._updating = True
         ok = False
         try:
-            u = _Update(self)
+            u = _Update(self, rewrite)
             yield u
             ok = True
         finally:
@@ -99,6 +103,9 @@ class MemoryTier(Tier):
                 self._updating = False
                 if ok:
                     self._step, self._manifest = step, None
+                    if self._stale and u.rewrite and u.taken.issuperset(self._arrays):
+                        self._stale = False
+                        log.info("memory tier: step %d rewrote every shard; the state is no longer stale", step)
                     if scalars is not None or u.scalars is not None:
                         self._scalars = u.scalars or scalars
                 else:
@@ -128,7 +135,11 @@ class MemoryTier(Tier):
                     log.warning("memory tier: waited %.0f s for a snapshot to write %s; copying it beyond the "
                                 "copy-on-write budget", self.config.cow_wait_s, shard.tensor)
                     return self._copy_on_write(shard, arr)
-                self._cond.wait(deadline - now)
+                self.cow_waiting += 1
+                try:
+                    self._cond.wait(deadline - now)
+                finally:
+                    self.cow_waiting -= 1
             return self._arrays[shard]
 
     def _pinned(self, shard: Shard) -> bool:
@@ -278,12 +289,16 @@ class MemoryTier(Tier):
 class _Update:
     """Handle of one in-place update: ``u.array(shard)`` gives a writable array."""
 
-    def __init__(self, tier: MemoryTier) -> None:
+    def __init__(self, tier: MemoryTier, rewrite: bool = False) -> None:
         self._tier = tier
         self.scalars: Scalars | None = None
+        self.rewrite = rewrite
+        self.taken: set[Shard] = set()  # shards handed out for writing
 
     def array(self, shard: Shard) -> np.ndarray:
-        return self._tier._writable(shard)
+        arr = self._tier._writable(shard)
+        self.taken.add(shard)
+        return arr
 
     def shards(self) -> list[Shard]:
         return list(self._tier._arrays)

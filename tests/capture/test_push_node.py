@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import socket
 import time
 
@@ -296,6 +297,63 @@ def test_a_buffer_rewritten_during_the_nodes_copy_is_refused_as_torn(tmp_path, m
         ck.save(3)
         assert ck.flush(20), ck.stats.last_error
         until(lambda: store.memory.step == 3 and not store.memory.stale)
+    finally:
+        ck.close()
+        receiver.close()
+
+
+def test_a_push_held_back_by_a_snapshot_outlives_the_part_timeout_and_a_stale_state_is_rewritten_in_place(
+        tmp_path, node_token):
+    """The memory tier's back-pressure (a snapshot still writing the shards a push must change, copy-on-write
+    budget spent) can hold a part longer than ``part_timeout_s``: that is not a silent sender, the push lands.
+    And a stale RAM state is rewritten in place by the next full push (the same arrays: never two states in RAM)."""
+    from flowcheck.capture.push import receiver as push
+
+    store = open_store(NodeProcess(str(tmp_path)).config)
+    # every pinned shard a push touches waits for the snapshot to write it
+    store.memory.config = dataclasses.replace(store.memory.config, cow_budget=0.0)
+    receiver = push.PushReceiver(store, part_timeout_s=0.5, token=node_token).start()
+    model, opt = _model()
+    gen = torch.Generator().manual_seed(3)
+    ck = Checkpointer(model, opt, node=f"tcp://127.0.0.1:{receiver.address[1]}", run="gpt", transport="tcp",
+                      timeout_s=30)
+    try:
+        _train_step(model, opt, gen)
+        ck.save(1)
+        assert ck.flush(20), ck.stats.last_error
+        deadline = time.monotonic() + 10
+        while store.memory.step != 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        snap = store.memory.pin()  # a snapshot that has not written anything yet
+        _train_step(model, opt, gen)
+        ck.save(2)
+        time.sleep(1.5)  # three part timeouts with the push blocked on the first pinned shard
+        assert store.memory.step == 1 and store.memory.cow_waits >= 1 and not store.memory.stale
+        store.local.write(snap)  # writes and unpins shard by shard: the push proceeds behind it
+        store.memory.release(snap)
+        assert ck.flush(20), ck.stats.last_error
+        while store.memory.step != 2 and time.monotonic() < deadline + 10:
+            time.sleep(0.01)
+        assert store.memory.step == 2 and not store.memory.stale and receiver.stats.aborted_steps == 0
+        assert store.memory.cow_copies == 0
+        # a stale state (a failure elsewhere) is rewritten in place by the next push, then snapshots again
+        arrays = dict(store.memory._arrays)
+        store.memory.mark_stale("test: an update failed")
+        _train_step(model, opt, gen)
+        ck.save(3)
+        assert ck.flush(20), ck.stats.last_error
+        while store.memory.step != 3 and time.monotonic() < deadline + 20:
+            time.sleep(0.01)
+        assert not store.memory.stale and all(store.memory._arrays[s] is a for s, a in arrays.items())
+        want = _expected(model, opt)
+        got = store.memory.pin()
+        try:
+            names = {s.tensor for s in got.data}
+            assert names == set(want)
+            for s in got.data:
+                assert np.array_equal(got.array(s), want[s.tensor]), s.tensor
+        finally:
+            store.memory.release(got)
     finally:
         ck.close()
         receiver.close()

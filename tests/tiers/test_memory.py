@@ -172,3 +172,36 @@ def test_memory_config_rejects_a_bad_budget():
         MemoryConfig(cow_budget=-1)
     with pytest.raises(ConfigError, match="cow_wait_s"):
         MemoryConfig(cow_wait_s=0)
+
+
+@pytest.mark.parametrize("rewrite, take, fresh", [(True, N_TENSORS, True), (True, N_TENSORS - 1, False),
+                                                  (False, N_TENSORS, False)])
+def test_a_stale_state_is_fresh_again_only_when_a_rewrite_took_every_shard(rewrite, take, fresh):
+    """A full push rewrites a stale state in place (no second copy in RAM); a partial one leaves it stale."""
+    tier = MemoryTier(MemoryConfig(), "r")
+    tier.write(_state(0))
+    before = dict(tier._arrays)
+    tier.mark_stale("a push failed half-way")
+    with tier.update(1, Scalars(optimizer_step=1), rewrite=rewrite) as u:
+        for shard in u.shards()[:take]:
+            u.array(shard)[...] = 1.0
+    assert tier.stale is not fresh and tier.step == 1
+    assert all(tier._arrays[s] is a for s, a in before.items())  # in place: the same arrays
+    if fresh:
+        snap = tier.pin()
+        assert all(np.unique(snap.array(s)).tolist() == [1.0] for s in snap.data)
+        tier.release(snap)
+    else:
+        with pytest.raises(StaleStateError):
+            tier.pin()
+
+
+def test_an_update_that_fails_during_a_rewrite_stays_stale():
+    tier = MemoryTier(MemoryConfig(), "r")
+    tier.write(_state(0))
+    tier.mark_stale("earlier failure")
+    with pytest.raises(RuntimeError), tier.update(1, rewrite=True) as u:
+        for shard in u.shards():
+            u.array(shard)[...] = 1.0
+        raise RuntimeError("the sender vanished after its last shard")
+    assert tier.stale

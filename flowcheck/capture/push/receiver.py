@@ -108,6 +108,7 @@ class _OpenStep:
         self.shards: set[Shard] = set()
         self.parent = None  # ParentRef the sender resumed from, if any
         self.opened = time.monotonic()
+        self.progress = self.opened  # when a part last began a shard (the part timeout counts from here)
 
 
 class PushReceiver:
@@ -331,7 +332,10 @@ class PushReceiver:
             if ref.shard not in opened.shards:
                 # the RAM state is cut differently: this step aborts (stale) and the next push replaces it whole
                 raise WireError(f"shard {ref.shard.tensor} {ref.shard.offsets} is not cut as the RAM state's shards")
-            return opened.update.array(ref.shard)
+            arr = opened.update.array(ref.shard)
+            opened.progress = time.monotonic()
+            return arr
+        opened.progress = time.monotonic()
         arr = np.empty(ref.shard.shape, dtype=dtypes.dtype(spec.dtype).storage)
         with opened.cond:
             opened.fresh[ref.shard] = arr
@@ -366,10 +370,12 @@ class PushReceiver:
     def _apply(self, opened: _OpenStep) -> None:
         """Hold the memory tier's update open while parts arrive; publish the step when all are in."""
         memory = self.store.memory
-        in_place = memory._layout is not None and _same_tensors(memory._layout, opened.layout) and not memory.stale
+        # a stale state of the same tensors is rewritten in place too (a push is every shard, whole): new arrays
+        # beside the old ones would hold the state twice until the push ends
+        in_place = memory._layout is not None and _same_tensors(memory._layout, opened.layout)
         try:
             if in_place:
-                with memory.update(opened.step) as u:
+                with memory.update(opened.step, rewrite=True) as u:
                     with opened.cond:
                         opened.shards = set(u.shards())
                         opened.update = u
@@ -401,14 +407,25 @@ class PushReceiver:
                 opened.cond.notify_all()
 
     def _wait_parts(self, opened: _OpenStep) -> None:
+        """Until every sender's part is in. The step aborts when no part began a shard for ``part_timeout_s``
+        — time a part spends waiting for a snapshot to write a shard (the memory tier's back-pressure, bounded
+        by ``cow_wait_s``) is not such a silence."""
+        memory = self.store.memory
         with opened.cond:
-            ok = opened.cond.wait_for(lambda: len(opened.done) >= opened.senders or opened.failed is not None,
-                                      timeout=self.part_timeout_s)
-            if opened.failed is not None:
-                raise FlowcheckError(opened.failed)
-            if not ok:
-                raise FlowcheckError(f"only {len(opened.done)} of {opened.senders} senders' parts arrived "
-                                     f"within {self.part_timeout_s:.0f} s")
+            while True:
+                left = self.part_timeout_s - (time.monotonic() - opened.progress)
+                ok = opened.cond.wait_for(lambda: len(opened.done) >= opened.senders or opened.failed is not None,
+                                          timeout=max(left, 0.05))
+                if opened.failed is not None:
+                    raise FlowcheckError(opened.failed)
+                if ok:
+                    return
+                if memory.cow_waiting:
+                    opened.progress = time.monotonic()
+                idle = time.monotonic() - opened.progress
+                if idle >= self.part_timeout_s:
+                    raise FlowcheckError(f"only {len(opened.done)} of {opened.senders} senders' parts arrived; "
+                                         f"none progressed within {self.part_timeout_s:.0f} s")
 
     def _write_fresh(self, opened: _OpenStep) -> None:
         if opened.parent is not None:  # the trainer resumed from a stored step: a new branch of its lineage
