@@ -19,7 +19,9 @@ class ChunkWriter:
     """Streams one dense zarr shard file of fixed-size inner chunks (crc32c after each, index at the end) to fd
     from offset 0, hashing the data and the file as it writes (GIL released). The fd stays the caller's."""
 
-    def __init__(self, fd: int, chunk_bytes: int, flush_every: int = 0) -> None: ...
+    def __init__(self, fd: int, chunk_bytes: int, flush_every: int = 0, bound_dirty: bool = False) -> None:
+        """flush_every > 0: write-back of every flush_every bytes starts once they are written; bound_dirty: the
+        writer then waits for the write-back of the window before (about two windows of the file dirty at most)."""
     def write(self, buffer: Buffer, hash: bool = True) -> str:
         """Append the buffer's bytes to the chunk stream; returns their xxh3-128 (hex), or '' when hash is False
         (the caller hashed them already). Raises OSError."""

@@ -114,7 +114,11 @@ inline void preadv_all(int fd, struct iovec* iov, int count, off_t offset) {
 
 class Writer {
   public:
-    Writer(int fd, size_t chunk_bytes, size_t flush_every) : fd_(fd), chunk_(chunk_bytes), flush_every_(flush_every) {}
+    // flush_every > 0: write-back of every flush_every bytes starts as soon as they are written; with bound_dirty
+    // the writer then waits for the write-back of the window before (at most ~2 windows of this file dirty), so
+    // a state larger than the kernel's dirty limit streams to the disk instead of stalling every writer at once
+    Writer(int fd, size_t chunk_bytes, size_t flush_every, bool bound_dirty = false)
+        : fd_(fd), chunk_(chunk_bytes), flush_every_(flush_every), bound_dirty_(bound_dirty) {}
 
     // Appends data to the chunk stream; returns the xxh3-128 (hex) of exactly these bytes (empty when !hash:
     // the caller hashed them already, e.g. to find that an unchanged shard need not be written).
@@ -179,8 +183,13 @@ class Writer {
 #ifdef SYNC_FILE_RANGE_WRITE
         // start write-back early: the final fsync finds little dirty data, the page cache does not fill up
         if (flush_every_ > 0 && since_flush_ >= flush_every_) {
-            ::sync_file_range(fd_, static_cast<off_t>(offset_ - since_flush_), static_cast<off_t>(since_flush_),
-                              SYNC_FILE_RANGE_WRITE);
+            const off_t start = static_cast<off_t>(offset_ - since_flush_);
+            ::sync_file_range(fd_, start, static_cast<off_t>(since_flush_), SYNC_FILE_RANGE_WRITE);
+            if (bound_dirty_ && window_bytes_ > 0)
+                ::sync_file_range(fd_, window_start_, static_cast<off_t>(window_bytes_),
+                                  SYNC_FILE_RANGE_WAIT_BEFORE | SYNC_FILE_RANGE_WRITE | SYNC_FILE_RANGE_WAIT_AFTER);
+            window_start_ = start;
+            window_bytes_ = since_flush_;
             since_flush_ = 0;
         }
 #endif
@@ -188,6 +197,9 @@ class Writer {
 
     int fd_;
     size_t chunk_, flush_every_;
+    bool bound_dirty_;
+    off_t window_start_ = 0;
+    size_t window_bytes_ = 0;
     uint64_t offset_ = 0, chunks_ = 0;
     size_t fill_ = 0, queued_ = 0, since_flush_ = 0;
     uint32_t crc_ = 0;

@@ -232,7 +232,8 @@ std::string xxh3_128(const py::buffer& b) {
 // One shard file being written (see chunk_file.hpp): the fd stays the caller's to fsync and close.
 class ChunkWriter {
   public:
-    ChunkWriter(int fd, size_t chunk_bytes, size_t flush_every) : w_(fd, chunk_bytes, flush_every) {
+    ChunkWriter(int fd, size_t chunk_bytes, size_t flush_every, bool bound_dirty)
+        : w_(fd, chunk_bytes, flush_every, bound_dirty) {
         if (chunk_bytes == 0) throw py::value_error("chunk_bytes must be > 0");
     }
     std::string write(const py::buffer& b, bool hash) {
@@ -280,7 +281,8 @@ PYBIND11_MODULE(_native, m) {
     py::class_<ChunkWriter>(m, "ChunkWriter",
                             "Streams one dense zarr shard file of fixed-size inner chunks (crc32c after each, "
                             "index at the end) to fd from offset 0, hashing data and file as it writes.")
-        .def(py::init<int, size_t, size_t>(), py::arg("fd"), py::arg("chunk_bytes"), py::arg("flush_every") = 0)
+        .def(py::init<int, size_t, size_t, bool>(), py::arg("fd"), py::arg("chunk_bytes"), py::arg("flush_every") = 0,
+             py::arg("bound_dirty") = false)
         .def("write", &ChunkWriter::write, py::arg("buffer"), py::arg("hash") = true,
              "Append the buffer's bytes to the chunk stream; returns their xxh3-128 (hex), or '' when hash is "
              "False (the caller hashed them already). Raises OSError.")

@@ -34,6 +34,23 @@ def write_file(path: str, data, *, fsync: bool = True, exclusive: bool = False) 
         os.close(fd)
 
 
+def dirty_limit() -> int:
+    """About how many bytes of written-back-later data the kernel holds before it throttles writers: vm.dirty_bytes,
+    else vm.dirty_ratio percent of the available memory (no limit known: a very large number)."""
+    try:
+        with open("/proc/sys/vm/dirty_bytes") as f:
+            fixed = int(f.read())
+        if fixed > 0:
+            return fixed
+        with open("/proc/sys/vm/dirty_ratio") as f:
+            ratio = int(f.read())
+        with open("/proc/meminfo") as f:
+            available = next(int(x.split()[1]) * 1024 for x in f if x.startswith("MemAvailable:"))
+        return available * ratio // 100
+    except (OSError, ValueError, StopIteration):
+        return 1 << 62
+
+
 def fsync_file(path: str, flags: int = os.O_RDONLY) -> None:
     fd = os.open(path, flags)
     try:

@@ -34,7 +34,7 @@ from flowcheck.digest import DATA_ALG
 from flowcheck.errors import IntegrityError
 from flowcheck.manifest import FileEntry, Piece
 from flowcheck.state import Shard, Snapshot
-from flowcheck.tiers import zarr_shard
+from flowcheck.tiers import durable, zarr_shard
 from flowcheck.tiers.base import step_dir
 from flowcheck.tiers.durable import StepFiles
 
@@ -173,10 +173,16 @@ def write_step(config: LocalConfig, snapshot: Snapshot, tmp: str, written: Calla
 
 def _write_packs(workers: int, tmp: str, packs: list[Pack], snapshot: Snapshot,
                  written: Callable[[Shard, int], None], fsync: bool, known: Mapping[Shard, str]) -> list:
-    """Every pack's file on writer threads (native, GIL released); none is still writing when this returns."""
+    """Every pack's file on writer threads (native, GIL released); none is still writing when this returns.
+
+    A step of more than twice what the kernel lets be dirty at once (write-back drains the rest while it is written)
+    is streamed: each writer waits for the write-back of its previous 64 MiB before going on. Measured at 12 GB on
+    this project's 2-core VM: writers stalled together in the kernel's dirty throttling wrote 0.28-0.35 GB/s where
+    one sequential file wrote 0.46; at 4 GB, where the page cache absorbs the step, waiting cost 5-10%."""
+    bound = sum(p.length * np.dtype(p.storage).itemsize for p in packs) > 2 * durable.dirty_limit()
     pool = ThreadPoolExecutor(workers, thread_name_prefix="flowcheck-local-write")
-    futures = [pool.submit(write_pack, os.path.join(tmp, p.data_file), p, snapshot.array, written, fsync, known)
-               for p in packs]
+    futures = [pool.submit(write_pack, os.path.join(tmp, p.data_file), p, snapshot.array, written, fsync, known,
+                           bound) for p in packs]
     try:
         wait(futures, return_when="FIRST_EXCEPTION")
         return [f.result() for f in futures]
@@ -187,7 +193,7 @@ def _write_packs(workers: int, tmp: str, packs: list[Pack], snapshot: Snapshot,
 
 
 def write_pack(path: str, pack: Pack, array: Callable[[Shard], np.ndarray], written: Callable[[Shard, int], None],
-               fsync: bool, known: Mapping[Shard, str] = MappingProxyType({})
+               fsync: bool, known: Mapping[Shard, str] = MappingProxyType({}), bound_dirty: bool = False
                ) -> tuple[tuple[int, str] | None, dict[Shard, str]]:
     """Write a pack's shard file (its folder exists) from its shards' arrays: ((file bytes, file digest) or None
     for a pack of empty shards, which has no file; the data digest of every shard).
@@ -200,7 +206,7 @@ def write_pack(path: str, pack: Pack, array: Callable[[Shard], np.ndarray], writ
         return None, {m.shard: f"{DATA_ALG}:{_native.xxh3_128(b'')}" for m in pack.members}
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        writer = _native.ChunkWriter(fd, CHUNK_BYTES, FLUSH_EVERY)
+        writer = _native.ChunkWriter(fd, CHUNK_BYTES, FLUSH_EVERY, bound_dirty)
         digests = {}
         for m in pack.members:
             arr = array(m.shard)

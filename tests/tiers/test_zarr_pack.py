@@ -14,6 +14,7 @@ from zarr.codecs import Crc32cCodec
 from flowcheck import _native, dtypes
 from flowcheck.config import LocalConfig
 from flowcheck.errors import IntegrityError
+from flowcheck.state import Scalars, Shard, Snapshot, StateLayout, TensorSpec
 from flowcheck.tiers import zarr_pack
 from flowcheck.tiers.local import LocalTier
 from flowcheck.tiers.zarr_shard import array_json, group_json
@@ -33,10 +34,11 @@ def test_native_crc32c_and_xxh3_match_the_reference_libraries(n):
         assert _native.xxh3_128(view) == xxhash.xxh3_128(view.tobytes()).hexdigest()
 
 
-def _write(path: str, pieces: list[np.ndarray], chunk: int) -> tuple[list[str], int, str]:
+def _write(path: str, pieces: list[np.ndarray], chunk: int, flush_every: int = 1 << 20, bound_dirty: bool = False
+           ) -> tuple[list[str], int, str]:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        w = _native.ChunkWriter(fd, chunk, 1 << 20)
+        w = _native.ChunkWriter(fd, chunk, flush_every, bound_dirty)
         digests = [w.write(p) for p in pieces]
         size, digest = w.finish()
     finally:
@@ -59,6 +61,32 @@ def test_the_chunk_writer_streams_the_shard_file_zarr_writes(tmp_path, length, c
     mine = (tmp_path / "mine").read_bytes()
     assert mine == reference and size == len(mine) and digest == xxhash.xxh3_128(mine).hexdigest()
     assert digests == [xxhash.xxh3_128(p.tobytes()).hexdigest() for p in pieces]
+
+
+def test_streaming_with_bounded_dirty_pages_writes_the_same_file(tmp_path):
+    """A step larger than the kernel's dirty limit is written waiting for each window's write-back: same bytes."""
+    flat = RNG.integers(0, 256, (3 << 20) + 12345, dtype=np.uint8)
+    pieces = [flat[:1000], flat[1000:(2 << 20) + 7], flat[(2 << 20) + 7:]]
+    free = _write(str(tmp_path / "free"), pieces, 1 << 16, flush_every=1 << 16)
+    bounded = _write(str(tmp_path / "bounded"), pieces, 1 << 16, flush_every=1 << 16, bound_dirty=True)
+    assert free == bounded and (tmp_path / "free").read_bytes() == (tmp_path / "bounded").read_bytes()
+
+
+def test_a_step_past_twice_the_dirty_limit_is_streamed_and_reads_back(tmp_path, monkeypatch):
+    from flowcheck.tiers import durable
+
+    seen = []
+    real = _native.ChunkWriter
+    monkeypatch.setattr(durable, "dirty_limit", lambda: 1 << 16)
+    monkeypatch.setattr(zarr_pack._native, "ChunkWriter", lambda fd, c, f, bound: seen.append(bound) or real(fd, c, f, bound))
+    specs = tuple(TensorSpec(f"t{i}", "float32", (256, 64)) for i in range(4))
+    data = {Shard.whole(s): RNG.random(s.shape).astype(np.float32) for s in specs}
+    snap = Snapshot("r", 1, StateLayout(specs), data, Scalars(optimizer_step=1))
+    tier = LocalTier(LocalConfig(root=str(tmp_path)), run="r")
+    tier.write(snap)
+    assert seen and all(seen)
+    for s, arr in data.items():
+        assert np.array_equal(tier.read(1, s.tensor), arr)
 
 
 def test_read_chunks_reads_any_range_on_any_number_of_threads(tmp_path):
