@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Iterator
@@ -50,17 +51,23 @@ class MemoryTier(Tier):
         self._pin_ids = itertools.count()
         self._manifest: Manifest | None = None
         self.head: ParentRef | None = None  # the committed step this state descends from (lineage parent)
+        # names this state: a new id each time the whole state is replaced (a full push, resync, restore, delete);
+        # in-place updates keep it.  A trainer that sent frozen tensors once skips them only while the id it was
+        # told still names the state (flowcheck/capture/push/receiver.py): a restarted node has another one
+        self.state_id: str | None = None
         self.cow_copies = 0  # shards copied because a snapshot held them (a metric)
         self.cow_waits = 0  # updates that waited for a snapshot to write a shard (the budget was spent)
         self.cow_waiting = 0  # updates waiting for that right now (a receiver's timeout does not count this time)
         self._cow_bytes = 0  # bytes copied away while pins hold the originals (freed when the pins go)
 
     # ---- state in ------------------------------------------------------------
-    def adopt(self, snapshot: Snapshot, parent: ParentRef | None = None) -> Manifest:
-        """Replace the whole state with arrays nobody else holds (a node's freshly received push): no copy."""
-        return self._write(snapshot, parent, copy=False)
+    def adopt(self, snapshot: Snapshot, parent: ParentRef | None = None, state_id: str | None = None) -> Manifest:
+        """Replace the whole state with arrays nobody else holds (a node's freshly received push): no copy.
+        ``state_id``: the id the new state goes by (default: a fresh one)."""
+        return self._write(snapshot, parent, copy=False, state_id=state_id)
 
-    def _write(self, snapshot: Snapshot, parent: ParentRef | None, progress: object = None, copy: bool = True) -> Manifest:
+    def _write(self, snapshot: Snapshot, parent: ParentRef | None, progress: object = None, copy: bool = True,
+               state_id: str | None = None) -> Manifest:
         """Replace the whole state (a full push, a resync, or a restore into RAM); a RAM copy, not counted."""
         arrays = {s: np.array(snapshot.array(s), copy=True) if copy else snapshot.array(s) for s in snapshot.data}
         digests = shard_digests(snapshot, arrays)
@@ -68,6 +75,7 @@ class MemoryTier(Tier):
             self._wait_idle()
             self._layout, self._arrays, self._step = snapshot.layout, arrays, snapshot.step
             self._scalars, self._source, self._stale = snapshot.scalars, snapshot.source, False
+            self.state_id = state_id or new_state_id()
             self._pins.clear()  # old pins keep their own array references
             self._cow_bytes = 0
             self.head = snapshot.origin.parent_ref() if snapshot.origin is not None else parent
@@ -272,6 +280,7 @@ class MemoryTier(Tier):
         with self._cond:
             self._wait_idle()
             self._layout, self._arrays, self._step, self._manifest = None, {}, None, None
+            self.state_id = None
 
     def load(self, step: int, *, verify: bool = True) -> Snapshot:
         """A private copy of the current step (for promotion out of RAM); pin() avoids the copy."""
@@ -302,6 +311,10 @@ class _Update:
 
     def shards(self) -> list[Shard]:
         return list(self._tier._arrays)
+
+
+def new_state_id() -> str:
+    return secrets.token_hex(8)
 
 
 def _trim_heap() -> None:

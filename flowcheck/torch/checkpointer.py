@@ -37,14 +37,14 @@ import xxhash
 
 from flowcheck import _native
 from flowcheck.capture.push.auth import DEFAULT_TOKEN_ENV, PushSigner, read_token
-from flowcheck.capture.push.wire import recv_header, send_frame
+from flowcheck.capture.push.wire import encode_header, recv_header
 from flowcheck.errors import AuthError, ConfigError, FlowcheckError
 from flowcheck.logs import oneline
 from flowcheck.torch import dtensor
 from flowcheck.torch.coords import Coordinates
 from flowcheck.torch.megatron import MEGATRON_KEY, MegatronRank, hook_targets
 from flowcheck.torch.push_config import PushConfig, push_config
-from flowcheck.torch.state import _flatten_optimizer, _json_ready, capture_rng, param_names_of
+from flowcheck.torch.state import _flatten_optimizer, _json_ready, capture_rng, optimizer_param_names
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +60,10 @@ class CheckpointerStats:
     last_send_s: float = 0.0
     last_error: str | None = None
     buffer_bytes: int = 0
+    last_sent_bytes: int = 0  # payload bytes the last push carried (less than buffer_bytes when frozen tensors are kept)
+    sent_bytes: int = 0  # payload bytes of every push the node acknowledged
+    kept_bytes: int = 0  # bytes of frozen tensors not sent again because the node holds them (tests, metrics)
+    resends: int = 0  # pushes sent again whole because the node lacked the frozen tensors (restarted, stale)
 
 
 @dataclass
@@ -71,12 +75,17 @@ class _Entry:
     offsets: list[int]  # of the box in the canonical global tensor
     local: str  # local state-dict (or optimizer.<slot>.<param>) name
     view: Any  # local tensor -> the box
+    # a frozen parameter's (storage, version counter) when the node last acknowledged its bytes under the node
+    # state ``Checkpointer._node_state``; a save whose key still matches sends it as "kept" (no bytes)
+    held: tuple[int, int] | None = None
 
 
 @dataclass
 class _Job:
     step: int
     scalars: dict[str, Any]
+    frozen: dict[int, tuple[int, int]] = field(default_factory=dict)  # entry index -> key, frozen when saved
+    kept: frozenset[int] = frozenset()  # entries not copied nor sent: the node holds their bytes
     copied: threading.Event = field(default_factory=threading.Event)
     done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
@@ -124,6 +133,9 @@ class Checkpointer:
         self._segment: shared_memory.SharedMemory | None = None
         self._generation = 0  # the segment's counter: odd while the side thread writes the buffer
         self._sock: socket.socket | None = None
+        # what the node said it holds: the id of its RAM state (from its last ack) — a state built by a full push;
+        # a node that restarted, went stale or replaced its state has another id and refuses "kept" shards
+        self._node_state: str | None = None
         self._job: _Job | None = None
         self._lock = threading.Lock()
         self._closed = False
@@ -155,11 +167,11 @@ class Checkpointer:
             tensors, scalars = self._megatron.tensors(), self._megatron_scalars(step, consumed_train_samples)
         else:
             opt_state = self.optimizer.state_dict() if self.optimizer is not None else None
-            names = param_names_of(self.model) if self.optimizer is not None else []
+            names = optimizer_param_names(self.model, self.optimizer) if self.optimizer is not None else []
             flat = _flatten_optimizer(opt_state, names) if opt_state is not None else None
             tensors, scalars = self._tensors(flat), self._scalars(flat)
         self._plan(tensors)
-        job = _Job(step, scalars)
+        job = self._frozen_job(step, scalars, tensors)
         with self._lock:
             self._job = job
         threading.Thread(target=self._run, args=(job,), name=f"flowcheck-push-{step}", daemon=True).start()
@@ -181,6 +193,16 @@ class Checkpointer:
             return True
         job.done.wait(timeout if timeout is not None else self.timeout_s)
         return job.done.is_set() and job.error is None
+
+    def mark_changed(self, *names: str) -> None:
+        """Send these frozen parameters (state-dict names; none given: all) again with the next save.
+
+        Needed only after changing a frozen parameter in a way its version counter does not see (writes through
+        ``.data``, or through memory shared with another tensor); in-place torch ops, ``copy_`` and
+        ``load_state_dict`` are seen without it."""
+        for e in self._entries:
+            if not names or e.local in names:
+                e.held = None
 
     def load(self, step: int | str = "latest", *, store: Any = None, config: str | None = None, prefer: str = "auto") -> int:
         """Bring the trainer back to a stored step (model, optimizer, scheduler, RNG); later pushes descend
@@ -209,6 +231,7 @@ class Checkpointer:
         if self.rng and snap.scalars.rng:
             restore_rng(snap.scalars.rng)
         self.parent = {"step": manifest.step, "manifest_digest": manifest.digest()}
+        self.mark_changed()
         return manifest.step
 
     def close(self) -> None:
@@ -231,6 +254,27 @@ class Checkpointer:
         self.close()
 
     # ---- what is sent ------------------------------------------------------------------------
+    def _frozen_job(self, step: int, scalars: dict[str, Any], tensors: dict[str, torch.Tensor]) -> _Job:
+        """The save's job: which entries are frozen parameters now (and their keys), and which of those the node
+        already holds unchanged — those are neither copied nor sent (the push carries them as "kept").
+
+        Unchanged means the same storage and version counter as when the node acknowledged them: every in-place torch
+        op bumps the counter (``.data`` writes do not: ``mark_changed``).  A Megatron trainer sends everything."""
+        frozen_names = self._frozen_names()
+        frozen: dict[int, tuple[int, int]] = {}
+        for i, e in enumerate(self._entries):
+            t = tensors[e.local]
+            if e.local in frozen_names and not dtensor.is_dtensor(t):
+                frozen[i] = (t.untyped_storage().data_ptr(), t._version)
+        kept = frozenset(i for i, key in frozen.items()
+                         if self._node_state is not None and self._entries[i].held == key and self._entries[i].nbytes)
+        return _Job(step, scalars, frozen, kept)
+
+    def _frozen_names(self) -> set[str]:
+        if self._megatron is not None:
+            return set()
+        return {n for n, p in self.model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+
     def _tensors(self, flat) -> dict[str, torch.Tensor]:
         state = {k: v for k, v in self.model.state_dict(keep_vars=False).items() if isinstance(v, torch.Tensor)}
         if flat is not None:
@@ -321,7 +365,7 @@ class Checkpointer:
     def _run(self, job: _Job) -> None:
         try:
             t0 = time.perf_counter()
-            self._copy()
+            self._copy(job.kept)
             self.stats.last_copy_s = time.perf_counter() - t0
         except BaseException as e:  # noqa: BLE001
             job.error = e
@@ -341,7 +385,7 @@ class Checkpointer:
         finally:
             job.done.set()
 
-    def _copy(self) -> None:
+    def _copy(self, kept: frozenset[int] = frozenset()) -> None:
         seg = self._segment
         if seg is not None:  # odd: a node still reading the previous frame sees its copy torn and refuses it
             self._generation += 1 if self._generation % 2 == 0 else 2
@@ -350,8 +394,8 @@ class Checkpointer:
         stream = torch.cuda.Stream() if torch.cuda.is_available() else None
         host = buf.numpy() if stream is None else None
         with torch.no_grad(), (torch.cuda.stream(stream) if stream is not None else _null()):
-            for e in self._entries:
-                if e.nbytes:
+            for i, e in enumerate(self._entries):
+                if e.nbytes and i not in kept:
                     src = e.tensor.detach().contiguous().reshape(-1).view(torch.uint8)
                     if src.is_cuda or host is None:
                         buf[e.at:e.at + e.nbytes].copy_(src, non_blocking=stream is not None)
@@ -364,26 +408,16 @@ class Checkpointer:
             _native.generation_store(seg.buf, generation_at(self.stats.buffer_bytes), self._generation)
 
     def _send(self, job: _Job) -> None:
-        view = memoryview(self._buffer.numpy())[: self.stats.buffer_bytes]
-        if self._segment is not None:
-            payload = {"bytes": self.stats.buffer_bytes, "shm": self._segment.name, "generation": self._generation,
-                       "generation_at": generation_at(self.stats.buffer_bytes)}
-        else:
-            payload = {"bytes": self.stats.buffer_bytes, "digest": "xxh3-128:" + xxhash.xxh3_128_hexdigest(view)}
-        c = self.coords
-        header = {
-            "kind": "push", "run": self.run, "step": job.step, "sender": c.sender, "senders": c.senders,
-            "source_layout": {"tp": c.tp, "pp": c.pp, "dp": c.dp, "vpp": c.vpp}, "tensors": self._specs,
-            "shards": [{"tensor": e.name, "offsets": e.offsets, "shape": list(e.tensor.shape), "at": e.at}
-                       for e in self._entries],
-            "scalars": job.scalars, "parent": self.parent,
-            "payload": payload,
-        }
+        """Send the job's push; a node that lacks the frozen tensors it carries as kept (it restarted, went stale or
+        holds another state) answers ``resend`` and gets the whole buffer at once (it still holds their bytes)."""
+        kept = job.kept if self._node_state is not None else frozenset()
         try:
-            sock = self._connect()
-            header = self._signer.sign(header)
-            send_frame(sock, header, None if self._segment is not None else view)
-            answer = recv_header(sock)
+            header, answer, sent, kept = self._push(job, kept)
+            if kept and answer.get("kind") != "ack" and answer.get("reason") == "resend":
+                log.info("checkpoint push of step %d: %s; sending the whole state", job.step, answer.get("message"))
+                self.stats.resends += 1
+                self._node_state = None
+                header, answer, sent, kept = self._push(job, frozenset())
         except (OSError, FlowcheckError):
             self._drop()
             raise
@@ -392,10 +426,66 @@ class Checkpointer:
                 self._drop()
                 raise AuthError(f"node refused step {job.step}: {answer.get('message')}")
             raise FlowcheckError(f"node refused step {job.step}: {answer.get('message')}")
+        self._acknowledged(job, answer, sent, kept)
         if header["parent"] is not None and header["parent"] is self.parent:
             # the node now knows where this run resumed from; later steps descend from what it commits
             # next (sending the resume point with every push re-parented each snapshot onto it)
             self.parent = None
+
+    def _push(self, job: _Job, kept: frozenset[int]) -> tuple[dict[str, Any], dict[str, Any], int, frozenset[int]]:
+        """One push frame and the node's answer: (header, answer, payload bytes sent, the entries sent as kept).  Kept
+        shards keep their slot in the buffer's byte layout (``at``) but carry no bytes: over TCP only the others are
+        sent, in order; through shared memory the node does not read them."""
+        sock = self._connect()
+        if not self._signer.hello.get("kept_shards"):
+            kept = frozenset()  # a node from before kept shards (its hello does not offer them): send everything
+        buf = memoryview(self._buffer.numpy())[: self.stats.buffer_bytes]
+        pieces = [buf] if not kept else [buf[e.at:e.at + e.nbytes] for i, e in enumerate(self._entries)
+                                         if i not in kept and e.nbytes]
+        sent = sum(len(p) for p in pieces)
+        if self._segment is not None:
+            payload = {"bytes": self.stats.buffer_bytes, "shm": self._segment.name, "generation": self._generation,
+                       "generation_at": generation_at(self.stats.buffer_bytes)}
+        else:
+            h = xxhash.xxh3_128()
+            for piece in pieces:
+                h.update(piece)
+            payload = {"bytes": self.stats.buffer_bytes, "digest": "xxh3-128:" + h.hexdigest()}
+        c = self.coords
+        header = {
+            "kind": "push", "run": self.run, "step": job.step, "sender": c.sender, "senders": c.senders,
+            "source_layout": {"tp": c.tp, "pp": c.pp, "dp": c.dp, "vpp": c.vpp}, "tensors": self._specs,
+            "shards": [{"tensor": e.name, "offsets": e.offsets, "shape": list(e.tensor.shape), "at": e.at,
+                        **({"kept": True} if i in kept else {})} for i, e in enumerate(self._entries)],
+            "scalars": job.scalars, "parent": self.parent,
+            "payload": payload,
+        }
+        if kept:
+            header["base"] = self._node_state  # the node state that holds the kept shards' bytes
+        header = self._signer.sign(header)
+        sock.sendall(encode_header(header))
+        if self._segment is None:
+            for piece in pieces:
+                sock.sendall(piece)
+        return header, recv_header(sock), sent, kept
+
+    def _acknowledged(self, job: _Job, answer: dict[str, Any], sent: int, kept: frozenset[int]) -> None:
+        """Record what the node now holds: its state id, and the frozen tensors this push carried (their keys)."""
+        state = answer.get("state")
+        if state != self._node_state or not isinstance(state, str):
+            for e in self._entries:  # another node state (or a node that names none): it holds nothing of ours yet
+                e.held = None
+            self._node_state = state if isinstance(state, str) else None
+        sent_kept = 0
+        for i, key in job.frozen.items():
+            e = self._entries[i]
+            if i in kept:  # the node took it as kept: what it holds is unchanged
+                sent_kept += e.nbytes
+            else:
+                e.held = key
+        self.stats.last_sent_bytes = sent
+        self.stats.sent_bytes += sent
+        self.stats.kept_bytes += sent_kept
 
     def _connect(self) -> socket.socket:
         """The node connection, opened (and greeted: a fresh challenge, the node's proof) on first use, and again

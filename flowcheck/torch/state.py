@@ -48,6 +48,20 @@ def param_names_of(model: torch.nn.Module) -> list[str]:
     return [name for name, _ in model.named_parameters()]
 
 
+def optimizer_param_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+    """Optimizer index -> parameter name, by identity: also for an optimizer over a subset of the model's
+    parameters (a LoRA trainer's adapters only); FlowcheckError naming the first parameter the model lacks."""
+    by_id = {id(p): n for n, p in model.named_parameters()}
+    names = []
+    for gi, group in enumerate(optimizer.param_groups):
+        for pi, p in enumerate(group["params"]):
+            if id(p) not in by_id:
+                raise FlowcheckError(f"optimizer param_groups[{gi}].params[{pi}] (shape {tuple(p.shape)}) is not a "
+                                     "parameter of the model: expected an optimizer over the model's parameters")
+            names.append(by_id[id(p)])
+    return names
+
+
 def _json_ready(obj: Any, where: str) -> Any:
     try:
         return json.loads(json.dumps(obj, allow_nan=False, default=_encode))

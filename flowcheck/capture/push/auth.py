@@ -107,6 +107,7 @@ class PushSigner:
     def __init__(self, token: str | None, node_nonce: str | None) -> None:
         self.token, self.node_nonce = token, node_nonce
         self.seq = 0
+        self.hello: dict[str, Any] = {}  # the node's answer to hello (what it offers, e.g. ``kept_shards``)
 
     @classmethod
     def handshake(cls, sock: socket.socket, token: str | None, run: str, where: str,
@@ -122,14 +123,18 @@ class PushSigner:
             if mode == "token":
                 raise AuthError(f"the node at {where} requires a token: export {env_var}=<the node's token> in the "
                                 "trainer's environment (or pass Checkpointer(token=...))")
-            return cls(None, None)
+            return cls(None, None)._greeted(answer)
         if mode != "token" or not isinstance(nonce, str):
             raise AuthError(f"the node at {where} runs without a token, but this trainer has one (${env_var}): it cannot "
                             f"prove it is your node; set the same {env_var} on the node, or unset it here")
         if not isinstance(proof, str) or not hmac.compare_digest(proof.encode(), node_proof(token, client, nonce).encode()):
             raise AuthError(f"the node at {where} cannot prove it holds this trainer's token: the tokens differ "
                             f"(check {env_var} on both sides) or another process holds the port")
-        return cls(token, nonce)
+        return cls(token, nonce)._greeted(answer)
+
+    def _greeted(self, answer: dict[str, Any]) -> PushSigner:
+        self.hello = answer
+        return self
 
     def sign(self, header: dict[str, Any]) -> dict[str, Any]:
         """``header`` with ``auth`` set (unchanged without a token).  The MAC is taken over the header as the node

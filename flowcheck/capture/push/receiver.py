@@ -36,6 +36,7 @@ from flowcheck.logs import oneline
 from flowcheck.manifest import ParentRef
 from flowcheck.node.limits import BoundedTCPServer, ConnectionLimits, ListenerStats
 from flowcheck.state import ParallelLayout, Scalars, Shard, Snapshot, StateLayout, TensorSpec
+from flowcheck.tiers.memory import new_state_id
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,8 @@ class PushStats:
     rejected: int = 0
     aborted_steps: int = 0
     last_step: int | None = None
+    kept_bytes: int = 0  # bytes of shards pushes carried as kept (the node already held them)
+    resends_asked: int = 0  # pushes with kept shards this node lacked, asked again whole
     last_receive_s: float = 0.0
     errors: list[str] = field(default_factory=list)
 
@@ -62,6 +65,12 @@ class ShardRef:
     shard: Shard
     at: int
     nbytes: int
+    kept: bool = False  # not in the payload: the node's state already holds it (a frozen tensor sent before)
+
+
+class Lacking(FlowcheckError):
+    """A push carries kept shards the node does not hold (it restarted, its state is stale or was replaced): the
+    sender is told ``resend`` and sends the whole part again."""
 
 
 def parse_part(header: dict[str, Any]) -> tuple[StateLayout, list[ShardRef], int]:
@@ -79,7 +88,10 @@ def parse_part(header: dict[str, Any]) -> tuple[StateLayout, list[ShardRef], int
                 raise WireError(f"shard {shard.tensor} at byte {s['at']}, expected {end} (shards are back to back)")
             if not shard.within(layout.spec(shard.tensor)):
                 raise WireError(f"shard {shard.tensor} {shard.offsets}+{shard.shape} lies outside its global shape")
-            refs.append(ShardRef(shard, end, nbytes))
+            kept = s.get("kept", False)
+            if not isinstance(kept, bool):
+                raise WireError(f"shard {shard.tensor}: kept must be true or false, found {kept!r}")
+            refs.append(ShardRef(shard, end, nbytes, kept))
             end += nbytes
         size = int(header["payload"]["bytes"])
         Scalars.from_json(header.get("scalars") or {})  # checked here: a bad type is this sender's error reply
@@ -107,6 +119,7 @@ class _OpenStep:
         self.fresh_ready = False  # no in-place update possible: parts go to new arrays
         self.shards: set[Shard] = set()
         self.parent = None  # ParentRef the sender resumed from, if any
+        self.state_id: str | None = None  # the memory tier's state id once this step is applied
         self.opened = time.monotonic()
         self.progress = self.opened  # when a part last began a shard (the part timeout counts from here)
 
@@ -177,7 +190,7 @@ class PushReceiver:
             kind = header["kind"]
             if kind == "hello":
                 reply(sock, "ack", node=self.store.config.node or socket.gethostname(), run=self.store.config.run,
-                      **gate.greet(header))
+                      kept_shards=True, **gate.greet(header))
                 continue
             if kind != "push":
                 reply(sock, "error", message=f"unknown frame kind {kind!r}")
@@ -188,9 +201,12 @@ class PushReceiver:
                 self._refuse(sock, e)
                 return
             try:
-                self._receive_part(sock, header)
-                reply(sock, "ack", step=header.get("step"))
+                state = self._receive_part(sock, header)
+                reply(sock, "ack", step=header.get("step"), state=state)
                 pushed = True
+            except Lacking as e:
+                self.stats.resends_asked += 1
+                reply(sock, "error", reason="resend", message=str(e))
             except WireError as e:
                 self.stats.rejected += 1
                 self.stats.error(str(e))
@@ -221,9 +237,11 @@ class PushReceiver:
         with contextlib.suppress(OSError):
             reply(sock, "error", message=str(e), reason="unauthorised")
 
-    def _receive_part(self, sock: socket.socket, header: dict[str, Any]) -> None:
+    def _receive_part(self, sock: socket.socket, header: dict[str, Any]) -> str | None:
+        """Receive one part into its step; the id of the memory state it is applied to (the ack tells the sender)."""
         t0 = time.monotonic()
-        layout, refs, size = parse_part(header)
+        layout, refs, full = parse_part(header)
+        size = sum(r.nbytes for r in refs if not r.kept)  # what the payload carries: kept shards have no bytes
         run, step = header.get("run"), header.get("step")
         if run != self.store.config.run:
             self._drain(sock, header, size)
@@ -236,8 +254,13 @@ class PushReceiver:
             self._drain(sock, header, size)
             raise WireError(f"push header: expected 0 <= sender < senders, found sender {sender!r} of {senders!r}")
         opened = self._join(step, senders, layout)
+        if any(r.kept for r in refs):
+            lacking = self._lacking(opened, header, refs)
+            if lacking is not None:
+                self._drain(sock, header, size)
+                raise Lacking(f"step {step} part {sender}: {lacking}; send the part again with every shard's bytes")
         try:
-            digest = self._read_payload(sock, header, refs, size, opened)
+            digest = self._read_payload(sock, header, refs, full, opened)
             want = header["payload"].get("digest")
             if want is not None and digest != want:
                 raise WireError(f"step {step} part {sender}: payload digest {digest} != header {want}")
@@ -252,7 +275,24 @@ class PushReceiver:
             opened.cond.notify_all()
         self.stats.frames += 1
         self.stats.bytes += size
+        self.stats.kept_bytes += sum(r.nbytes for r in refs if r.kept)
         self.stats.last_receive_s = time.monotonic() - t0
+        return opened.state_id
+
+    def _lacking(self, opened: _OpenStep, header: dict[str, Any], refs: list[ShardRef]) -> str | None:
+        """Why this node cannot take the part's kept shards from its RAM state (None: it can).  It can only when the
+        step is applied in place to the very state the sender's kept bytes went into (``base``, the state id an
+        earlier ack gave the sender), and that state is cut into the same shards."""
+        if opened.update is None:
+            return "the node holds no state these kept shards can come from (it restarted, its state is stale, or " \
+                   "the layout changed)"
+        base = header.get("base")
+        if base != opened.state_id:
+            return f"the kept shards were sent to node state {base!r}, the node holds state {opened.state_id!r}"
+        missing = [r.shard.tensor for r in refs if r.kept and r.shard not in opened.shards]
+        if missing:
+            return f"kept shards not cut as the RAM state's: {missing[:3]}"
+        return None
 
     def _drain(self, sock: socket.socket, header: dict[str, Any], size: int) -> None:
         if not header.get("payload", {}).get("shm"):
@@ -276,6 +316,8 @@ class PushReceiver:
             raise WireError("push header: a payload sent over TCP needs its digest (payload.digest), found none")
         else:
             for ref in refs:
+                if ref.kept:
+                    continue  # unchanged in the RAM state: not written, so never copied on write either
                 if ref.nbytes:
                     view = self._destination(opened, ref).reshape(-1).view(np.uint8)
                     recv_exact(sock, ref.nbytes, memoryview(view))
@@ -307,6 +349,8 @@ class PushReceiver:
         whole = np.frombuffer(seg.buf, np.uint8)
         try:
             for ref in refs:
+                if ref.kept:
+                    continue
                 dest = self._destination(opened, ref).reshape(-1).view(np.uint8)
                 # piece by piece: copy with streaming stores (around the cache the trainer's core shares), hash it
                 # while in cache if the sender sent a digest, drop its pages — the node never maps more than one
@@ -378,6 +422,7 @@ class PushReceiver:
                 with memory.update(opened.step, rewrite=True) as u:
                     with opened.cond:
                         opened.shards = set(u.shards())
+                        opened.state_id = memory.state_id
                         opened.update = u
                         opened.cond.notify_all()
                     self._wait_parts(opened)
@@ -386,6 +431,7 @@ class PushReceiver:
                     memory.head = opened.parent
             else:
                 with opened.cond:
+                    opened.state_id = new_state_id()  # what the received arrays go by once adopted
                     opened.fresh_ready = True
                     opened.cond.notify_all()
                 self._wait_parts(opened)
@@ -438,7 +484,7 @@ class PushReceiver:
         snap = Snapshot(self.store.config.run, opened.step, layout, dict(opened.fresh), opened.scalars or Scalars(),
                         source="push")
         memory = self.store.memory
-        memory.adopt(snap, memory.head)  # the received arrays become the RAM state: no second copy
+        memory.adopt(snap, memory.head, opened.state_id)  # the received arrays become the RAM state: no second copy
 
     def _fail(self, opened: _OpenStep, reason: str) -> None:
         with opened.cond:

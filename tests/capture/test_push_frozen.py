@@ -1,0 +1,148 @@
+"""Frozen parameters are pushed once: later pushes carry them as "kept" (no bytes) while the node's RAM state holds
+them.  A node that restarted asks for them again; an unfrozen, changed-in-place or ``mark_changed`` parameter is sent
+again; whatever the node stores is bit for bit what the trainer held."""
+from __future__ import annotations
+
+import socket
+
+import numpy as np
+import torch
+
+from flowcheck.capture.push.auth import PushSigner
+from flowcheck.capture.push.wire import recv_header, send_frame
+from flowcheck.torch.checkpointer import Checkpointer
+
+from .conftest import NodeProcess
+from .test_push_node import _stored
+
+
+def _frozen_model(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The first (larger) layer frozen; the optimizer over the whole model (frozen parameters get no state)."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.Tanh(), torch.nn.Linear(256, 4))
+    model[0].requires_grad_(False)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def _step(model, opt, gen) -> None:
+    model(torch.randn(8, 32, generator=gen)).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _expected(model, opt) -> dict[str, np.ndarray]:
+    from flowcheck.torch.state import _flatten_optimizer, optimizer_param_names
+
+    out = {k: v.detach().clone().numpy() for k, v in model.state_dict().items()}
+    tensors, _, _ = _flatten_optimizer(opt.state_dict(), optimizer_param_names(model, opt))
+    out.update({k: v.detach().clone().numpy() for k, v in tensors.items()})
+    return out
+
+
+def _nbytes(*tensors: torch.Tensor) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _assert_stored(node, step, want) -> None:
+    got = _stored(node, step)
+    assert set(got) == set(want)
+    for name in want:
+        assert np.array_equal(got[name], want[name]), name
+
+
+def _push(ck, model, opt, gen, step) -> int:
+    _step(model, opt, gen)
+    ck.save(step)
+    assert ck.flush(20), ck.stats.last_error
+    return ck.stats.last_sent_bytes
+
+
+def test_frozen_parameters_are_sent_once_and_the_node_keeps_them(node):
+    model, opt = _frozen_model()
+    gen = torch.Generator().manual_seed(1)
+    frozen = _nbytes(model[0].weight, model[0].bias)
+    with Checkpointer(model, opt, node=node.url, run="gpt", transport="tcp") as ck:
+        sent = [_push(ck, model, opt, gen, step) for step in range(1, 5)]
+        full = ck.stats.buffer_bytes
+        assert sent == [full] + [full - frozen] * 3
+        assert ck.stats.kept_bytes == 3 * frozen
+    node.wait_step(4)
+    status = node.get("/status")["push"]
+    assert status["bytes"] == full + 3 * (full - frozen) and status["kept_bytes"] == 3 * frozen
+    _assert_stored(node, 4, _expected(model, opt))
+
+
+def test_shared_memory_pushes_skip_frozen_parameters_too(node):
+    model, opt = _frozen_model()
+    gen = torch.Generator().manual_seed(2)
+    with Checkpointer(model, opt, node=node.url, run="gpt", transport="shm") as ck:
+        sent = [_push(ck, model, opt, gen, step) for step in range(1, 4)]
+        assert sent[1:] == [ck.stats.buffer_bytes - _nbytes(model[0].weight, model[0].bias)] * 2
+    node.wait_step(3)
+    _assert_stored(node, 3, _expected(model, opt))
+
+
+def test_a_restarted_node_is_sent_the_frozen_parameters_again(tmp_path):
+    node = NodeProcess(str(tmp_path)).start()
+    try:
+        model, opt = _frozen_model()
+        gen = torch.Generator().manual_seed(3)
+        ck = Checkpointer(model, opt, node=node.url, run="gpt", transport="tcp", timeout_s=5)
+        _push(ck, model, opt, gen, 1)
+        assert _push(ck, model, opt, gen, 2) < ck.stats.buffer_bytes
+        node.kill()
+        node.start()  # same ports, empty RAM: it must not take "kept" shards it never received
+        assert _push(ck, model, opt, gen, 3) == ck.stats.buffer_bytes
+        assert ck.stats.resends == 1 and node.get("/status")["push"]["resends_asked"] == 1
+        node.wait_step(3)
+        _assert_stored(node, 3, _expected(model, opt))
+        assert _push(ck, model, opt, gen, 4) < ck.stats.buffer_bytes  # the new node state holds them now
+        node.wait_step(4)
+        _assert_stored(node, 4, _expected(model, opt))
+        ck.close()
+    finally:
+        node.stop()
+
+
+def test_unfrozen_and_changed_frozen_parameters_are_sent_again(node):
+    model, opt = _frozen_model()
+    gen = torch.Generator().manual_seed(4)
+    w, b = model[0].weight, model[0].bias
+    full_frozen = _nbytes(w, b)
+    with Checkpointer(model, opt, node=node.url, run="gpt", transport="tcp") as ck:
+        _push(ck, model, opt, gen, 1)
+        full = ck.stats.buffer_bytes
+        assert _push(ck, model, opt, gen, 2) == full - full_frozen
+        with torch.no_grad():
+            w.mul_(0.5)  # an in-place op bumps the version counter: sent again, once
+        assert _push(ck, model, opt, gen, 3) == full - _nbytes(b)
+        assert _push(ck, model, opt, gen, 4) == full - full_frozen
+        node.wait_step(4)
+        _assert_stored(node, 4, _expected(model, opt))
+        w.data[0, 0] = 123.0  # a .data write is invisible to the version counter: the user says so
+        ck.mark_changed("0.weight")
+        assert _push(ck, model, opt, gen, 5) == full - _nbytes(b)
+        node.wait_step(5)
+        _assert_stored(node, 5, _expected(model, opt))
+        b.requires_grad_(True)  # staged unfreezing: sent every step from now on; its AdamW state appears later
+        _push(ck, model, opt, gen, 6)
+        assert ck.stats.buffer_bytes > full  # the optimizer state of the unfrozen bias is new: a new layout
+        assert _push(ck, model, opt, gen, 7) == ck.stats.buffer_bytes - _nbytes(w)
+    node.wait_step(7)
+    _assert_stored(node, 7, _expected(model, opt))
+
+
+def test_a_node_without_that_state_refuses_kept_shards_and_asks_for_the_part_again(node, node_token):
+    """A push naming a node state this node does not hold is answered ``resend``; nothing of it is applied."""
+    spec = {"name": "w", "dtype": "float32", "shape": [4], "role": "replicated"}
+    with socket.create_connection(("127.0.0.1", node.push_port), timeout=10) as sock:
+        signer = PushSigner.handshake(sock, node_token, "gpt", "node")
+        assert signer.hello.get("kept_shards") is True
+        header = {"kind": "push", "run": "gpt", "step": 1, "sender": 0, "senders": 1, "tensors": [spec],
+                  "shards": [{"tensor": "w", "offsets": [0], "shape": [4], "at": 0, "kept": True}],
+                  "scalars": {}, "parent": None, "base": "made-up", "payload": {"bytes": 16, "digest": "xxh3-128:0"}}
+        send_frame(sock, signer.sign(header))
+        answer = recv_header(sock)
+    assert answer["kind"] == "error" and answer["reason"] == "resend", answer
+    assert "holds no state" in answer["message"]
+    assert node.get("/status")["memory"]["step"] is None
