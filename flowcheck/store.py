@@ -143,6 +143,7 @@ class Store:
             snap = self.memory.pin()
             try:
                 m = self.commit(snap, "local", self.memory.head)
+                self.memory.learn(snap, m)  # the next snapshot hashes only the shards written after this pin
             finally:
                 self.memory.release(snap)
             self.memory.head = m.parent_ref()  # the RAM state now descends from this committed step

@@ -3,6 +3,7 @@ kept states (any branch) reference, audit stays clean, promotion and export give
 from __future__ import annotations
 
 import os
+import threading
 
 import numpy as np
 from hypothesis import HealthCheck, given, settings
@@ -13,7 +14,7 @@ from flowcheck.config import LocalConfig
 from flowcheck.manifest import INCREMENTAL_VERSION
 from flowcheck.tiers.local import LocalTier
 from tests.test_branches_store import make_store, rollback
-from tests.tiers.test_incremental import assert_reads_back, lora_state
+from tests.tiers.test_incremental import FROZEN, assert_reads_back, lora_state
 
 
 def snapshot_steps(store, steps, seed=0):
@@ -162,3 +163,61 @@ def test_cli_snapshots_of_a_partly_frozen_state_show_their_references_and_audit_
     assert shown.exit_code == 0 and "references" in shown.output and "in step 5" in shown.output, shown.output
     assert CliRunner().invoke(main, ["audit", "--config", str(cfg)]).exit_code == 0
     assert CliRunner().invoke(main, ["audit", "--no-data", "--config", str(cfg)]).exit_code == 0
+
+
+# ---- the memory tier's digests: a snapshot hashes only what was written since the last one ----------------------
+def _update_adapters(store, snap):
+    """Apply ``snap``'s adapters and counter in place (what a push with kept frozen shards writes)."""
+    with store.memory.update(snap.step, snap.scalars) as u:
+        for shard in snap.data:
+            if shard.tensor not in FROZEN:
+                np.copyto(u.array(shard), snap.array(shard))
+
+
+def test_snapshots_from_ram_hash_only_the_shards_written_since_the_last_one(tmp_path, monkeypatch):
+    from flowcheck.tiers import local_refs
+
+    hashed = []
+    real = local_refs._digest
+    monkeypatch.setattr(local_refs, "_digest", lambda arr: hashed.append(arr.nbytes) or real(arr))
+    store = make_store(str(tmp_path))
+    snaps = {1: lora_state(1)}
+    store.push(snaps[1])
+    store.snapshot()
+    frozen = sum(a.nbytes for s, a in snaps[1].data.items() if s.tensor in FROZEN)
+    for step in (2, 3):
+        snaps[step] = lora_state(step)
+        _update_adapters(store, snaps[step])
+        hashed.clear()
+        m = store.snapshot()
+        assert sum(hashed) == snaps[step].nbytes - frozen  # the adapters and the counter only
+        assert [r.step for r in m.refs] == [1]
+        assert_reads_back(store.tier("local"), snaps[step])
+    assert audit(store).ok
+
+
+def test_a_shard_written_while_a_snapshot_is_in_flight_is_hashed_again(tmp_path):
+    """The digests a commit records are kept only for shards nothing wrote after the pin: a frozen shard changed
+    during the snapshot (copy-on-write) is compared by its new bytes next time, never by the old digest."""
+    store = make_store(str(tmp_path))
+    first = lora_state(1)
+    store.push(first)
+    pinned = store.memory.pin()
+    changed = next(s for s in first.data if s.tensor in FROZEN)
+
+    def update() -> None:  # lands while step 1 is pinned: copied on write, or written once the snapshot wrote it
+        with store.memory.update(2) as u:
+            u.array(changed)[...] += 1.0
+
+    writer = threading.Thread(target=update)
+    writer.start()
+    m1 = store.commit(pinned, "local", None)
+    writer.join()
+    store.memory.learn(pinned, m1)
+    store.memory.release(pinned)
+    store.memory.head = m1.parent_ref()
+    assert changed not in store.memory._known_digests_for_tests()
+    m2 = store.snapshot()
+    want = np.asarray(first.array(changed)) + 1.0
+    assert store.tier("local").read(2, changed.tensor)[:changed.shape[0]].tobytes() == want.tobytes()
+    assert m2.tensors[changed.tensor].shards[0].digest != m1.tensors[changed.tensor].shards[0].digest

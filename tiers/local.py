@@ -177,7 +177,8 @@ class LocalTier(Tier):
         if found is None:
             return {}, {}, ()
         here = os.path.join(local_refs.branch_rel(self.branch), step_dir(snapshot.step))
-        return local_refs.reuse(snapshot, local_refs.candidates(found[1], found[0]), here, self.config.workers)
+        return local_refs.reuse(snapshot, local_refs.candidates(found[1], found[0]), here, self.config.workers,
+                                getattr(snapshot, "_known_digests", None))  # a memory-tier pin's (tiers/memory.py)
 
     def _packable(self, snapshot: Snapshot) -> bool:
         """Packs hold uncompressed data of a single-node state (a v2 step keeps v2, whose pieces have no start)."""

@@ -81,21 +81,26 @@ def candidates(parent: Manifest, branch: str) -> dict[Key, Candidate]:
     return out
 
 
-def reuse(snapshot: Snapshot, found: Mapping[Key, Candidate], here: str, workers: int
+def reuse(snapshot: Snapshot, found: Mapping[Key, Candidate], here: str, workers: int,
+          known_digests: Mapping[Shard, str] | None = None
           ) -> tuple[dict[Shard, Reused], dict[Shard, str], tuple[StepRef, ...]]:
     """(shards not to write again, digests computed for the others that had a candidate, the v4 refs).
 
     Only shards with a candidate are hashed here, once: the ones that changed are then written without hashing
     again (``known``).  A snapshot read back from a tier (``origin``) is compared by its manifest's digests,
-    without reading its data.  ``here``: the new step's folder relative to the run folder."""
+    without reading its data.  ``here``: the new step's folder relative to the run folder.  ``known_digests``: digests
+    of the snapshot's arrays its source vouches for (the memory tier's, of shards not written since it hashed them):
+    those shards are not hashed again."""
     keyed = {s: (s.tensor, s.offsets, s.shape, snapshot.layout.spec(s.tensor).dtype) for s in snapshot.data}
     todo = [s for s, k in keyed.items() if k in found]
     if snapshot.origin is not None:
         digests = {s: _origin_digest(snapshot.origin, s) for s in todo}
         known: dict[Shard, str] = {}  # written and hashed as usual: the write checks them against the origin
     else:
+        given = {s: known_digests[s] for s in todo if known_digests and s in known_digests}
+        hash_now = [s for s in todo if s not in given]
         with ThreadPoolExecutor(max(1, workers), thread_name_prefix="flowcheck-local-hash") as pool:
-            digests = dict(zip(todo, pool.map(lambda s: _digest(snapshot.array(s)), todo)))
+            digests = {**given, **dict(zip(hash_now, pool.map(lambda s: _digest(snapshot.array(s)), hash_now)))}
         known = {s: d for s, d in digests.items() if d != found[keyed[s]].digest}
     order: dict[tuple[str, int, str], int] = {}
     used: dict[tuple[str, int, str], dict[str, FileEntry]] = {}

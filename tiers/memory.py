@@ -59,6 +59,11 @@ class MemoryTier(Tier):
         self.cow_waits = 0  # updates that waited for a snapshot to write a shard (the budget was spent)
         self.cow_waiting = 0  # updates waiting for that right now (a receiver's timeout does not count this time)
         self._cow_bytes = 0  # bytes copied away while pins hold the originals (freed when the pins go)
+        # data digests of the live arrays, while nothing has written them since they were computed: a snapshot of a
+        # state whose frozen shards are never written (LoRA through kept pushes) hashes only what changed
+        self._digests: dict[Shard, str] = {}
+        self._written: dict[Shard, int] = {}  # shard -> the write count when it was last handed out for writing
+        self._write_count = itertools.count(1)
 
     # ---- state in ------------------------------------------------------------
     def adopt(self, snapshot: Snapshot, parent: ParentRef | None = None, state_id: str | None = None) -> Manifest:
@@ -76,6 +81,8 @@ class MemoryTier(Tier):
             self._layout, self._arrays, self._step = snapshot.layout, arrays, snapshot.step
             self._scalars, self._source, self._stale = snapshot.scalars, snapshot.source, False
             self.state_id = state_id or new_state_id()
+            self._digests = dict(digests)
+            self._written = {s: next(self._write_count) for s in arrays}
             self._pins.clear()  # old pins keep their own array references
             self._cow_bytes = 0
             self.head = snapshot.origin.parent_ref() if snapshot.origin is not None else parent
@@ -122,7 +129,7 @@ class MemoryTier(Tier):
                 self._cond.notify_all()
 
     def _writable(self, shard: Shard) -> np.ndarray:
-        """The live array of a shard, copied first if a snapshot still references it.
+        """The live array of a shard (its cached digest forgotten), copied first if a snapshot still references it.
 
         Copies are bounded by ``cow_budget`` (a fraction of the state): past it, the update waits until
         the snapshot has written this shard (it unpins each shard once written) — the node's memory
@@ -130,6 +137,8 @@ class MemoryTier(Tier):
         (its saves coalesce) instead.  After ``cow_wait_s`` the shard is copied anyway.
         """
         with self._cond:
+            self._digests.pop(shard, None)
+            self._written[shard] = next(self._write_count)
             deadline = None
             while self._pinned(shard):
                 arr = self._arrays[shard]
@@ -209,6 +218,10 @@ class MemoryTier(Tier):
             data = dict(self._arrays)
             snap = Snapshot(self.run, self._step, self._layout, data, self._scalars, source=self._source)
             object.__setattr__(snap, "_pin_id", pin_id)  # rides along (frozen dataclass) for release()
+            # the digests known for these very arrays (pinned: nothing writes them until unpinned), which a writer
+            # may use instead of hashing; and when each was last written, so ``learn`` keeps only what still holds
+            object.__setattr__(snap, "_known_digests", dict(self._digests))
+            object.__setattr__(snap, "_written", dict(self._written))
             # a writer that has copied a shard's bytes out (e.g. the local tier's pwrite) unpins it at once,
             # so updates arriving during a long snapshot copy only the shards not yet written
             object.__setattr__(snap, "_on_shard_written", lambda shard: self._unpin(pin_id, shard))
@@ -220,6 +233,23 @@ class MemoryTier(Tier):
             if pinned is not None:
                 pinned.discard(shard)
                 self._cond.notify_all()  # an update may be waiting for this shard
+
+    def learn(self, snapshot: Snapshot, manifest: Manifest) -> None:
+        """Keep the data digests ``manifest`` (a commit of pinned ``snapshot``) records for the shards nothing has
+        written since the pin: the next snapshot does not hash them again."""
+        pinned = getattr(snapshot, "_written", None)
+        if pinned is None:
+            return
+        with self._cond:
+            for name, t in manifest.tensors.items():
+                for e in t.shards:
+                    shard = Shard(name, e.offsets, e.shape)
+                    if shard in pinned and self._written.get(shard) == pinned[shard] and shard in self._arrays:
+                        self._digests[shard] = e.digest
+
+    def _known_digests_for_tests(self) -> dict[Shard, str]:
+        with self._cond:
+            return dict(self._digests)
 
     def release(self, snapshot: Snapshot) -> None:
         pin_id = getattr(snapshot, "_pin_id", None)
@@ -250,7 +280,9 @@ class MemoryTier(Tier):
         if self._manifest is None or self._manifest.step != step:
             snap = self.pin()
             try:
-                digests = shard_digests(snap, {s: snap.array(s) for s in snap.data})
+                known = snap._known_digests  # noqa: SLF001 - set by pin() above
+                digests = {**shard_digests(snap, {s: snap.array(s) for s in snap.data if s not in known}),
+                           **{s: d for s, d in known.items() if s in snap.data}}
                 self._manifest = make_manifest(snap, node=self.node, parent=self.head, digests=digests,
                                                locations={s: () for s in snap.data}, files=())
             finally:
@@ -281,6 +313,7 @@ class MemoryTier(Tier):
             self._wait_idle()
             self._layout, self._arrays, self._step, self._manifest = None, {}, None, None
             self.state_id = None
+            self._digests, self._written = {}, {}
 
     def load(self, step: int, *, verify: bool = True) -> Snapshot:
         """A private copy of the current step (for promotion out of RAM); pin() avoids the copy."""
