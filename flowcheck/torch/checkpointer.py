@@ -271,7 +271,7 @@ class Checkpointer:
         return _Job(step, scalars, frozen, kept)
 
     def _frozen_names(self) -> set[str]:
-        if self._megatron is not None:
+        if self._megatron is not None or not self.config.skip_frozen:
             return set()
         return {n for n, p in self.model.named_parameters(remove_duplicate=False) if not p.requires_grad}
 

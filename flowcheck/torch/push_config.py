@@ -32,6 +32,10 @@ class PushConfig:
     hook: bool = True  # call wait() from a pre-step hook on the optimizer (the copy is done before parameters change)
     rng: bool = True  # push the RNG states (torch, numpy, python) with each step
     token: str | None = field(default=None, repr=False)  # the node's token (default: $FLOWCHECK_NODE_TOKEN); never shown
+    # (new fields go last: PushConfig's positional order is kept)
+    # send a requires_grad=False parameter only when the node lacks it or it changed (its version counter moved);
+    # False: every parameter every save (for code that changes frozen parameters through .data without mark_changed)
+    skip_frozen: bool = True
 
     def __post_init__(self) -> None:
         url = urlparse(self.node) if isinstance(self.node, str) else None
@@ -56,7 +60,7 @@ class PushConfig:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
                 raise ConfigError(f"{name}: expected a positive number{' or None (no cap)' if name == 'budget_mib' else ''}"
                                   f", found {value!r}")
-        for name in ("hook", "rng"):
+        for name in ("hook", "rng", "skip_frozen"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}: expected True or False, found {getattr(self, name)!r}")
         if self.token is not None and not isinstance(self.token, str):

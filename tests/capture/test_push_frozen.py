@@ -10,6 +10,7 @@ import torch
 
 from flowcheck.capture.push.auth import PushSigner
 from flowcheck.capture.push.wire import recv_header, send_frame
+from flowcheck.torch import PushConfig
 from flowcheck.torch.checkpointer import Checkpointer
 
 from .conftest import NodeProcess
@@ -70,6 +71,17 @@ def test_frozen_parameters_are_sent_once_and_the_node_keeps_them(node):
     status = node.get("/status")["push"]
     assert status["bytes"] == full + 3 * (full - frozen) and status["kept_bytes"] == 3 * frozen
     _assert_stored(node, 4, _expected(model, opt))
+
+
+def test_skip_frozen_false_sends_every_tensor_every_save(node):
+    model, opt = _frozen_model()
+    gen = torch.Generator().manual_seed(5)
+    config = PushConfig(node=node.url, run="gpt", transport="tcp", skip_frozen=False)
+    with Checkpointer(model, opt, config=config) as ck:
+        assert [_push(ck, model, opt, gen, step) for step in (1, 2, 3)] == [ck.stats.buffer_bytes] * 3
+        assert ck.stats.kept_bytes == 0
+    node.wait_step(3)
+    _assert_stored(node, 3, _expected(model, opt))
 
 
 def test_shared_memory_pushes_skip_frozen_parameters_too(node):

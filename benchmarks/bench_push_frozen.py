@@ -1,0 +1,159 @@
+"""Issue 20, trainer side: a LoRA trainer's push and the node's snapshot per step, frozen parameters kept vs sent.
+
+A frozen GPT (the demo's model, --hidden wide, --layers deep) + rank-8 adapters on every attention projection, AdamW
+over the adapters only, one torch thread.  Two `flowcheck serve` node processes on this host, one per alternative,
+fed step by step in turn (ABAB: a drifting machine favours neither):
+  kept: PushConfig(skip_frozen=True) (the default) — frozen parameters sent once, then carried as kept shards; the
+        node writes only the changed shards into RAM and its snapshot hashes only those (tiers/memory.py digests);
+  full: PushConfig(skip_frozen=False) — every tensor every save, as before issue 20's trainer side: the node rewrites
+        every shard and its snapshot hashes the whole state.
+Per step (after the first, a full push either way): payload bytes pushed, seconds of save() + flush() (the push to the
+node's ack), seconds of the node's POST /snapshot (local tier, fsync on), bytes that snapshot wrote.  Medians; ratios
+full / kept.  TCP transport (over shared memory the node reads the segment in place; bytes are the same).
+
+  python benchmarks/bench_push_frozen.py --hidden 512 --layers 4 --steps 20
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+import torch
+
+from flowcheck.demo.model import CHARS, CONTEXT, batches, build, data
+from flowcheck.node.client import control_request
+from flowcheck.restore.arch import ModelArch
+from flowcheck.store import open_store
+from flowcheck.torch import Checkpointer, PushConfig
+
+RANK = 8
+
+
+class LoRA(torch.nn.Module):
+    def __init__(self, base: torch.nn.Linear) -> None:
+        super().__init__()
+        self.base = base
+        self.lora_a = torch.nn.Parameter(torch.randn(RANK, base.in_features) * 0.02)
+        self.lora_b = torch.nn.Parameter(torch.randn(base.out_features, RANK) * 0.02)
+
+    def forward(self, x):
+        return self.base(x) + (x @ self.lora_a.t()) @ self.lora_b.t()
+
+
+def lora_gpt(hidden: int, layers: int):
+    torch.manual_seed(0)
+    model = build(ModelArch(num_layers=layers, hidden_size=hidden, num_attention_heads=8, vocab_size=len(CHARS),
+                            ffn_hidden_size=4 * hidden, max_position_embeddings=CONTEXT, make_vocab_size_divisible_by=4))
+    model.requires_grad_(False)
+    for layer in model.decoder.layers:
+        att = layer.self_attention
+        att.linear_qkv, att.linear_proj = LoRA(att.linear_qkv), LoRA(att.linear_proj)
+    return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Node:
+    def __init__(self, root: str) -> None:
+        self.push, self.http = free_port(), free_port()
+        self.config = os.path.join(root, "node.yaml")
+        with open(self.config, "w") as f:
+            f.write(f"run: lora\ntiers:\n  local:\n    root: {root}/local\n  object:\n    url: file://{root}/object\n"
+                    "policy:\n  local:\n    every_steps: 1000000\n  object:\n    every_seconds: null\n"
+                    f"serve:\n  push: 127.0.0.1:{self.push}\n  http: 127.0.0.1:{self.http}\n")
+        self.log = open(os.path.join(root, "node.log"), "ab")
+        self.proc = subprocess.Popen([sys.executable, "-m", "flowcheck", "serve", "--config", self.config],
+                                     stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                self.request("GET", "/status")
+                return
+            except OSError:
+                if time.monotonic() > deadline or self.proc.poll() is not None:
+                    raise RuntimeError("node did not start") from None
+                time.sleep(0.2)
+
+    def request(self, method: str, path: str) -> dict:
+        req = control_request(f"http://127.0.0.1:{self.http}{path}", method, token=os.environ.get("FLOWCHECK_NODE_TOKEN"))
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return json.loads(r.read())
+
+    def wait_step(self, step: int) -> None:
+        while self.request("GET", "/status")["memory"]["step"] != step:
+            time.sleep(0.01)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(60)
+        self.log.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--dir", default=None, help="where the two nodes' stores go (default: a temporary folder)")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    root = tempfile.mkdtemp(prefix="bench-push-frozen-", dir=args.dir)
+    tokens = data()
+    alts = {}
+    try:
+        for name, skip in (("kept", True), ("full", False)):
+            os.makedirs(os.path.join(root, name))
+            node = Node(os.path.join(root, name))
+            model, opt = lora_gpt(args.hidden, args.layers)
+            ck = Checkpointer(model, opt, config=PushConfig(node=f"tcp://127.0.0.1:{node.push}", run="lora",
+                                                            transport="tcp", skip_frozen=skip, timeout_s=120))
+            alts[name] = {"node": node, "model": model, "opt": opt, "ck": ck, "store": open_store(node.config),
+                          "push_s": [], "push_bytes": [], "snap_s": [], "snap_bytes": []}
+        for step in range(1, args.steps + 1):
+            for name in (("kept", "full") if step % 2 else ("full", "kept")):
+                a = alts[name]
+                x, y = batches(tokens)
+                logits = a["model"](x)
+                torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1)).backward()
+                a["opt"].step()
+                a["opt"].zero_grad()
+                t0 = time.perf_counter()
+                a["ck"].save(step)
+                assert a["ck"].flush(120), a["ck"].stats.last_error
+                push_s = time.perf_counter() - t0
+                a["node"].wait_step(step)
+                t0 = time.perf_counter()
+                a["node"].request("POST", "/snapshot")
+                snap_s = time.perf_counter() - t0
+                if step > 1:
+                    a["push_s"].append(push_s)
+                    a["push_bytes"].append(a["ck"].stats.last_sent_bytes)
+                    a["snap_s"].append(snap_s)
+                    a["snap_bytes"].append(a["store"].local.manifest(step).nbytes)
+        out = {"state_bytes": alts["kept"]["ck"].stats.buffer_bytes, "steps": args.steps}
+        for name, a in alts.items():
+            out[name] = {k: statistics.median(a[k]) for k in ("push_s", "push_bytes", "snap_s", "snap_bytes")}
+        out["ratio_full_over_kept"] = {k: out["full"][k] / out["kept"][k] for k in out["kept"]}
+        print(json.dumps(out, indent=2))
+    finally:
+        for a in alts.values():
+            a["ck"].close()
+            a["node"].stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
