@@ -158,3 +158,41 @@ def test_a_node_without_that_state_refuses_kept_shards_and_asks_for_the_part_aga
     assert answer["kind"] == "error" and answer["reason"] == "resend", answer
     assert "holds no state" in answer["message"]
     assert node.get("/status")["memory"]["step"] is None
+
+
+def _dp_trainer(rank: int, world: int, port: int, node_url: str, out: str) -> None:
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    model, _ = _frozen_model()
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.AdamW([p for p in ddp.parameters() if p.requires_grad], lr=1e-2)
+    gen = torch.Generator().manual_seed(100 + rank)
+    ck = Checkpointer(model, opt, node=node_url, run="gpt", timeout_s=30, transport="tcp")
+    sent = []
+    for step in range(1, 4):
+        ddp(torch.randn(8, 32, generator=gen)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        ck.save(step)
+        assert ck.flush(30), ck.stats.last_error
+        sent.append(ck.stats.last_sent_bytes)
+    torch.save({"state": {k: torch.from_numpy(v) for k, v in _expected(model, opt).items()}, "sent": sent,
+                "full": ck.stats.buffer_bytes}, f"{out}/rank{rank}.pt")
+    ck.close()
+    torch.distributed.destroy_process_group()
+
+
+def test_data_parallel_ranks_keep_their_share_of_the_frozen_parameters(node, tmp_path):
+    import torch.multiprocessing as mp
+
+    from .conftest import free_port
+
+    mp.start_processes(_dp_trainer, args=(2, free_port(), node.url, str(tmp_path)), nprocs=2, join=True,
+                       start_method="spawn")
+    node.wait_step(3)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    # each rank sends its share whole once, then less; together, after the first step, the state less the frozen layer
+    frozen = 256 * 32 * 4 + 256 * 4
+    assert [r["sent"][0] for r in ranks] == [r["full"] for r in ranks]
+    assert sum(r["sent"][2] for r in ranks) == sum(r["full"] for r in ranks) - frozen
+    _assert_stored(node, 3, {k: v.numpy() for k, v in ranks[0]["state"].items()})
