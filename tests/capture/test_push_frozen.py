@@ -196,3 +196,31 @@ def test_data_parallel_ranks_keep_their_share_of_the_frozen_parameters(node, tmp
     assert [r["sent"][0] for r in ranks] == [r["full"] for r in ranks]
     assert sum(r["sent"][2] for r in ranks) == sum(r["full"] for r in ranks) - frozen
     _assert_stored(node, 3, {k: v.numpy() for k, v in ranks[0]["state"].items()})
+
+
+def test_a_node_that_does_not_offer_kept_shards_gets_every_shard(tmp_path, node_token):
+    """A node from before kept shards (its hello offers none, its acks name no state) is sent everything, every save."""
+    import time
+
+    from flowcheck.capture.push.receiver import PushReceiver
+    from flowcheck.store import open_store
+
+    class OlderNode(PushReceiver):
+        offers_kept = False
+
+    store = open_store(NodeProcess(str(tmp_path)).config)
+    receiver = OlderNode(store, part_timeout_s=10, token=node_token).start()
+    model, opt = _frozen_model()
+    gen = torch.Generator().manual_seed(6)
+    try:
+        with Checkpointer(model, opt, node=f"tcp://127.0.0.1:{receiver.address[1]}", run="gpt", transport="tcp") as ck:
+            sent = [_push(ck, model, opt, gen, step) for step in (1, 2, 3)]
+            assert sent == [ck.stats.buffer_bytes] * 3 and ck.stats.kept_bytes == 0
+        deadline = time.monotonic() + 10
+        while store.memory.step != 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        want = _expected(model, opt)
+        for name, arr in want.items():
+            assert np.array_equal(store.memory.read(3, name), arr), name
+    finally:
+        receiver.close()

@@ -131,6 +131,10 @@ class PushReceiver:
     ``limits``: how long a connection may take and how many may be open (flowcheck/node/limits.py).
     """
 
+    # whether hello offers kept shards and acks name the RAM state (False: answer as a node from before them, which a
+    # trainer must then send every shard — kept for the compatibility test)
+    offers_kept = True
+
     def __init__(self, store: Any, host: str = "127.0.0.1", port: int = 0, *, part_timeout_s: float = 60.0,
                  on_step=None, token: str | None = None, token_env: str = DEFAULT_TOKEN_ENV,
                  limits: ConnectionLimits = ConnectionLimits()) -> None:
@@ -190,7 +194,7 @@ class PushReceiver:
             kind = header["kind"]
             if kind == "hello":
                 reply(sock, "ack", node=self.store.config.node or socket.gethostname(), run=self.store.config.run,
-                      kept_shards=True, **gate.greet(header))
+                      **({"kept_shards": True} if self.offers_kept else {}), **gate.greet(header))
                 continue
             if kind != "push":
                 reply(sock, "error", message=f"unknown frame kind {kind!r}")
@@ -202,7 +206,7 @@ class PushReceiver:
                 return
             try:
                 state = self._receive_part(sock, header)
-                reply(sock, "ack", step=header.get("step"), state=state)
+                reply(sock, "ack", step=header.get("step"), **({"state": state} if self.offers_kept else {}))
                 pushed = True
             except Lacking as e:
                 self.stats.resends_asked += 1
