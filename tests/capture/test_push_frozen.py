@@ -224,3 +224,43 @@ def test_a_node_that_does_not_offer_kept_shards_gets_every_shard(tmp_path, node_
             assert np.array_equal(store.memory.read(3, name), arr), name
     finally:
         receiver.close()
+
+
+def test_a_stale_node_state_asks_for_the_kept_shards_again_and_is_rewritten_in_place(tmp_path, node_token):
+    """A RAM state marked stale (a failed update) cannot vouch for kept shards: the node asks for the whole part,
+    which it then writes into the same arrays (never a second state in RAM), and the state is fresh again."""
+    import time
+
+    from flowcheck.capture.push.receiver import PushReceiver
+    from flowcheck.store import open_store
+
+    store = open_store(NodeProcess(str(tmp_path)).config)
+    receiver = PushReceiver(store, part_timeout_s=10, token=node_token).start()
+    model, opt = _frozen_model()
+    gen = torch.Generator().manual_seed(7)
+    frozen = _nbytes(model[0].weight, model[0].bias)
+
+    def until_step(step: int) -> None:
+        deadline = time.monotonic() + 10
+        while store.memory.step != step and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert store.memory.step == step
+
+    try:
+        with Checkpointer(model, opt, node=f"tcp://127.0.0.1:{receiver.address[1]}", run="gpt", transport="tcp") as ck:
+            full = _push(ck, model, opt, gen, 1)
+            assert _push(ck, model, opt, gen, 2) == full - frozen
+            until_step(2)
+            arrays = dict(store.memory._arrays)
+            store.memory.mark_stale("test: an update failed")
+            assert _push(ck, model, opt, gen, 3) == full  # asked again, whole
+            assert ck.stats.resends == 1 and receiver.stats.resends_asked == 1
+            until_step(3)
+            assert not store.memory.stale and all(store.memory._arrays[s] is a for s, a in arrays.items())
+            assert _push(ck, model, opt, gen, 4) == full - frozen  # and kept again from then on
+            until_step(4)
+        want = _expected(model, opt)
+        for name, arr in want.items():
+            assert np.array_equal(store.memory.read(4, name), arr), name
+    finally:
+        receiver.close()

@@ -120,6 +120,7 @@ class _OpenStep:
         self.shards: set[Shard] = set()
         self.parent = None  # ParentRef the sender resumed from, if any
         self.state_id: str | None = None  # the memory tier's state id once this step is applied
+        self.stale = False  # the RAM state this step rewrites in place was stale (kept shards cannot come from it)
         self.opened = time.monotonic()
         self.progress = self.opened  # when a part last began a shard (the part timeout counts from here)
 
@@ -287,7 +288,7 @@ class PushReceiver:
         """Why this node cannot take the part's kept shards from its RAM state (None: it can).  It can only when the
         step is applied in place to the very state the sender's kept bytes went into (``base``, the state id an
         earlier ack gave the sender), and that state is cut into the same shards."""
-        if opened.update is None:
+        if opened.update is None or opened.stale:
             return "the node holds no state these kept shards can come from (it restarted, its state is stale, or " \
                    "the layout changed)"
         base = header.get("base")
@@ -427,6 +428,7 @@ class PushReceiver:
                     with opened.cond:
                         opened.shards = set(u.shards())
                         opened.state_id = memory.state_id
+                        opened.stale = memory.stale
                         opened.update = u
                         opened.cond.notify_all()
                     self._wait_parts(opened)
