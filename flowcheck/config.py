@@ -150,6 +150,29 @@ class TiersConfig:
 
 
 @dataclass(frozen=True)
+class MirrorPartitionConfig:
+    """A scaled-out mirror capture: this node decodes, updates and stores part ``index`` of ``of`` (by parameters,
+    flowcheck/capture/mirror/partition.py); every node gets all the mirrored traffic and the cluster commit
+    (``cluster:``) makes one step of the parts.  ``of: 1`` (the default) is one node holding everything."""
+
+    index: int = 0  # this node's part, 0-based
+    of: int = 1  # how many nodes share the job's state
+    # jobs that clip gradients: a directory every node of the partition can write and read (a shared mount),
+    # where each node leaves its parameters' gradient norms per step; relative: to the config file's folder
+    exchange: str | None = None
+    exchange_wait_s: float = 60.0  # a step whose other parts' norms do not arrive in this time goes stale
+
+    def __post_init__(self) -> None:
+        for name in ("index", "of"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise ConfigError(f"serve.mirror_partition.{name}: expected an integer, found {v!r}")
+        if self.of < 1 or not 0 <= self.index < self.of:
+            raise ConfigError(f"serve.mirror_partition: expected 0 <= index < of, found index {self.index}, of {self.of}")
+        _positive("serve.mirror_partition", "exchange_wait_s", self.exchange_wait_s)
+
+
+@dataclass(frozen=True)
 class SigningConfig:
     key_env: str = "FLOWCHECK_HMAC_KEY"  # the HMAC-SHA256 key is read from this variable, never from a file
     required: bool = False  # refuse unsigned manifests on read / audit
@@ -167,6 +190,8 @@ class ServeConfig:
     mirror_interface: str | None = None  # mirror capture live: the mirror port's interface (needs CAP_NET_RAW)
     mirror_settle_s: float = 0.1  # live: an allreduce is decoded once this much capture time passed since its last send
     mirror_init: str | None = None  # the replica's initial state: a .safetensors file or a committed step (default: the job's)
+    # several nodes share one mirror capture, each its part of the parameters (configs/mirror-node.yaml)
+    mirror_partition: MirrorPartitionConfig = MirrorPartitionConfig()
     # the environment variable holding the node's shared token (never the token itself: it is not stored anywhere).
     # Set on the node, every push and every POST to the control API needs it; unset, the node is unauthenticated
     # and refuses to listen beyond loopback.  Trainers' Checkpointers read the same variable.
@@ -255,6 +280,11 @@ class Config:
             object.__setattr__(self, "node", socket.gethostname())
         if self.cluster.nodes:
             self._check_cluster()
+        part = self.serve.mirror_partition
+        if part.of > 1 and len(self.cluster.nodes) < part.of:
+            raise ConfigError(
+                f"serve.mirror_partition: this node stores part {part.index} of {part.of}, so a step needs the other "
+                f"parts: expected cluster.nodes to list at least {part.of} nodes, found {len(self.cluster.nodes)}")
         check_storage_apart(self.tiers)
 
     def _check_cluster(self) -> None:
@@ -426,4 +456,7 @@ def _anchor(kwargs: dict[str, Any], base: str) -> dict[str, Any]:
         value = getattr(serve, name)
         if value and not value.isdigit():
             serve = dataclasses.replace(serve, **{name: join(value)})
+    if serve.mirror_partition.exchange:
+        serve = dataclasses.replace(serve, mirror_partition=dataclasses.replace(
+            serve.mirror_partition, exchange=join(serve.mirror_partition.exchange)))
     return {**kwargs, "tiers": dataclasses.replace(tiers, local=local, object=obj), "serve": serve}

@@ -175,7 +175,8 @@ class Node:
         try:
             job = load_job(serve.mirror_job)
             pcaps = sorted(glob.glob(serve.mirror_pcaps)) if serve.mirror_pcaps else []
-            replica = initial_replica(job, serve.mirror_init, self.store)
+            partition, part = self._mirror_part(job)
+            replica = initial_replica(job, serve.mirror_init, self.store, **part)
             self.store.push(replica.snapshot(self.config.run))
             updater = Updater(job, replica, publish=publish_to(self.store, self.config.run, self._on_step),
                               on_stale=lambda it, why: self.request_resync(f"mirror capture, iteration {it}: {why}"),
@@ -188,15 +189,31 @@ class Node:
             else:
                 frames = read_all(pcaps)
                 self.mirror_stats.read(frames)
-                allreduces = decode(job, frames, info)
+                allreduces = decode(job, frames, info, partition=partition)
             report = run_pipeline(counted(allreduces, self.mirror_stats, info), updater)
             self.mirror.update(state="done", iterations=report.iterations, stale=len(report.stale),
-                               resyncs=report.resyncs, step=report.steps[-1] if report.steps else None)
+                               resyncs=report.resyncs, step=report.steps[-1] if report.steps else None,
+                               placed_bytes=info.placed_bytes)
             if not serve.mirror_interface:
                 self.mirror["pcaps"] = len(pcaps)
         except Exception as e:  # noqa: BLE001 - reported on /status; the node keeps serving pushes
             log.exception("node: mirror capture failed")
             self.mirror.update(state="failed", error=f"{type(e).__name__}: {e}")
+
+    def _mirror_part(self, job):
+        """(Partition, Replica keywords) of this node's share of the mirror capture (serve.mirror_partition)."""
+        from flowcheck.capture.mirror.partition import NormExchange, Partition
+
+        cfg = self.config.serve.mirror_partition
+        partition = Partition(cfg.index, cfg.of)
+        if partition.whole:
+            return None, {}
+        if self.config.serve.mirror_interface:
+            raise ConfigError("serve.mirror_partition: a partitioned node replays capture files for now "
+                              "(serve.mirror_pcaps); live capture decodes every part")
+        norms = NormExchange(cfg.exchange, partition, cfg.exchange_wait_s) if job.clip_grad_norm is not None else None
+        self.mirror.update(partition={"index": cfg.index, "of": cfg.of})
+        return partition, {"owned": partition.owned(job), "norms": norms}
 
     def _live_mirror(self, job, info):
         """Allreduces decoded as the mirror port's frames arrive, until the node stops."""

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from flowcheck.capture.mirror.job import Job
+from flowcheck.capture.mirror.partition import Partition
 from flowcheck.capture.mirror.ring import RingParams, Send, ring_sends
 
 NUMPY = {"float32": np.float32, "bfloat16": np.uint16, "int32": np.int32}
@@ -66,12 +67,18 @@ class Allreduce:
     sources: list[dict] = field(default_factory=list)
     conflicts: list[dict] = field(default_factory=list)
     streams_done: set[str] = field(default_factory=set)
+    # element ranges this node places (a scaled-out node's part, flowcheck.capture.mirror.partition); None: all
+    owned: list[tuple[int, int]] | None = None
 
     @property
     def complete(self) -> bool:
+        if self.owned is not None:
+            return not self.conflicts and all(bool(self.copies[a:b].all()) for a, b in self.owned)
         return not self.conflicts and bool(self.copies.all())
 
     def missing(self) -> list[tuple[int, int]]:
+        if self.owned is not None:
+            return [(a + x, a + y) for a, b in self.owned for x, y in _runs(self.copies[a:b] == 0)]
         return _runs(self.copies == 0)
 
     def summary(self) -> dict:
@@ -150,8 +157,10 @@ class Matcher:
 class Assembler:
     """Matches allreduces on every stream and fills their vectors; yields each when it is settled."""
 
-    def __init__(self, job: Job, nchannels: int) -> None:
+    def __init__(self, job: Job, nchannels: int, partition: Partition | None = None) -> None:
         self.job = job
+        self.partition = partition if partition is not None and not partition.whole else None
+        self.placed_bytes = 0  # data bytes merged into allreduce vectors (what a scaled-out node saves on)
         self.params = job.ring_params(nchannels)
         self.matcher = Matcher(job, self.params)
         self.dtype = NUMPY[job.dtype]
@@ -167,6 +176,8 @@ class Assembler:
         for index, (iteration, bucket, elements) in enumerate(Schedule(self.job).start_at(start), start=start):
             ar = Allreduce(index, iteration, bucket, elements, self.job.dtype,
                            np.zeros(elements, self.dtype), np.zeros(elements, np.uint8))
+            if self.partition is not None:
+                ar.owned = self.partition.ranges(self.job, self.job.plan(iteration)[bucket])
             ats = {s.name: at for s in live if (at := self._find(s, cursors[s.name], elements)) is not None}
             if not ats:
                 return
@@ -278,6 +289,8 @@ class Assembler:
         for j, send in enumerate(pattern):
             if not send.final or send.count == 0:
                 continue
+            if ar.owned is not None and not any(a < send.start + send.count and send.start < b for a, b in ar.owned):
+                continue  # another node's parameters: the schedule moved past it, nothing to copy or compare
             ws = s.sends.get(at + j)
             src = {"stream": s.name, "position": s.position, "channel": s.channel, "chunk": send.chunk,
                    "loop": send.loop, "range": [send.start, send.start + send.count], "step": at + j}
@@ -288,6 +301,7 @@ class Assembler:
             if send.start < 0 or end > ar.elements:
                 raise ValueError(f"send [{send.start}, {end}) lies outside allreduce {ar.index} of {ar.elements} elements")
             seen, differing = ws.place(ar.data[send.start:end], ar.copies[send.start:end])
+            self.placed_bytes += seen * ar.data.itemsize
             if differing:
                 ar.conflicts.append({**src, "elements_differing": differing})
             ar.sources.append({**src, **ws.info, "elements_seen": seen})

@@ -15,6 +15,7 @@ import numpy as np
 from flowcheck.capture.mirror import roce
 from flowcheck.capture.mirror.assemble import Allreduce, Assembler, RingStream
 from flowcheck.capture.mirror.job import Job
+from flowcheck.capture.mirror.partition import Partition
 from flowcheck.capture.mirror.pcap import Frames, read_capture
 from flowcheck.capture.mirror.streams import Msg, StreamInfo, first_flags, ring_streams, segment_flags
 from flowcheck.errors import CaptureError, JobError
@@ -29,6 +30,7 @@ class Decoded:
     anomalies: list[dict] = field(default_factory=list)
     packets: dict = field(default_factory=dict)
     skipped_sends: list[dict] = field(default_factory=list)
+    placed_bytes: int = 0  # data bytes merged into allreduce vectors (a scaled-out node places only its part's)
 
 
 def read_all(paths: Sequence[str]) -> Frames:
@@ -52,14 +54,19 @@ def concat_frames(parts: Sequence[Frames], source: str) -> Frames:
     )
 
 
-def decode(job: Job, frames: Frames, info: Decoded | None = None, *, workers: int = 1) -> Iterator[Allreduce]:
+def decode(job: Job, frames: Frames, info: Decoded | None = None, *, workers: int = 1,
+           partition: Partition | None = None) -> Iterator[Allreduce]:
     """Allreduces in capture order (each settled: every stream has moved past it or ended); ``workers``: threads
-    for the native first pass (the output does not depend on it)."""
+    for the native first pass (the output does not depend on it); ``partition``: place only that part's
+    parameters (flowcheck.capture.mirror.partition; the others' elements stay missing and do not count)."""
     info = info if info is not None else Decoded()
-    window = decode_window(job, frames, info, workers=workers)
+    window = decode_window(job, frames, info, workers=workers, partition=partition)
     if window.assembler is None:
         return
-    yield from window.assembler.assemble(window.rings)
+    for ar in window.assembler.assemble(window.rings):
+        info.placed_bytes = window.assembler.placed_bytes
+        yield ar
+    info.placed_bytes = window.assembler.placed_bytes
     info.skipped_sends = window.assembler.skipped
 
 
@@ -74,7 +81,7 @@ class Window:
 
 
 def decode_window(job: Job, frames: Frames, info: Decoded, resume: dict[str, int] | None = None, *,
-                  workers: int = 1) -> Window:
+                  workers: int = 1, partition: Partition | None = None) -> Window:
     """Parse (on ``workers`` threads), reassemble and find the ring connections of ``frames`` (``resume``: see
     ``ring_streams``)."""
     if job.protocol == "ll128":
@@ -91,7 +98,7 @@ def decode_window(job: Job, frames: Frames, info: Decoded, resume: dict[str, int
                                "detail": "no stream between ring neighbours of the job carries NCCL sends; "
                                          "check the ring members' MAC/IP addresses and the protocol"})
         return Window(packets, streams, [], None)
-    return Window(packets, streams, rings, Assembler(job, channels))
+    return Window(packets, streams, rings, Assembler(job, channels, partition))
 
 
 def packet_anomalies(r: roce.Reassembly, anomalies: list[dict], *, tails: bool = True) -> None:

@@ -26,7 +26,7 @@ from flowcheck.capture.mirror.assemble import Allreduce
 from flowcheck.capture.mirror.job import Job
 from flowcheck.errors import JobError
 from flowcheck.state import Snapshot
-from flowcheck.update import Replica
+from flowcheck.update import PartNormsMissingError, Replica
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +118,11 @@ class Updater:
         elif problem:
             self._go_stale(it, problem)
         else:
-            self.replica.finish_iteration()
+            try:
+                self.replica.finish_iteration()
+            except PartNormsMissingError as e:
+                self._go_stale(it, str(e))
+                return
             self.report.iterations += 1
             self.report.steps.append(self.replica.step)
             self.publish(self.replica)
@@ -138,7 +142,7 @@ class Updater:
         state = self.resync.state_at(step)
         if state is None:
             return
-        self.replica = Replica(self.job, state, step)
+        self.replica = Replica(self.job, state, step, owned=self.replica.owned, norms=self.replica.norms)
         self._stale = False
         log.info("mirror capture: resynced from the trainer's full state at step %d", step,
                  extra={"event": "resync", "step": step, "iteration": iteration})
@@ -176,8 +180,9 @@ def run_pipeline(allreduces: Iterable[Allreduce], updater: Updater, depth: int =
     return updater.close()
 
 
-def initial_replica(job: Job, init: str | None, store=None) -> Replica:
-    """The replica before the first captured iteration: a state file, or a step committed in the store."""
+def initial_replica(job: Job, init: str | None, store=None, **part) -> Replica:
+    """The replica before the first captured iteration: a state file, or a step committed in the store
+    (``part``: a scaled-out node's ``owned`` and ``norms``, see Replica)."""
     init = init or job.init
     if init is None:
         raise JobError("no initial state: pass --init STEP|FILE or set init: in the job")
@@ -197,8 +202,8 @@ def initial_replica(job: Job, init: str | None, store=None) -> Replica:
                 for slot, v in slots.items():
                     if isinstance(v, torch.Tensor):
                         state[f"optimizer.{slot}.{names[idx]}"] = v
-        return Replica(job, state, int(init))
-    return Replica(job, load_state_file(str(init)), job.start_step)
+        return Replica(job, state, int(init), **part)
+    return Replica(job, load_state_file(str(init)), job.start_step, **part)
 
 
 def publish_to(store, run: str, on_step: Callable[[int], None] | None = None) -> Callable[[Replica], None]:
