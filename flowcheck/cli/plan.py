@@ -18,7 +18,10 @@
   (lost to failures), ``ckpt_nodes_usd_day``, ``net_saving_usd_day``;
 * ``mirror_node``: null without ``--params``, else the mirror-capture node's load per iteration
   (:mod:`flowcheck.capture.mirror.capacity`): ``wire_gb_per_stream``, ``wire_gb``, ``decode_core_s``,
-  ``update_core_s``, ``core_s``, ``cores`` (to keep up with the iteration time), ``rates`` used.
+  ``update_core_s``, ``core_s``, ``cores`` (to keep up with the iteration time), ``rates`` used, and
+  ``scale_out``: null without ``--cores-per-node``, else ``cores_per_node``, ``nodes`` (the fewest checkpoint
+  nodes sharing the capture, each its part of the parameters, that keep up; null: none does),
+  ``cores_needed_per_node``, ``core_s_per_node``, ``shared_core_s`` (the decode work every node repeats).
 
 ``--from-benchmarks FILE`` reads a markdown table whose header has the columns ``tier`` and
 ``save s/GB`` (and optionally ``restore s/GB``), e.g.::
@@ -41,8 +44,11 @@ import click
 from flowcheck.capture.mirror.capacity import (
     DEFAULT_DECODE_GB_PER_CORE_S,
     DEFAULT_UPDATE_NS_PER_PARAM,
+    DEFAULT_SHARED_DECODE_FRACTION,
     MirrorLoad,
     capacity,
+    render_scale_out,
+    scale_out,
 )
 from flowcheck.capture.mirror.capacity import render as render_capacity
 from flowcheck.errors import ConfigError, FlowcheckError
@@ -258,11 +264,18 @@ def _render(p: Plan) -> list[str]:
               help="Measured decode rate, GB of wire per core-second (benchmarks/bench_mirror.py).")
 @click.option("--update-ns-per-param", type=click.FloatRange(min=0), default=DEFAULT_UPDATE_NS_PER_PARAM,
               show_default=True, help="Measured optimizer update, ns per parameter on one core.")
+@click.option("--cores-per-node", type=click.IntRange(min=1),
+              help="With --params: cores of one checkpoint node; adds how many nodes must share the capture "
+                   "(each decodes and updates its part of the parameters) to keep up.")
+@click.option("--shared-decode-fraction", type=click.FloatRange(min=0, max=1),
+              default=DEFAULT_SHARED_DECODE_FRACTION, show_default=True,
+              help="Measured share of decode work every scaled-out node repeats (benchmarks/bench_mirror_scaleout.py).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output (fields: flowcheck.cli.plan docs).")
 @click.pass_context
 def plan_command(ctx, config_path, gpus, gpus_per_node, rate, mtbf_hours, restart_min, iteration_s, save, restore,
                  capture, intervals, gpu_node_usd_h, ckpt_node_usd_h, ckpt_nodes, bench_path, state_gb, params, dp,
-                 mirrored_ranks, protocol, decode_gb_per_core_s, update_ns_per_param, as_json):
+                 mirrored_ranks, protocol, decode_gb_per_core_s, update_ns_per_param, cores_per_node,
+                 shared_decode_fraction, as_json):
     """Recommend checkpoint intervals per tier and the ETTR to expect, with the formulas used.
 
     \b
@@ -272,6 +285,8 @@ def plan_command(ctx, config_path, gpus, gpus_per_node, rate, mtbf_hours, restar
           --restore-s local=60 object=600 --gpu-node-usd-h 32 --ckpt-node-usd-h 4 --ckpt-nodes 48
       flowcheck plan --gpus 1024 --failures-per-node-day 0.0065 --capture mirror --iteration-s 6 --json
       flowcheck plan --gpus 64 --mtbf-hours 24 --capture mirror --iteration-s 6 --params 1.3e9 --dp 8
+      flowcheck plan --gpus 64 --mtbf-hours 24 --capture mirror --iteration-s 6 --params 1.3e9 --dp 8 \
+          --cores-per-node 8
     """
     if (rate is None) == (mtbf_hours is None):
         raise click.UsageError("give exactly one of --failures-per-node-day and --mtbf-hours; found "
@@ -283,6 +298,9 @@ def plan_command(ctx, config_path, gpus, gpus_per_node, rate, mtbf_hours, restar
         raise click.UsageError("the cost view compares against per-iteration capture: give --iteration-s")
     if params is not None and (capture != "mirror" or dp is None):
         raise click.UsageError("--params sizes a mirror-capture node: give --capture mirror and --dp too")
+    if cores_per_node is not None and params is None:
+        raise click.UsageError("--cores-per-node sizes a scaled-out mirror capture: give --params, --dp and "
+                               "--capture mirror too")
     if bench_path is not None and state_gb is None:
         raise click.UsageError("--from-benchmarks gives seconds per GB: give the checkpoint size with --state-gb")
     try:
@@ -300,14 +318,18 @@ def plan_command(ctx, config_path, gpus, gpus_per_node, rate, mtbf_hours, restar
             capture_restore_s=capture_restore, intervals_s=tuple(m * 60.0 for m in intervals), cost=cost))
         node = None if params is None else capacity(MirrorLoad(
             params=params, dp=dp, mirrored=mirrored_ranks, iteration_s=iteration_s, protocol=protocol,
-            decode_gb_per_core_s=decode_gb_per_core_s, update_ns_per_param=update_ns_per_param))
+            decode_gb_per_core_s=decode_gb_per_core_s, update_ns_per_param=update_ns_per_param,
+            shared_decode_fraction=shared_decode_fraction))
+        scaled = None if node is None or cores_per_node is None else scale_out(node, cores_per_node)
     except (FlowcheckError, OSError) as e:
         click.echo(f"error: {e}", err=True)
         ctx.exit(2)
     if as_json:
-        click.echo(json.dumps({**result.to_json(), "mirror_node": node and node.to_json()}, indent=2,
-                              ensure_ascii=False))
+        mirror_node = node and {**node.to_json(), "scale_out": scaled and scaled.to_json()}
+        click.echo(json.dumps({**result.to_json(), "mirror_node": mirror_node}, indent=2, ensure_ascii=False))
         return
     if not (result.intervals or result.tiers or result.capture):
         click.echo("nothing to evaluate: give --interval-min, --save-s or --iteration-s (see --help)", err=True)
-    click.echo("\n".join(_render(result) + ([""] + render_capacity(node) if node is not None else [])))
+    lines = [""] + render_capacity(node) if node is not None else []
+    lines += render_scale_out(node, scaled) if scaled is not None else []
+    click.echo("\n".join(_render(result) + lines))

@@ -6,7 +6,7 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from flowcheck.capture.mirror.capacity import HEADER_BYTES, MirrorLoad, capacity, wire_bytes_per_stream
+from flowcheck.capture.mirror.capacity import HEADER_BYTES, MirrorLoad, capacity, per_node, scale_out, wire_bytes_per_stream
 from flowcheck.cli import main
 from flowcheck.errors import ConfigError
 
@@ -45,3 +45,34 @@ def test_plan_command_reports_the_mirror_node_cores():
     assert node["cores"] == 14 and node["rates"]["decode_gb_per_core_s"] == 0.81
     bad = CliRunner().invoke(main, ["plan", "--gpus", "8", "--mtbf-hours", "1", "--params", "1e9"])
     assert bad.exit_code == 2 and "--capture mirror" in bad.output
+
+
+def test_scale_out_finds_the_fewest_nodes_whose_cores_keep_up():
+    c = capacity(MirrorLoad(params=1.3e9, dp=8, mirrored=3, iteration_s=6.0, shared_decode_fraction=0.25))
+    so = scale_out(c, 8)
+    assert so.nodes is not None and so.cores_needed_per_node <= 8
+    assert per_node(c, so.nodes - 1)[1] > 8  # one node fewer does not keep up
+    assert scale_out(c, c.cores).nodes == 1  # a node with the single-node core count needs no partner
+    # when the work every node repeats alone needs more cores than a node has, no count of nodes helps
+    assert scale_out(capacity(MirrorLoad(params=1.3e9, dp=8, iteration_s=6.0, shared_decode_fraction=1.0)), 4).nodes is None
+    with pytest.raises(ConfigError, match="cores_per_node"):
+        scale_out(c, 0)
+
+
+def test_per_node_work_shrinks_with_the_part_but_not_below_the_shared_share():
+    c = capacity(MirrorLoad(params=1.3e9, dp=8, iteration_s=6.0, shared_decode_fraction=0.4))
+    one, two, many = per_node(c, 1)[0], per_node(c, 2)[0], per_node(c, 1000)[0]
+    assert one == pytest.approx(c.core_s) and two < one and many > 0.4 * c.decode_core_s
+
+
+def test_plan_command_says_how_many_nodes_share_the_capture():
+    args = ["plan", "--gpus", "64", "--mtbf-hours", "24", "--capture", "mirror", "--iteration-s", "6",
+            "--params", "1.3e9", "--dp", "8", "--cores-per-node", "8", "--shared-decode-fraction", "0.25"]
+    out = CliRunner().invoke(main, args)
+    assert out.exit_code == 0 and "nodes needed: " in out.output, out.output
+    node = json.loads(CliRunner().invoke(main, args + ["--json"]).output)["mirror_node"]
+    assert node["cores"] == 14 and node["scale_out"]["cores_per_node"] == 8
+    assert node["scale_out"]["nodes"] == scale_out(capacity(MirrorLoad(
+        params=1.3e9, dp=8, iteration_s=6.0, shared_decode_fraction=0.25)), 8).nodes
+    bad = CliRunner().invoke(main, ["plan", "--gpus", "8", "--mtbf-hours", "1", "--cores-per-node", "8"])
+    assert bad.exit_code == 2 and "--params" in bad.output

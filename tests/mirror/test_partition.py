@@ -95,3 +95,12 @@ def test_config_partition_needs_a_cluster_of_that_many_nodes(tmp_path):
                                       "serve: {mirror_partition: {index: 1, of: 2, exchange: ./ex}}\n")
     part = config_mod.load(str(tmp_path / "ok.yaml")).serve.mirror_partition
     assert (part.index, part.of, part.exchange) == (1, 2, str(tmp_path / "ex"))
+
+
+def test_the_example_mirror_node_config_loads():
+    import os
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    cfg = config_mod.load(os.path.join(root, "configs", "mirror-node.yaml"))
+    part = cfg.serve.mirror_partition
+    assert (part.index, part.of) == (0, 2) and cfg.node in cfg.cluster.nodes

@@ -7,6 +7,12 @@ message, RETH/immediate) to a payload of one path MTU.  The node decodes every m
 are that wire over the measured decode rate per core, plus the measured update time; the cores needed are the
 core-seconds over the iteration time, divided by the measured parallel efficiency of the decode workers.
 
+Scaled out over K checkpoint nodes (flowcheck/capture/mirror/partition.py), every node still reads and parses
+every mirrored frame (the ring schedule needs all of them) but places and updates only its 1/K of the
+parameters: per node, decode costs ``decode_core_s · (s + (1 − s)/K)`` and update ``update_core_s / K``, where s
+is the measured share of decode work that does not shrink with the part (reading, parsing, ICRC,
+reassembly).  ``scale_out`` finds the smallest K whose per-node cores fit a node's cores.
+
 The default rates are this repository's measurements (BENCHMARKS.md, "Mirror capture"); pass your own from
 ``benchmarks/bench_mirror.py`` on the node's hardware.
 """
@@ -26,6 +32,9 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "int32": 4}
 DEFAULT_DECODE_GB_PER_CORE_S = 0.81
 DEFAULT_UPDATE_NS_PER_PARAM = 1.64
 DEFAULT_PARALLEL_EFFICIENCY = 0.9  # decode workers on separate cores (streams are independent); measure yours
+# measured (BENCHMARKS.md, "Mirror capture scaled out"): decode time of part 0 of 2 over the whole decode is
+# (s + (1 - s)/2), so s = 2·ratio − 1
+DEFAULT_SHARED_DECODE_FRACTION = 0.5
 
 
 @dataclass(frozen=True)
@@ -42,6 +51,7 @@ class MirrorLoad:
     decode_gb_per_core_s: float = DEFAULT_DECODE_GB_PER_CORE_S
     update_ns_per_param: float = DEFAULT_UPDATE_NS_PER_PARAM
     parallel_efficiency: float = DEFAULT_PARALLEL_EFFICIENCY
+    shared_decode_fraction: float = DEFAULT_SHARED_DECODE_FRACTION  # s: decode work every scaled-out node repeats
 
     def __post_init__(self) -> None:
         checks = {"params": self.params > 0, "dp": isinstance(self.dp, int) and self.dp >= 2,
@@ -49,12 +59,14 @@ class MirrorLoad:
                   "iteration_s": self.iteration_s > 0, "protocol": self.protocol in ("ll", "simple"),
                   "dtype": self.dtype in DTYPE_BYTES, "mtu": self.mtu in (256, 512, 1024, 2048, 4096),
                   "decode_gb_per_core_s": self.decode_gb_per_core_s > 0, "update_ns_per_param": self.update_ns_per_param >= 0,
-                  "parallel_efficiency": 0 < self.parallel_efficiency <= 1}
+                  "parallel_efficiency": 0 < self.parallel_efficiency <= 1,
+                  "shared_decode_fraction": 0 <= self.shared_decode_fraction <= 1}
         bad = [k for k, ok in checks.items() if not ok]
         if bad:
             raise ConfigError(f"MirrorLoad.{bad[0]}: found {getattr(self, bad[0])!r}; expected params > 0, dp >= 2, "
                               "1 <= mirrored <= 2·dp, iteration_s > 0, protocol ll|simple, dtype float32|bfloat16|int32, "
-                              "mtu 256..4096, rates > 0, 0 < parallel_efficiency <= 1")
+                              "mtu 256..4096, rates > 0, 0 < parallel_efficiency <= 1, "
+                              "0 <= shared_decode_fraction <= 1")
 
 
 @dataclass(frozen=True)
@@ -89,8 +101,45 @@ def capacity(load: MirrorLoad) -> MirrorCapacity:
     decode_s = wire / (load.decode_gb_per_core_s * 1e9)
     update_s = load.params * load.update_ns_per_param * 1e-9
     core_s = decode_s + update_s
-    cores = max(1, math.ceil(decode_s / load.iteration_s / load.parallel_efficiency + update_s / load.iteration_s))
-    return MirrorCapacity(per_stream / 1e9, wire / 1e9, decode_s, update_s, core_s, cores, load)
+    return MirrorCapacity(per_stream / 1e9, wire / 1e9, decode_s, update_s, core_s, _cores(load, decode_s, update_s), load)
+
+
+def _cores(load: MirrorLoad, decode_s: float, update_s: float) -> int:
+    return max(1, math.ceil(decode_s / load.iteration_s / load.parallel_efficiency + update_s / load.iteration_s))
+
+
+@dataclass(frozen=True)
+class ScaleOut:
+    """The fewest checkpoint nodes sharing one mirror capture (each its part of the parameters) that keep up."""
+
+    cores_per_node: int  # what one node has
+    nodes: int | None  # K; None: no K fits (the decode work every node repeats alone needs more cores)
+    cores_needed_per_node: int | None  # at that K
+    core_s_per_node: float | None  # per iteration, at that K
+    shared_core_s: float  # per node per iteration whatever K: the decode work every node repeats
+
+    def to_json(self) -> dict:
+        return {"cores_per_node": self.cores_per_node, "nodes": self.nodes,
+                "cores_needed_per_node": self.cores_needed_per_node, "core_s_per_node": self.core_s_per_node,
+                "shared_core_s": self.shared_core_s}
+
+
+def per_node(c: MirrorCapacity, nodes: int) -> tuple[float, int]:
+    """(core-seconds per iteration, cores) of one node of ``nodes`` sharing the capture."""
+    s = c.load.shared_decode_fraction
+    decode_s, update_s = c.decode_core_s * (s + (1 - s) / nodes), c.update_core_s / nodes
+    return decode_s + update_s, _cores(c.load, decode_s, update_s)
+
+
+def scale_out(c: MirrorCapacity, cores_per_node: int, max_nodes: int = 4096) -> ScaleOut:
+    if isinstance(cores_per_node, bool) or not isinstance(cores_per_node, int) or cores_per_node < 1:
+        raise ConfigError(f"cores_per_node: expected an integer >= 1, found {cores_per_node!r}")
+    shared = c.decode_core_s * c.load.shared_decode_fraction
+    for nodes in range(1, max_nodes + 1):
+        core_s, cores = per_node(c, nodes)
+        if cores <= cores_per_node:
+            return ScaleOut(cores_per_node, nodes, cores, core_s, shared)
+    return ScaleOut(cores_per_node, None, None, None, shared)
 
 
 def render(c: MirrorCapacity) -> list[str]:
@@ -102,3 +151,12 @@ def render(c: MirrorCapacity) -> list[str]:
             f"{l.decode_gb_per_core_s:g} GB/s of wire per core, update {c.update_core_s:.1f} at "
             f"{l.update_ns_per_param:g} ns/parameter)",
             f"  cores to keep up: {c.cores} (decode workers at {l.parallel_efficiency:.0%} parallel efficiency)"]
+
+
+def render_scale_out(c: MirrorCapacity, so: ScaleOut) -> list[str]:
+    head = (f"  scaled out over nodes of {so.cores_per_node} cores (each node parses every frame: "
+            f"{so.shared_core_s:.1f} core-s per iteration whatever the node count; places and updates 1/K):")
+    if so.nodes is None:
+        return [head, "    no node count keeps up: the work every node repeats alone needs more cores than a node has"]
+    return [head, f"    nodes needed: {so.nodes} ({so.cores_needed_per_node} cores each, {so.core_s_per_node:.1f} "
+                  f"core-s per node per iteration)"]
