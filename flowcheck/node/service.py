@@ -106,6 +106,7 @@ class Node:
         self.mirror: dict[str, Any] | None = None  # progress of the mirror-capture source, when configured
         self.mirror_stats = CaptureStats()
         self.mirror_report = None  # the mirror Updater's CaptureReport, live, once a capture runs
+        self.mirror_info = None  # the mirror decode's Decoded (anomalies, bytes placed), live, once a capture runs
         self._stopped = threading.Event()  # set when stop() begins: the mirror capture ends
         self._finished = threading.Event()  # set when stop() is done: the work in flight finished, the lease released
         from flowcheck.node.metrics import NodeMetrics
@@ -182,10 +183,10 @@ class Node:
                               on_stale=lambda it, why: self.request_resync(f"mirror capture, iteration {it}: {why}"),
                               resync=ResyncSource(job.resync))
             self.mirror_report = updater.report
-            info = Decoded()
+            info = self.mirror_info = Decoded()
             if serve.mirror_interface:
                 self.mirror["interface"] = serve.mirror_interface
-                allreduces = self._live_mirror(job, info)
+                allreduces = self._live_mirror(job, info, partition)
             else:
                 frames = read_all(pcaps)
                 self.mirror_stats.read(frames)
@@ -208,14 +209,11 @@ class Node:
         partition = Partition(cfg.index, cfg.of)
         if partition.whole:
             return None, {}
-        if self.config.serve.mirror_interface:
-            raise ConfigError("serve.mirror_partition: a partitioned node replays capture files for now "
-                              "(serve.mirror_pcaps); live capture decodes every part")
         norms = NormExchange(cfg.exchange, partition, cfg.exchange_wait_s) if job.clip_grad_norm is not None else None
         self.mirror.update(partition={"index": cfg.index, "of": cfg.of})
         return partition, {"owned": partition.owned(job), "norms": norms}
 
-    def _live_mirror(self, job, info):
+    def _live_mirror(self, job, info, partition=None):
         """Allreduces decoded as the mirror port's frames arrive, until the node stops."""
         from flowcheck.capture.mirror.live import live_frames
         from flowcheck.capture.mirror.streaming import StreamingDecoder
@@ -230,7 +228,8 @@ class Node:
                 self.mirror_stats.read(frames)
                 yield frames
 
-        decoder = StreamingDecoder(job, info, settle_s=self.config.serve.mirror_settle_s, clock=time.time_ns)
+        decoder = StreamingDecoder(job, info, settle_s=self.config.serve.mirror_settle_s, clock=time.time_ns,
+                                   partition=partition)
         return decoder.run(read())
 
     def stop(self) -> None:

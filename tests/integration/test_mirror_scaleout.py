@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -16,6 +17,7 @@ from flowcheck.capture.mirror.pipeline import load_state_file
 from flowcheck.config import ClusterConfig, ObjectConfig
 from flowcheck.simulate import SimOptions, simulate
 from flowcheck.tiers.object import ObjectTier
+from tests.capture.test_live import veth  # noqa: F401 - the namespaces-and-veth fixture
 
 NODES = ["m0", "m1"]
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -98,3 +100,51 @@ def test_a_clipping_node_whose_peer_never_reports_goes_stale_never_wrong(tmp_pat
     os.rename(os.path.join(sim.out, "no-truth", "step-0.safetensors"), os.path.join(sim.out, "truth", "step-0.safetensors"))
     [(code, out)] = _run([_config(tmp_path, sim.out, "m0", wait_s=0.5, exchange_wait_s=0.5)])
     assert code == 5 and out["mirror"]["stale"] == 1 and out["mirror"]["iterations"] == 0, out
+
+
+def test_two_nodes_capture_one_veth_live_each_its_part(veth, tmp_path):  # noqa: F811 - the imported fixture
+    """Both node processes listen on the same mirror interface (as with switch multicast: every node gets every
+    frame) inside the receiving namespace; a simulated training's frames are sent once; each node updates its part
+    and the cluster commit makes the step, equal to the trainer's bit for bit."""
+    from tests.capture.test_live import InNetns, send_one, send_paced, simulated_frames
+
+    rx, tx = veth
+    sim, frames = simulated_frames(tmp_path, iters=3, seed=12)
+    configs = []
+    for n in NODES:
+        path = _config(tmp_path, sim.out, n)
+        text = open(path).read().replace(f"mirror_pcaps: '{sim.out}/mirror-*.pcap'",
+                                         "mirror_interface: fcrx0, mirror_settle_s: 0.2")
+        open(path, "w").write(text)
+        configs.append(path)
+    procs = [subprocess.Popen(["ip", "netns", "exec", rx, sys.executable, "-m", "tests.integration.mirror_node",
+                               "--config", c, "--until-step", "3", "--ready", f"{c}.ready", "--deadline", "90"],
+                              cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for c in configs]
+    try:
+        deadline = time.time() + 60
+        while not all(os.path.exists(f"{c}.ready") for c in configs):  # both sockets are up once frames are counted
+            assert time.time() < deadline and all(p.poll() is None for p in procs), "the nodes never counted a frame"
+            InNetns(tx, send_one, "fctx0").result()
+            time.sleep(0.1)
+        InNetns(tx, send_paced, "fctx0", frames).result(60)
+        results = []
+        for p in procs:
+            stdout, stderr = p.communicate(timeout=240)
+            lines = stdout.decode().strip().splitlines()
+            results.append((p.returncode, json.loads(lines[-1]) if lines else {"stderr": stderr.decode()[-4000:]}))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert [code for code, _ in results] == [0, 0], json.dumps(results)
+    for code, out in results:
+        assert out["step"] == 3 and out["nodes"] == NODES and out["mirror"]["stale"] == 0, out
+    tier = _reader(tmp_path)
+    truth = load_state_file(os.path.join(sim.out, "truth", "step-3.safetensors"))
+    assert set(tier.manifest(3).tensors) == set(truth)
+    for name, want in truth.items():
+        assert tier.read(3, name).tobytes() == want.numpy().tobytes(), name
+    placed = [out["mirror"]["placed_bytes"] for _, out in results]
+    single = _single_node_placed(sim.out)
+    assert all(0.4 * single < p < 0.65 * single for p in placed), (placed, single)

@@ -69,6 +69,7 @@ class Allreduce:
     streams_done: set[str] = field(default_factory=set)
     # element ranges this node places (a scaled-out node's part, flowcheck.capture.mirror.partition); None: all
     owned: list[tuple[int, int]] | None = None
+    placed_bytes: int = 0  # data bytes merged into ``data`` from the wire (every copy counts)
 
     @property
     def complete(self) -> bool:
@@ -289,11 +290,13 @@ class Assembler:
         for j, send in enumerate(pattern):
             if not send.final or send.count == 0:
                 continue
-            if ar.owned is not None and not any(a < send.start + send.count and send.start < b for a, b in ar.owned):
-                continue  # another node's parameters: the schedule moved past it, nothing to copy or compare
             ws = s.sends.get(at + j)
             src = {"stream": s.name, "position": s.position, "channel": s.channel, "chunk": send.chunk,
                    "loop": send.loop, "range": [send.start, send.start + send.count], "step": at + j}
+            if ar.owned is not None and not any(a < send.start + send.count and send.start < b for a, b in ar.owned):
+                # another node's parameters: nothing to copy or compare; its time still settles a streaming decode
+                ar.sources.append({**src, "not_owned": True, **({"t0": ws.info["t0"]} if ws and "t0" in ws.info else {})})
+                continue
             if ws is None:
                 ar.sources.append({**src, "elements_seen": 0, "lost": True})
                 continue
@@ -301,6 +304,7 @@ class Assembler:
             if send.start < 0 or end > ar.elements:
                 raise ValueError(f"send [{send.start}, {end}) lies outside allreduce {ar.index} of {ar.elements} elements")
             seen, differing = ws.place(ar.data[send.start:end], ar.copies[send.start:end])
+            ar.placed_bytes += seen * ar.data.itemsize
             self.placed_bytes += seen * ar.data.itemsize
             if differing:
                 ar.conflicts.append({**src, "elements_differing": differing})

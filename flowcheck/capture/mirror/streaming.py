@@ -27,6 +27,7 @@ from flowcheck.capture.mirror import roce
 from flowcheck.capture.mirror.assemble import Allreduce
 from flowcheck.capture.mirror.decode import Decoded, Window, concat_frames, decode_window, packet_anomalies
 from flowcheck.capture.mirror.job import Job
+from flowcheck.capture.mirror.partition import Partition
 from flowcheck.capture.mirror.pcap import Frames
 from flowcheck.errors import CaptureError
 
@@ -40,9 +41,11 @@ class StreamingDecoder:
     """Feed it batches of frames (``feed``), then ``finish``; or ``run`` over an iterable of batches."""
 
     def __init__(self, job: Job, info: Decoded | None = None, *, settle_s: float = 0.1, min_frames: int = 4096,
-                 max_window_bytes: int = 2 << 30, clock: Callable[[], int] | None = None) -> None:
+                 max_window_bytes: int = 2 << 30, clock: Callable[[], int] | None = None,
+                 partition: Partition | None = None) -> None:
         """``clock`` (live capture: ``time.time_ns``, the clock the frames are stamped with) lets time settle
-        allreduces while the link is quiet: an empty batch then decodes what waits once ``settle_s`` has passed."""
+        allreduces while the link is quiet: an empty batch then decodes what waits once ``settle_s`` has passed.
+        ``partition``: a scaled-out node's part (see ``decode``)."""
         if settle_s < 0 or min_frames < 1 or max_window_bytes < 1:
             raise ValueError(f"expected settle_s >= 0, min_frames >= 1, max_window_bytes >= 1; found {settle_s}, "
                              f"{min_frames}, {max_window_bytes}")
@@ -58,6 +61,7 @@ class StreamingDecoder:
         self._last: Allreduce | None = None  # the allreduce handed out last: trailing re-sends are compared to it
         self._reported: set[str] = set()  # connection-level anomalies already reported (they recur every window)
         self.clock = clock
+        self.partition = partition
         self._last_try = clock() if clock is not None else 0
 
     def run(self, batches: Iterable[Frames]) -> Iterator[Allreduce]:
@@ -109,7 +113,7 @@ class StreamingDecoder:
             self._window = None
             return []
         local = Decoded()
-        w = decode_window(self.job, window, local, self.resume)
+        w = decode_window(self.job, window, local, self.resume, partition=self.partition)
         out, cursors = self._settled(w, window, local, final)
         cut = len(window) if final else self._advance(w, window, cursors)
         self._account(window, w, local, cut, cursors, final)
@@ -139,6 +143,7 @@ class StreamingDecoder:
                 del local.anomalies[mark:]  # what placing its sends reported: it will be decoded again
                 break
             out.append(ar)
+            self.info.placed_bytes += ar.placed_bytes  # counted once: an allreduce handed out is never decoded again
             cursors = dict(w.assembler.cursors)
         if final:  # trailing re-sends of final data move the cursors without an allreduce
             cursors = dict(w.assembler.cursors)
