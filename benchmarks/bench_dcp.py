@@ -9,11 +9,15 @@ Measured per round, alternatives interleaved (rotated each round), times on rank
 * ``dcp.async_save`` on its own gloo group — the blocking time (the call returns after staging the state to
   CPU memory) and the time until the future is done;
 * ``dcp.load`` into preallocated DTensors of the same mesh, page cache dropped first — FileSystemReader vs
-  ``flowcheck.dcp.Reader`` (each stored shard read once, digest-checked); the loaded state is checked bit for bit.
+  ``flowcheck.dcp.Reader`` (each stored shard read once, digest-checked, straight into the destination tensors) vs
+  ``flowcheck.dcp.Reader(direct=False)`` (read into a buffer, then copied); the loaded state is checked bit for bit.
 
 Ratio = FileSystemWriter's (or Reader's) median / flowcheck's: >= 1.0 means flowcheck is as fast or faster.
 
     python benchmarks/bench_dcp.py --gb 1.0 --ranks 4 --repeats 3
+
+``--load-only``: save once with each writer, then measure only ``dcp.load`` for ``--repeats`` paired rounds (more
+load pairs for the same time; the save and async_save rows are left out).
 """
 from __future__ import annotations
 
@@ -28,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _common as C  # noqa: E402
 
-METHODS = ("fs_save", "fc_save", "fs_async", "fc_async", "fs_load", "fc_load")
+METHODS = ("fs_save", "fc_save", "fs_async", "fc_async", "fs_load", "fc_load", "fc_load_copy")
 
 
 def _state(world: int, gb: float, seed: int):
@@ -95,8 +99,11 @@ def _rank(rank: int, world: int, port: int, args: dict) -> None:
         dist.barrier()
         return block, time.perf_counter() - t0
 
+    load_only = args.get("load_only", False)
     for r in range(args["repeats"]):
         fs, fs_async, step = f"{root}/fs-{r}", f"{root}/fs-async-{r}", 10 * r + 1
+        if load_only:  # one saved copy of each, loaded every round
+            fs, step = f"{root}/fs-0", 1
         runs = {
             "fs_save": lambda fs=fs: timed(lambda: dcp.save(state, checkpoint_id=fs))[0],
             "fc_save": lambda step=step: timed(lambda: dcp.save(state, storage_writer=flowcheck.dcp.Writer(
@@ -108,6 +115,8 @@ def _rank(rank: int, world: int, port: int, args: dict) -> None:
                                                                                      step=step + 1))),
         }
         order = list(runs)[r % 4:] + list(runs)[:r % 4]
+        if load_only:
+            order = ["fs_save", "fc_save"] if r == 0 else []
         for m in order:
             got = runs[m]()
             if isinstance(got, tuple):
@@ -115,15 +124,18 @@ def _rank(rank: int, world: int, port: int, args: dict) -> None:
                 times[m].append(got[1])
             else:
                 times[m].append(got)
-        for m in (["fs_load", "fc_load"] if r % 2 == 0 else ["fc_load", "fs_load"]):
+        loads = ["fs_load", "fc_load", "fc_load_copy"]
+        for m in loads[r % 3:] + loads[:r % 3]:
             if rank == 0 and not args["warm"]:
                 dropped = C.drop_caches() and dropped
-            reader = dcp.FileSystemReader(fs) if m == "fs_load" else flowcheck.dcp.Reader(f"{root}/fc", run="bench",
-                                                                                        step=step)
+            reader = dcp.FileSystemReader(fs) if m == "fs_load" else flowcheck.dcp.Reader(
+                f"{root}/fc", run="bench", step=step, direct=m == "fc_load")
+            for t in target["model"].values():
+                t.to_local().zero_()  # what the previous load left must not pass the check
             times[m].append(timed(lambda reader=reader: dcp.load(target, storage_reader=reader))[0])
             _check_equal(state, target, m)
         dist.barrier()
-        if rank == 0:
+        if rank == 0 and (not load_only or r == args["repeats"] - 1):
             for path in (fs, fs_async, f"{root}/fc"):
                 C.rmtree(path)
         dist.barrier()
@@ -148,6 +160,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     p = C.base_parser(__doc__, default_gb=1.0)
     p.add_argument("--ranks", type=int, default=4, help="CPU ranks (gloo processes; default 4)")
+    p.add_argument("--load-only", action="store_true",
+                   help="save once with each writer, then time only dcp.load for --repeats paired rounds")
     args = p.parse_args(argv)
     nbytes = int(sum(4 * len(C.SLOTS) * __import__("math").prod(s) for _, s, _ in C.gpt_param_shapes(args.gb)))
     work = C.workdir("fc-bench-dcp-", args.dir)
@@ -155,7 +169,8 @@ def main(argv: list[str] | None = None) -> dict:
     result_path = os.path.join(work, "result.json")
     try:
         mp.start_processes(_rank, args=(args.ranks, C.free_port(), {
-            "gb": args.gb, "repeats": args.repeats, "dir": work, "warm": args.warm, "result": result_path}),
+            "gb": args.gb, "repeats": args.repeats, "dir": work, "warm": args.warm, "result": result_path,
+            "load_only": args.load_only}),
             nprocs=args.ranks, join=True, start_method="spawn")
         with open(result_path) as f:
             raw = json.load(f)
@@ -173,6 +188,8 @@ def _report(raw: dict, nbytes: int, args) -> dict:
 
     def row(label: str, key: str, base: str | None) -> str:
         v = t[key]
+        if key not in med or (base and base not in med):
+            return f"| {label} | not measured | | |"
         ratio = f"**{med[base] / med[key]:.2f}x**" if base else "baseline"
         return (f"| {label} | {med[key]:.3f} ({min(v):.3f}–{max(v):.3f}) | {nbytes / med[key] / 1e9:.2f} | {ratio} |")
 
@@ -188,14 +205,24 @@ def _report(raw: dict, nbytes: int, args) -> dict:
              row("dcp.async_save blocking, FileSystemWriter", "fs_block", None),
              row("dcp.async_save blocking, flowcheck", "fc_block", "fs_block"),
              row("dcp.load, FileSystemReader", "fs_load", None),
-             row("dcp.load, flowcheck.dcp.Reader", "fc_load", "fs_load")]
+             row("dcp.load, flowcheck.dcp.Reader", "fc_load", "fs_load"),
+             row("dcp.load, flowcheck.dcp.Reader(direct=False) (read into a buffer, then copied)", "fc_load_copy",
+                 "fs_load")]
     pairs = {"save": ("fs_save", "fc_save"), "async_total": ("fs_async", "fc_async"),
-             "async_blocking": ("fs_block", "fc_block"), "load": ("fs_load", "fc_load")}
+             "async_blocking": ("fs_block", "fc_block"), "load": ("fs_load", "fc_load"),
+             "load_copy": ("fs_load", "fc_load_copy"), "direct_vs_copy": ("fc_load_copy", "fc_load")}
+    pairs = {k: (a, b) for k, (a, b) in pairs.items() if a in med and b in med}
     ratios = {k: med[a] / med[b] for k, (a, b) in pairs.items()}
     # the same round's two runs side by side: what drifted during the run (other work on the machine) cancels
     paired = {k: statistics.median(x / y for x, y in zip(t[a], t[b])) for k, (a, b) in pairs.items()}
     lines += ["", "Per-round ratios (FileSystem / flowcheck in the same round), median: " +
               ", ".join(f"{k} **{v:.2f}x**" for k, v in paired.items())]
+    if "load" in pairs:
+        lines.append("Load, each round (FileSystem / flowcheck): " +
+                     ", ".join(f"{x / y:.2f}x" for x, y in zip(t["fs_load"], t["fc_load"])))
+    if "load_copy" in pairs:
+        lines.append("Load, each round (FileSystem / flowcheck direct=False): " +
+                     ", ".join(f"{x / y:.2f}x" for x, y in zip(t["fs_load"], t["fc_load_copy"])))
     return {"text": "\n".join(lines), "median_s": med, "times_s": t, "ratios": ratios, "paired_ratios": paired,
             "bytes": nbytes}
 

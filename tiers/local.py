@@ -262,11 +262,13 @@ class LocalTier(Tier):
                 f"in step {ref.step} of branch {ref.branch} ({ref.manifest_digest[:19]}) are missing or damaged: {e}"
             ) from e
 
-    def read_packed_run(self, manifest: Manifest, items: list[tuple[str, ShardEntry]], threads: int = 1
-                        ) -> list[np.ndarray]:
+    def read_packed_run(self, manifest: Manifest, items: list[tuple[str, ShardEntry]], threads: int = 1,
+                        into: list[np.ndarray | None] | None = None) -> list[np.ndarray]:
         """Whole shards of one pack of this step (``packed_runs`` groups them), read through one open file, each in
         one native pass that checks every chunk's CRC32C and computes the digest checked against the shard's own:
-        flat arrays, views of one buffer, in the order given."""
+        flat arrays in the order given — the shard's ``into`` entry (a writable contiguous array of the shard's byte
+        size, e.g. the caller's destination tensor: read straight into it) or a view of one buffer.  A shard found
+        damaged raises IntegrityError; its ``into`` array then holds bytes that must not be used."""
         rel = items[0][1].location[0].path
         if any(entry.location[0].path != rel or entry.location[0].ref is not None for _, entry in items):
             raise ValueError("read_packed_run: shards of several packs, or held by an earlier step, given as one run")
@@ -277,16 +279,20 @@ class LocalTier(Tier):
                 raise IntegrityError(f"local tier: {pack.path}: the pack holds {pack.info.storage}, tensor {tensor} is "
                                      f"{storage}")
         sizes = [math.prod(entry.shape) for _, entry in items]
+        into = list(into) if into is not None else [None] * len(items)
         flat, digests = zarr_pack.read_ranges(pack, [(e.location[0].start, n) for (_, e), n in zip(items, sizes)],
-                                              threads)
+                                              threads, into)
         out, at = [], 0
-        for (tensor, entry), n, got in zip(items, sizes, digests):
+        for (tensor, entry), n, got, dest in zip(items, sizes, digests, into):
             if got != entry.digest:
                 raise IntegrityError(f"local tier step {manifest.step} tensor {tensor} shard {list(entry.offsets)} "
                                      f"(stored in {pack.path}): data digest {got} != manifest {entry.digest}; this "
                                      "copy is damaged — read the step from another tier")
-            out.append(flat[at:at + n])
-            at += n
+            if dest is None:
+                out.append(flat[at:at + n])
+                at += n
+            else:
+                out.append(dest.reshape(-1).view(pack.info.storage))
         return out
 
     def _read_in(self, pack: zarr_pack.PackFile, manifest: Manifest, tensor: str, entry: ShardEntry, region

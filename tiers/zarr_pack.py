@@ -310,26 +310,39 @@ def read_elements(pack: PackFile, start: int, count: int, shape: tuple[int, ...]
     return out.reshape(shape), f"{DATA_ALG}:{digest}"
 
 
-def read_ranges(pack: PackFile, ranges: list[tuple[int, int]], threads: int = 1) -> tuple[np.ndarray, list[str]]:
-    """Element ranges ``(start, count)`` of a checked pack, back to back in one flat array, through one open file:
-    each range read in its own native pass (every chunk it touches CRC32C-checked) that also gives its xxh3-128
-    digest — shards read together, each checked on its own, with no second pass over the bytes."""
+def read_ranges(pack: PackFile, ranges: list[tuple[int, int]], threads: int = 1,
+                into: list[np.ndarray | None] | None = None) -> tuple[np.ndarray, list[str]]:
+    """Element ranges ``(start, count)`` of a checked pack through one open file: each range read in its own native
+    pass (every chunk it touches CRC32C-checked) that also gives its xxh3-128 digest — shards read together, each
+    checked on its own, with no second pass over the bytes.  A range whose ``into`` entry is a writable contiguous
+    array of its byte size is read straight into it (a caller's destination: no copy after); the others land back
+    to back in the flat array returned."""
     info = pack.info
-    for start, count in ranges:
+    itemsize = np.dtype(info.storage).itemsize
+    into = list(into) if into is not None else [None] * len(ranges)
+    if len(into) != len(ranges):
+        raise ValueError(f"read_ranges: {len(ranges)} ranges but {len(into)} destinations")
+    for (start, count), dest in zip(ranges, into):
         if start + count > info.length:
             raise IntegrityError(f"local tier: {pack.path}: elements {start}..{start + count} lie past the pack's "
                                  f"{info.length}")
-    out = np.empty(sum(count for _, count in ranges), dtype=info.storage)
+        if dest is not None and dest.nbytes != count * itemsize:
+            raise ValueError(f"read_ranges: a destination of {dest.nbytes} bytes for {count} elements of "
+                             f"{info.storage} ({count * itemsize} bytes)")
+    out = np.empty(sum(count for (_, count), dest in zip(ranges, into) if dest is None), dtype=info.storage)
     digests, at = [], 0
-    fd = os.open(pack.path, os.O_RDONLY) if len(out) else -1
+    fd = os.open(pack.path, os.O_RDONLY) if any(count for _, count in ranges) else -1
     try:
         if fd >= 0:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        for start, count in ranges:
-            part = out[at:at + count]
-            at += count
-            digest = (_native.read_chunks(fd, part.view(np.uint8), start * out.dtype.itemsize, info.chunk_bytes,
-                                          threads) if count else _native.xxh3_128(part))
+        for (start, count), dest in zip(ranges, into):
+            if dest is None:
+                part = out[at:at + count].view(np.uint8)
+                at += count
+            else:
+                part = dest.reshape(-1).view(np.uint8)
+            digest = (_native.read_chunks(fd, part, start * itemsize, info.chunk_bytes, threads)
+                      if count else _native.xxh3_128(part))
             digests.append(f"{DATA_ALG}:{digest}")
     except ValueError as e:
         raise IntegrityError(f"local tier: {pack.path}: {e}") from e

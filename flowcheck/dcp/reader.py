@@ -4,7 +4,8 @@
 (boxes in the global index space: what DCP's chunks are), each bytes item — and DCP's own planner decides which
 piece of which chunk every rank needs, at any world size or mesh.  ``read_data`` reads each stored shard the
 plan touches once, through the fastest tier holding the step with its digest checked (falling back to an intact
-copy in another tier), and copies the asked-for pieces into the rank's tensors.  Bytes items go through the
+copy in another tier): a shard DCP wants whole (a rank loading the layout it saved) straight into the rank's
+tensor, any other into a buffer the asked-for pieces are copied out of.  Bytes items go through the
 allow-listed loader first (flowcheck/dcp/objects.py says exactly where anything is unpickled).  Steps pushed
 by a ``Checkpointer`` (no DCP index) are presented under ``get_state_dict``'s keys (flowcheck/dcp/index.py).
 """
@@ -58,7 +59,9 @@ class Reader(StorageReader):
 
     ``where`` as for ``Writer``; ``prefer``: ``auto`` (fastest tier, falling back to an intact copy), ``local`` or
     ``object``; ``trust_pickle`` / ``safe_globals``: see flowcheck/dcp/objects.py; ``push_keys``: the top-level keys
-    a step pushed by a ``Checkpointer`` is loaded under (flowcheck/dcp/index.py).  After ``dcp.load``,
+    a step pushed by a ``Checkpointer`` is loaded under (flowcheck/dcp/index.py); ``direct``: read a stored shard
+    that DCP wants whole, into a CPU tensor of its dtype, straight into that tensor (False: always through a buffer,
+    then copied — the benchmark's before/after).  After ``dcp.load``,
     ``resumed`` is the loaded state (``ParentRef``): pass the Reader as a ``Writer``'s ``parent`` so the next save
     descends from it.  Example::
 
@@ -68,13 +71,13 @@ class Reader(StorageReader):
 
     def __init__(self, where: Config | str | None = None, *, step: int | str = "latest", run: str | None = None,
                  branch: str | None = None, prefer: str = "auto", trust_pickle: bool = False,
-                 safe_globals: Sequence[Any] = (), push_keys: PushKeys = PUSH_KEYS) -> None:
+                 safe_globals: Sequence[Any] = (), push_keys: PushKeys = PUSH_KEYS, direct: bool = True) -> None:
         if prefer not in ("auto", "local", "object"):
             raise ConfigError(f"flowcheck.dcp.Reader: prefer: expected 'auto', 'local' or 'object', found {prefer!r}")
         self.config, _ = open_config(where, run)
         self.step, self.branch, self.prefer = step, branch, prefer
         self.trust_pickle, self.safe_globals = trust_pickle, tuple(safe_globals)
-        self.push_keys = push_keys
+        self.push_keys, self.direct = push_keys, direct
         self._resumed: ParentRef | Manifest | None = None  # the loaded manifest; its digest once asked for
         self._tier: Any = None
         self._manifest: Manifest | None = None
@@ -130,10 +133,17 @@ class Reader(StorageReader):
             for req in by_source.pop(key):
                 planner.load_bytes(req, io.BytesIO(objects.saved(self._view.made[key])))
         stored = {(self._view.objects[k], 0): k for k in by_source if isinstance(k, str)}  # bytes items' uint8 shards
-        for source, src in self._read(sorted(set(stored) | {k for k in by_source if not isinstance(k, str)})):
+        direct = self._destinations(by_source, planner) if self.direct else {}
+        for source, src in self._read(sorted(set(stored) | {k for k in by_source if not isinstance(k, str)}), direct):
             if source in stored:
                 for req in by_source[stored[source]]:
                     planner.load_bytes(req, self._bytes(stored[source], src))
+                continue
+            if source in direct:
+                req, dest = direct[source]
+                if src.data_ptr() != dest.data_ptr():  # read elsewhere (a damaged run read again shard by shard)
+                    dest.copy_(src.reshape(dest.shape))
+                planner.commit_tensor(req, dest)
                 continue
             for req in by_source[source]:
                 piece = narrow_tensor_by_index(src, req.storage_offsets, req.lengths)
@@ -166,24 +176,53 @@ class Reader(StorageReader):
         return getattr(self._tier, "branch", "main")
 
     # ---- reads -------------------------------------------------------------------------
-    def _read(self, sources: list[tuple[str, int]]) -> Iterator[tuple[tuple[str, int], torch.Tensor]]:
+    def _destinations(self, by_source: dict[Any, list[Any]], planner: LoadPlanner) -> dict[Any, tuple[Any, torch.Tensor]]:
+        """``{source: (read item, destination tensor)}`` for the stored shards a rank can read straight into DCP's
+        destination: one read item asking for the whole shard, into a contiguous CPU tensor of the stored dtype and
+        size (a rank loading what it saved, at the same layout).  Any other shard is read whole into a buffer (its
+        digest covers the whole shard) and the asked-for pieces are copied out."""
+        m, out = self._manifest, {}
+        for source, reqs in by_source.items():
+            if isinstance(source, str) or len(reqs) != 1:
+                continue
+            name, i = source
+            req, entry = reqs[0], m.tensors[name].shards[i]
+            if any(req.storage_offsets) or tuple(req.lengths) != tuple(entry.shape):
+                continue
+            dest = planner.resolve_tensor(req).detach()
+            if (dest.device.type == "cpu" and dest.is_contiguous() and not dest.is_conj() and not dest.is_neg()
+                    and tuple(dest.shape) == tuple(entry.shape)
+                    and dest.dtype == getattr(torch, dtypes.dtype(m.tensors[name].dtype).torch)):
+                out[source] = (req, dest)
+        return out
+
+    def _read(self, sources: list[tuple[str, int]], direct: dict[Any, tuple[Any, torch.Tensor]] | None = None
+              ) -> Iterator[tuple[tuple[str, int], torch.Tensor]]:
         """``(source, shard)`` for each stored shard named, whole and digest-checked, as a CPU tensor of its dtype.
 
         On the local tier, shards lying together in a pack (a rank reads back what it saved: one part, in order)
-        are read as runs, one native pass each (tiers/local.py ``read_packed_run``); the next run is read while
-        this one is copied out.  Anything else, and a run found damaged, is read shard by shard through the tier
-        (which falls back to an intact copy in another tier)."""
-        m = self._manifest
+        are read as runs, one native pass each (tiers/local.py ``read_packed_run``); a shard with a ``direct``
+        destination is read straight into that tensor's memory (the shard yielded is then that tensor), the others
+        into a buffer, and the next run is read while this one is copied out.  Anything else, and a run found
+        damaged, is read shard by shard through the tier (which falls back to an intact copy in another tier)."""
+        m, direct = self._manifest, direct or {}
         items = [(name, m.tensors[name].shards[i]) for name, i in sources]
         source = {(name, e.offsets): (name, i) for (name, i), (_, e) in zip(sources, items)}
         runs, rest = packed_runs(items, RUN_ELEMENTS) if hasattr(self._tier, "read_packed_run") else ([], items)
         threads = cores_per_rank(READERS)
 
-        def read(unit: tuple[bool, list[tuple[str, Any]]]) -> list[np.ndarray]:
+        def into(name: str, entry: Any) -> np.ndarray | None:
+            hit = direct.get(source[(name, entry.offsets)])
+            return None if hit is None else hit[1].reshape(-1).view(torch.uint8).numpy()
+
+        def read(unit: tuple[bool, list[tuple[str, Any]]]) -> list[np.ndarray | torch.Tensor]:
             packed, run = unit
             if packed:
+                dests = [into(name, entry) for name, entry in run]
                 try:
-                    return self._tier.read_packed_run(m, run, threads)
+                    arrays = self._tier.read_packed_run(m, run, threads, dests)
+                    return [direct[source[(n, e.offsets)]][1] if d is not None else a
+                            for (n, e), d, a in zip(run, dests, arrays)]
                 except DAMAGE:
                     pass  # shard by shard: the error names the shard, or another tier holds an intact copy
             return [self._tier.read_shard(m, name, entry) for name, entry in run]
@@ -192,7 +231,8 @@ class Reader(StorageReader):
         # runs: one read ahead (at most two in memory, each read on `threads`); single shards: `threads` at once
         for (_, run), arrays in _ahead(read, units, 1 if runs else threads):
             for (name, entry), arr in zip(run, arrays):
-                yield source[(name, entry.offsets)], _tensor(arr.reshape(entry.shape), m.tensors[name].dtype)
+                got = arr if isinstance(arr, torch.Tensor) else _tensor(arr.reshape(entry.shape), m.tensors[name].dtype)
+                yield source[(name, entry.offsets)], got
 
     def _bytes(self, key: str, src: torch.Tensor) -> io.BytesIO:
         """A bytes item from its stored uint8 shard, through the allow-listed loader (flowcheck/dcp/objects.py)."""
