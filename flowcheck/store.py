@@ -217,20 +217,31 @@ class Store:
 
     def _same_state(self, hist: History, snapshot: Snapshot) -> tuple[Located, Manifest] | None:
         """A committed state at the snapshot's step holding the same data and scalars, and its manifest, if any."""
-        candidates = [s for s in hist.states if s.step == snapshot.step and s.digest is not None]
-        if not candidates:
+        if not any(s.step == snapshot.step and s.digest is not None for s in hist.states):
             return None
         from flowcheck.digest import data_digest
 
         ours = {(sh.tensor, sh.offsets, sh.shape, data_digest(snapshot.array(sh))) for sh in snapshot.shards()}
-        scalars = snapshot.scalars.to_json()
-        for c in candidates:
+        return self._holding(hist, snapshot.step, ours, snapshot.scalars.to_json(), snapshot.layout.digest())
+
+    def committed_same_state(self, m: Manifest, tier: str) -> Manifest | None:
+        """The manifest of a state committed in ``tier`` at ``m``'s step with the same data (shard digests), scalars
+        and layout as manifest ``m`` — for writers that store a state in pieces before they can compare it
+        (flowcheck/dcp: an identical re-save is then a no-op, as ``commit`` makes it)."""
+        hist = self.history([tier], live={tier})
+        ours = {(name, e.offsets, e.shape, e.digest) for name, t in m.tensors.items() for e in t.shards}
+        same = self._holding(hist, m.step, ours, dict(m.scalars), m.layout_digest)
+        return None if same is None else same[1]
+
+    def _holding(self, hist: History, step: int, ours: set, scalars: dict, layout_digest: str
+                 ) -> tuple[Located, Manifest] | None:
+        for c in [s for s in hist.states if s.step == step and s.digest is not None]:
             try:
                 m = self.tier(c.tier, c.branch).manifest(c.step, check_signature=False)
             except StepNotFoundError:
                 continue  # listed when the tier was last listed (not live now), deleted since: not a state any more
             theirs = {(name, e.offsets, e.shape, e.digest) for name, t in m.tensors.items() for e in t.shards}
-            if theirs == ours and dict(m.scalars) == scalars and m.layout_digest == snapshot.layout.digest():
+            if theirs == ours and dict(m.scalars) == scalars and m.layout_digest == layout_digest:
                 return Located(c.step, c.branch), m
         return None
 

@@ -137,6 +137,20 @@ def commit(store: Store, target: SaveTarget, manifest: Manifest) -> Manifest:
     return m
 
 
+def discard(store: Store, target: SaveTarget, written: Mapping[str, Manifest]) -> None:
+    """Drop a save that is not committed (the same state is already stored): the local tier's temporary folder, or
+    on the object tier each part's files and part manifest (``written``: the parts, by node), so a later save of
+    another state at this step on this branch finds no stale part in its way."""
+    if target.tier == "local":
+        shutil.rmtree(temp_dir(store, target), ignore_errors=True)
+        return
+    tier = store.tier("object", target.branch)
+    for node, part in written.items():
+        for f in part.files:
+            tier.remove_file(f.path, f"removing {node}'s part of a save that committed nothing")
+        tier.remove_file(cluster.part_manifest(target.step, node), f"removing {node}'s part manifest")
+
+
 def _commit_object(tier, m: Manifest) -> Manifest:
     m = tier._sign(m)  # noqa: SLF001 - the tier's own signing and validation, as cluster.py uses it
     rel = f"{step_dir(m.step)}/{MANIFEST}"

@@ -121,7 +121,15 @@ class Writer(StorageWriter):
                  if isinstance(r.storage_data, Stored) and r.storage_data.node == parts.OBJECTS_NODE}
         store = Store(self.config)
         objects = parts.write_part(store, target, _objects(target, blobs), parts.OBJECTS_NODE) if blobs else None
-        self.committed = parts.commit(store, target, parts.step_manifest(target, found, objects, "dcp"))
+        manifest = parts.step_manifest(target, found, objects, "dcp")
+        same = store.committed_same_state(manifest, target.tier)
+        if same is not None:  # the same state saved again at its step (a retried save): a no-op, as Store.commit
+            parts.discard(store, target, {**found, **({parts.OBJECTS_NODE: objects} if objects else {})})
+            log.info("%s tier: step %d of run %s is already committed with this state (manifest %s); nothing new "
+                     "committed", target.tier, target.step, target.run, same.digest())
+            self.committed = same
+        else:
+            self.committed = parts.commit(store, target, manifest)
         consumed = getattr(self.parent, "resumed", None)
         if consumed is not None and self.committed.parent == consumed:
             self.parent.resumed = None  # the resume point is in the lineage now: later saves continue this branch
