@@ -179,6 +179,18 @@ def test_a_rank_reads_its_shards_from_a_pack_in_one_pass_and_a_damaged_pack_is_r
     wrong = dataclasses.replace(entry, digest="xxh3-128:" + "0" * 32)
     with pytest.raises(IntegrityError, match="data digest"):
         store.local.read_packed_run(m, [*run[:-1], (name, wrong)])
+    # into a caller's buffers (dcp.Reader: DCP's destination tensors): the same bytes, in those buffers, still checked
+    import numpy as np
+
+    from flowcheck import dtypes
+    into = [np.zeros(math.prod(e.shape), dtypes.dtype(m.tensors[n].dtype).storage).view(np.uint8) for n, e in run]
+    got = store.local.read_packed_run(m, run, 1, into)
+    assert all(np.shares_memory(g, d) for g, d in zip(got, into))
+    assert all(np.array_equal(g, a) for g, a in zip(got, store.local.read_packed_run(m, run)))
+    with pytest.raises(IntegrityError, match="data digest"):
+        store.local.read_packed_run(m, [*run[:-1], (name, wrong)], 1, into)
+    with pytest.raises(ValueError, match="destination of"):
+        store.local.read_packed_run(m, run, 1, [d[:-1] for d in into])
 
     store.promote(3)
     pack = next(f.path for f in m.files if f.path.endswith("/c/0") and "rank-" in f.path)
@@ -189,3 +201,60 @@ def test_a_rank_reads_its_shards_from_a_pack_in_one_pass_and_a_damaged_pack_is_r
     assert same(load(cfg, zeros_like(state(3)), step=3), state(3))  # auto: the object tier's intact copy
     with pytest.raises(CheckpointException, match="CRC32C|digest"):
         load(cfg, zeros_like(state(3)), step=3, prefer="local")
+
+
+def async_save(cfg: str, s: dict, step: int, **kw) -> flowcheck.dcp.Writer:
+    w = flowcheck.dcp.Writer(cfg, step=step, **kw)
+    dcp.async_save(s, storage_writer=w, no_dist=True).result()
+    return w
+
+
+def test_async_saves_after_a_resume_descend_from_the_step_the_reader_loaded(tmp_path):
+    """The resume lineage through ``dcp.async_save`` (the save runs on DCP's thread, from its staged copy): the
+    first save names the loaded state as its parent (not "the newest smaller step", 5 -> 10 on main), later ones
+    continue the new branch."""
+    cfg = config(str(tmp_path))
+    save(cfg, state(5), 5)
+    save(cfg, state(10), 10)
+    reader = flowcheck.dcp.Reader(cfg, step=5)
+    load(reader, zeros_like(state(5)))
+    first = async_save(cfg, state(8), 8, parent=reader).committed
+    assert first.parent == reader_ref(cfg, 5) and reader.resumed is None
+    later = async_save(cfg, state(12), 12, parent=reader).committed
+    assert later.parent == first.parent_ref()
+    store = open_store(cfg)
+    assert store.local.steps() == [5, 10]
+    [branch] = store.local.branch_names()
+    assert store.tier("local", branch).steps() == [8, 12]
+    assert store.manifest(12).digest() == later.digest()  # latest follows the resumed branch
+    assert same(load(cfg, zeros_like(state(8)), step=8), state(8))
+
+
+@pytest.mark.parametrize("tier", ["local", "object"])
+def test_an_identical_resave_is_a_no_op_and_another_state_at_that_step_is_a_new_branch(tmp_path, tier):
+    """README "Branches": the same state committed twice at one step is a no-op; a different state at a step the run
+    holds is kept beside it on a branch of its own, never over it — both stay addressable."""
+    cfg = config(str(tmp_path))
+    save(cfg, state(3), 3, tier=tier)
+    first = save(cfg, state(4), 4, tier=tier).committed
+    again = save(cfg, state(4), 4, tier=tier).committed
+    store = open_store(cfg)
+    held = getattr(store, tier)
+    assert again.digest() == first.digest() and held.steps() == [3, 4]
+    assert all(store.tier(tier, b).steps() == [] for b in held.branch_names())  # nothing stored twice
+    left = [p for p in (tmp_path / tier).rglob("*") if ".tmp" in str(p) or "branches" in str(p) and p.is_file()
+            and p.name != "branch.json"]
+    assert left == []  # the discarded save's parts are gone, not left for GC
+
+    other = save(cfg, state(99), 4, tier=tier).committed
+    store = open_store(cfg)
+    held = getattr(store, tier)
+    assert other.digest() != first.digest() and other.parent == first.parent
+    assert held.steps() == [3, 4] and held.manifest(4).digest() == first.digest()  # main's step 4 untouched
+    assert [b for b in held.branch_names() if store.tier(tier, b).steps() == [4]] != []
+    assert same(load(cfg, zeros_like(state(4)), step=first.digest()[:20]), state(4))
+    assert same(load(cfg, zeros_like(state(99)), step=other.digest()[:20]), state(99))
+    assert same(load(cfg, zeros_like(state(99)), step="latest"), state(99))  # the newest commit is current
+    done = subprocess.run([sys.executable, "-m", "flowcheck", "--config", cfg, "audit"], check=False,
+                          capture_output=True, text=True)
+    assert done.returncode == 0 and " 0 errors" in done.stdout, done.stdout + done.stderr
