@@ -225,13 +225,21 @@ class Store:
         return self._holding(hist, snapshot.step, ours, snapshot.scalars.to_json(), snapshot.layout.digest())
 
     def committed_same_state(self, m: Manifest, tier: str) -> Manifest | None:
-        """The manifest of a state committed in ``tier`` at ``m``'s step with the same data (shard digests), scalars
-        and layout as manifest ``m`` — for writers that store a state in pieces before they can compare it
-        (flowcheck/dcp: an identical re-save is then a no-op, as ``commit`` makes it)."""
-        hist = self.history([tier], live={tier})
+        """The manifest of a state committed in ``tier`` (any branch) at ``m``'s step with the same data (shard
+        digests), scalars and layout as manifest ``m`` — for writers that store a state in pieces before they can
+        compare it (flowcheck/dcp: an identical re-save is then a no-op, as ``commit`` makes it).  Only the
+        branches whose listing holds the step are read: a save at a new step number costs one listing per branch."""
         ours = {(name, e.offsets, e.shape, e.digest) for name, t in m.tensors.items() for e in t.shards}
-        same = self._holding(hist, m.step, ours, dict(m.scalars), m.layout_digest)
-        return None if same is None else same[1]
+        for bt in self.branch_tiers(tier):
+            if m.step not in bt.steps():
+                continue
+            try:
+                theirs = bt.manifest(m.step, check_signature=False)
+            except FlowcheckError:
+                continue  # deleted since it was listed, or unreadable: not a state to be the same as
+            if _same_data(theirs, ours, dict(m.scalars), m.layout_digest):
+                return theirs
+        return None
 
     def _holding(self, hist: History, step: int, ours: set, scalars: dict, layout_digest: str
                  ) -> tuple[Located, Manifest] | None:
@@ -240,8 +248,7 @@ class Store:
                 m = self.tier(c.tier, c.branch).manifest(c.step, check_signature=False)
             except StepNotFoundError:
                 continue  # listed when the tier was last listed (not live now), deleted since: not a state any more
-            theirs = {(name, e.offsets, e.shape, e.digest) for name, t in m.tensors.items() for e in t.shards}
-            if theirs == ours and dict(m.scalars) == scalars and m.layout_digest == layout_digest:
+            if _same_data(m, ours, scalars, layout_digest):
                 return Located(c.step, c.branch), m
         return None
 
@@ -481,6 +488,12 @@ class Store:
         of the run is ``empty``. A configured tier that does not exist raises TierMissingError (no such S3
         bucket; a ``file://`` folder whose parent is missing too), refused credentials TierAccessError."""
         return tier_check.check_tiers(self)
+
+
+def _same_data(m: Manifest, shards: set, scalars: dict, layout_digest: str) -> bool:
+    """Whether manifest ``m`` holds these shards ``(tensor, offsets, shape, digest)``, scalars and layout."""
+    theirs = {(name, e.offsets, e.shape, e.digest) for name, t in m.tensors.items() for e in t.shards}
+    return theirs == shards and dict(m.scalars) == scalars and m.layout_digest == layout_digest
 
 
 def _state_info(tier: Tier, step: int) -> StateInfo:
