@@ -211,23 +211,23 @@ def async_save(cfg: str, s: dict, step: int, **kw) -> flowcheck.dcp.Writer:
 
 def test_async_saves_after_a_resume_descend_from_the_step_the_reader_loaded(tmp_path):
     """The resume lineage through ``dcp.async_save`` (the save runs on DCP's thread, from its staged copy): the
-    first save names the loaded state as its parent (not "the newest smaller step", 5 -> 10 on main), later ones
-    continue the new branch."""
+    first save after loading step 5 names step 5 as its parent even at step 11, where "the newest smaller step"
+    (``parent="auto"``) would be 10; later saves continue the new branch."""
     cfg = config(str(tmp_path))
     save(cfg, state(5), 5)
     save(cfg, state(10), 10)
     reader = flowcheck.dcp.Reader(cfg, step=5)
     load(reader, zeros_like(state(5)))
-    first = async_save(cfg, state(8), 8, parent=reader).committed
+    first = async_save(cfg, state(11), 11, parent=reader).committed
     assert first.parent == reader_ref(cfg, 5) and reader.resumed is None
     later = async_save(cfg, state(12), 12, parent=reader).committed
     assert later.parent == first.parent_ref()
     store = open_store(cfg)
-    assert store.local.steps() == [5, 10]
+    assert store.local.steps() == [5, 10]  # main keeps the first lineage, whole
     [branch] = store.local.branch_names()
-    assert store.tier("local", branch).steps() == [8, 12]
+    assert store.tier("local", branch).steps() == [11, 12]
     assert store.manifest(12).digest() == later.digest()  # latest follows the resumed branch
-    assert same(load(cfg, zeros_like(state(8)), step=8), state(8))
+    assert same(load(cfg, zeros_like(state(11)), step=11), state(11))
 
 
 @pytest.mark.parametrize("tier", ["local", "object"])
