@@ -164,6 +164,29 @@ def resume(rank: int, world: int, port: int, cfg: str, step: int | str, n: int, 
     dist.destroy_process_group()
 
 
+def resume_async_save(rank: int, world: int, port: int, cfg: str, step: int, later: int, out: str) -> None:
+    """Save a fresh model at step ``later`` (a newer state on main), then resume from ``step`` through the Reader at
+    this world size, train one step and ``dcp.async_save`` it as step ``later + 1`` with ``parent=reader`` on its
+    own gloo group; rank 0 records the committed manifest's parent."""
+    import flowcheck.dcp
+
+    init(rank, world, port)
+    ckpt_group = dist.new_group(backend="gloo")
+    model, opt, sched = build(world)
+    dcp.save(state(model, opt, sched, 0), storage_writer=flowcheck.dcp.Writer(cfg, step=later))
+    reader = flowcheck.dcp.Reader(cfg, step=step)
+    loaded = state(model, opt, sched, 0)
+    dcp.load(loaded, storage_reader=reader)
+    start = restore(model, opt, sched, loaded)
+    train_step(model, opt, sched, start + 1, rank, world)
+    writer = flowcheck.dcp.Writer(cfg, step=later + 1, parent=reader)
+    dcp.async_save(state(model, opt, sched, start + 1), storage_writer=writer, process_group=ckpt_group).result()
+    if rank == 0:
+        parent = writer.committed.parent
+        dump(out, {"start": start, "parent": [parent.step, parent.manifest_digest], "consumed": reader.resumed is None})
+    dist.destroy_process_group()
+
+
 def push_train(rank: int, world: int, port: int, node_url: str, cfg: str, k: int, n: int, out: str) -> None:
     """Train steps 1..n pushing every step to a node (flowcheck.torch.Checkpointer, DTensor state), then die (SIGKILL).
     After step k the ranks wait until the node's policy committed it to the local tier (so it is step k it commits,

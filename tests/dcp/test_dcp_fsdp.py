@@ -15,6 +15,7 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 
 import flowcheck.dcp
+from flowcheck.manifest import ParentRef
 from flowcheck.store import open_store
 from tests.dcp import fsdp
 
@@ -102,6 +103,24 @@ def test_resuming_at_another_world_size_reshards_through_dcps_planner(saved, tmp
     assert got["start"] == K
     for s in range(K + 1, N + 1):
         assert math.isclose(got["losses"][str(s)], saved["losses"][s], rel_tol=1e-5), (s, got, saved["losses"])
+
+
+def test_an_async_save_after_resuming_at_2_ranks_descends_from_the_loaded_step(saved, tmp_path):
+    """4-rank step K resumed at 2 ranks (DCP reshards), trained one step and saved with ``dcp.async_save`` as step
+    N + 1 while main also holds a newer step N: the parent is step K (what was loaded), on a branch of its own."""
+    import shutil
+
+    shutil.copytree(f"{saved['root']}/local", tmp_path / "local")  # the module's store stays as the others expect
+    cfg = config(str(tmp_path))
+    fsdp.spawn(fsdp.resume_async_save, 2, cfg, K, N, str(tmp_path / "r.json"))
+    got = json.loads((tmp_path / "r.json").read_text())
+    store = open_store(cfg)
+    assert got["start"] == K and got["consumed"]  # the Writer consumed the resume point
+    assert ParentRef(*got["parent"]) == store.local.manifest(K).parent_ref()
+    assert store.local.steps() == [K, N]
+    [branch] = store.local.branch_names()
+    assert store.tier("local", branch).steps() == [N + 1]
+    assert store.manifest(N + 1).parent == store.local.manifest(K).parent_ref()
 
 
 def test_export_of_a_dcp_step_gives_the_full_tensors(saved, tmp_path):
