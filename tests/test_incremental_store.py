@@ -221,3 +221,22 @@ def test_a_shard_written_while_a_snapshot_is_in_flight_is_hashed_again(tmp_path)
     want = np.asarray(first.array(changed)) + 1.0
     assert store.tier("local").read(2, changed.tensor)[:changed.shape[0]].tobytes() == want.tobytes()
     assert m2.tensors[changed.tensor].shards[0].digest != m1.tensors[changed.tensor].shards[0].digest
+
+
+def test_promotion_keeps_the_digest_when_a_tensors_shards_lie_in_two_steps(tmp_path):
+    """A read-back incremental step comes in storage order (its own packs, then the parent's, or the reverse);
+    the promoted copy still lists each tensor's shards in the stored order, so its manifest digest is the same."""
+    from flowcheck.state import Scalars, Shard, Snapshot, StateLayout, TensorSpec
+
+    layout = StateLayout((TensorSpec("w", "float32", (64, 16)),))
+    rng = np.random.default_rng(5)
+    first, second = rng.standard_normal((2, 32, 16)).astype(np.float32)
+    store = make_store(str(tmp_path))
+    for step, (a, b) in enumerate([(first, second), (first, second + 1), (first + 1, second + 1)], 1):
+        data = {Shard("w", (0, 0), (32, 16)): a, Shard("w", (32, 0), (32, 16)): b}
+        store.push(Snapshot("r1", step, layout, data, Scalars(optimizer_step=step)))
+        store.snapshot()
+    for step in (2, 3):  # step 2: the second shard changed, step 3: the first
+        local = store.tier("local").manifest(step)
+        assert local.refs
+        assert store.promote(step).digest() == local.digest()

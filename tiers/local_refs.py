@@ -94,7 +94,8 @@ def reuse(snapshot: Snapshot, found: Mapping[Key, Candidate], here: str, workers
     keyed = {s: (s.tensor, s.offsets, s.shape, snapshot.layout.spec(s.tensor).dtype) for s in snapshot.data}
     todo = [s for s, k in keyed.items() if k in found]
     if snapshot.origin is not None:
-        digests = {s: _origin_digest(snapshot.origin, s) for s in todo}
+        stored = {(name, e.offsets, e.shape): e.digest for name, t in snapshot.origin.tensors.items() for e in t.shards}
+        digests = {s: stored.get((s.tensor, s.offsets, s.shape)) for s in todo}
         known: dict[Shard, str] = {}  # written and hashed as usual: the write checks them against the origin
     else:
         given = {s: known_digests[s] for s in todo if known_digests and s in known_digests}
@@ -123,13 +124,6 @@ def _digest(arr: np.ndarray) -> str:
     if arr.dtype.byteorder == ">":
         arr = arr.astype(arr.dtype.newbyteorder("<"))
     return f"{DATA_ALG}:{_native.xxh3_128(arr.reshape(-1).view(np.uint8))}"
-
-
-def _origin_digest(m: Manifest, shard: Shard) -> str | None:
-    for e in m.tensors[shard.tensor].shards:
-        if e.offsets == shard.offsets and e.shape == shard.shape:
-            return e.digest
-    return None
 
 
 def find_parent(tiers: Iterable, parent: ParentRef) -> tuple[str, Manifest] | None:

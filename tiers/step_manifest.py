@@ -27,11 +27,17 @@ def make_manifest(
     for shard in snapshot.data:
         entry = ShardEntry(shard.offsets, shard.shape, digests[shard], locations[shard])
         by_tensor.setdefault(shard.tensor, []).append(entry)
+    origin: Manifest | None = snapshot.origin
+    if origin is not None:
+        # a read-back snapshot comes in storage order (an incremental step's shards lie in several steps' files):
+        # its copy lists each tensor's shards in the origin's order, which the manifest digest covers
+        for name, entries in by_tensor.items():
+            rank = {(e.offsets, e.shape): i for i, e in enumerate(origin.tensors[name].shards)}
+            entries.sort(key=lambda e: rank.get((e.offsets, e.shape), len(rank)))
     tensors = {
         spec.name: TensorEntry(spec.dtype, spec.shape, spec.role, tuple(by_tensor.get(spec.name, ())))
         for spec in snapshot.layout.tensors
     }
-    origin: Manifest | None = snapshot.origin
     return Manifest(
         run=snapshot.run,
         step=snapshot.step,
@@ -59,8 +65,9 @@ def shard_digests(snapshot: Snapshot, arrays: dict[Shard, np.ndarray]) -> dict[S
 def check_digests(snapshot: Snapshot, out: dict[Shard, str]) -> dict[Shard, str]:
     """Data digests computed while writing, checked against the origin manifest when the snapshot was read back."""
     if snapshot.origin is not None:
+        known = _origin_digests(snapshot.origin)
         for shard, got in out.items():
-            want = _origin_digest(snapshot.origin, shard)
+            want = known.get((shard.tensor, shard.offsets, shard.shape))
             if got != want:
                 raise IntegrityError(
                     f"step {snapshot.step} tensor {shard.tensor} shard {shard.offsets}: data digest {got} "
@@ -69,11 +76,10 @@ def check_digests(snapshot: Snapshot, out: dict[Shard, str]) -> dict[Shard, str]
     return out
 
 
-def _origin_digest(m: Manifest, shard: Shard) -> str:
-    for s in m.tensors[shard.tensor].shards:
-        if s.offsets == shard.offsets and s.shape == shard.shape:
-            return s.digest
-    raise KeyError(shard)
+def _origin_digests(m: Manifest) -> dict[tuple[str, tuple[int, ...], tuple[int, ...]], str]:
+    """Every shard's digest by (tensor, offsets, shape): one lookup per shard (a tensor may have thousands of row
+    blocks)."""
+    return {(name, s.offsets, s.shape): s.digest for name, t in m.tensors.items() for s in t.shards}
 
 
 def shard_files(manifest: Manifest, entry: ShardEntry) -> list[str]:
