@@ -93,8 +93,14 @@ class LocalConfig:
     fsync: bool = True  # make a step durable before its manifest commits it
     # fsync: the step's own files and folders, in parallel | syncfs: one flush of the whole filesystem
     sync_mode: str = "fsync"
+    # > 0: uncompressed 2-D+ shards larger than this are stored as blocks of whole rows of about this many bytes,
+    # so an incremental step rewrites only the blocks that changed (embeddings); 0: shards stay whole
+    row_block_bytes: int = 0
 
     def __post_init__(self) -> None:
+        if isinstance(self.row_block_bytes, bool) or not isinstance(self.row_block_bytes, int) or self.row_block_bytes < 0:
+            raise ConfigError(f"tiers.local.row_block_bytes: expected an integer >= 0 (0: off), "
+                              f"found {self.row_block_bytes!r}")
         if self.sync_mode not in ("syncfs", "fsync"):
             raise ConfigError(f"tiers.local.sync_mode: expected 'syncfs' or 'fsync', found {self.sync_mode!r}")
         if self.codec not in CODECS:

@@ -220,9 +220,26 @@ class Store:
         if not any(s.step == snapshot.step and s.digest is not None for s in hist.states):
             return None
         from flowcheck.digest import data_digest
+        from flowcheck.tiers import row_blocks
 
-        ours = {(sh.tensor, sh.offsets, sh.shape, data_digest(snapshot.array(sh))) for sh in snapshot.shards()}
-        return self._holding(hist, snapshot.step, ours, snapshot.scalars.to_json(), snapshot.layout.digest())
+        # the local tier may store large shards as row blocks: the same state then lists the blocks' boxes
+        blocked = row_blocks.split(snapshot, self.config.tiers.local.row_block_bytes)
+        views = [snapshot] if blocked is snapshot else [snapshot, blocked]
+        boxes: list[set | None] = [None] * len(views)
+        scalars, layout_digest = snapshot.scalars.to_json(), snapshot.layout.digest()
+        for c in [s for s in hist.states if s.step == snapshot.step and s.digest is not None]:
+            try:
+                m = self.tier(c.tier, c.branch).manifest(c.step, check_signature=False)
+            except StepNotFoundError:
+                continue  # listed when the tier was last listed (not live now), deleted since: not a state any more
+            if dict(m.scalars) != scalars or m.layout_digest != layout_digest:
+                continue
+            for i, view in enumerate(views):
+                if boxes[i] is None:  # hashed once, and only when a candidate's scalars and layout match
+                    boxes[i] = {(sh.tensor, sh.offsets, sh.shape, data_digest(view.array(sh))) for sh in view.shards()}
+                if _same_data(m, boxes[i], scalars, layout_digest):
+                    return Located(c.step, c.branch), m
+        return None
 
     def committed_same_state(self, m: Manifest, tier: str) -> Manifest | None:
         """The manifest of a state committed in ``tier`` (any branch) at ``m``'s step with the same data (shard
@@ -239,17 +256,6 @@ class Store:
                 continue  # deleted since it was listed, or unreadable: not a state to be the same as
             if _same_data(theirs, ours, dict(m.scalars), m.layout_digest):
                 return theirs
-        return None
-
-    def _holding(self, hist: History, step: int, ours: set, scalars: dict, layout_digest: str
-                 ) -> tuple[Located, Manifest] | None:
-        for c in [s for s in hist.states if s.step == step and s.digest is not None]:
-            try:
-                m = self.tier(c.tier, c.branch).manifest(c.step, check_signature=False)
-            except StepNotFoundError:
-                continue  # listed when the tier was last listed (not live now), deleted since: not a state any more
-            if _same_data(m, ours, scalars, layout_digest):
-                return Located(c.step, c.branch), m
         return None
 
     def _current_head_before(self, step: int) -> ParentRef | None:

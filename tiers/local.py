@@ -39,7 +39,7 @@ from flowcheck.errors import (
 from flowcheck.manifest import INCREMENTAL_VERSION, PACKED_VERSION, Manifest, ParentRef, ShardEntry, StepRef
 from flowcheck.progress import Progress, counter
 from flowcheck.state import Shard, Snapshot
-from flowcheck.tiers import local_refs, local_zarr, zarr_pack
+from flowcheck.tiers import local_refs, local_zarr, row_blocks, zarr_pack
 from flowcheck.tiers.base import Problem, Tier, full_region, make_manifest, parse_step_dir, step_dir
 from flowcheck.tiers.durable import DurableStore, fsync_dir, make_tree_durable, replace_file, sync_paths
 from flowcheck.tiers.read_ahead import ReadAhead
@@ -108,6 +108,8 @@ class LocalTier(Tier):
         final = os.path.join(self.root, step_dir(snapshot.step))
         if os.path.exists(os.path.join(final, MANIFEST)):
             return self._already_committed(snapshot, final)
+        if self._packable(snapshot):
+            snapshot = row_blocks.split(snapshot, self.config.row_block_bytes)
         try:
             if not os.path.isdir(self.root):
                 os.makedirs(self.root, exist_ok=True)

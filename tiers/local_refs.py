@@ -11,6 +11,7 @@ manifest of the run (any branch) references, and the folder when nothing is left
 from __future__ import annotations
 
 import logging
+import math
 import os
 import shutil
 from collections.abc import Iterable, Mapping
@@ -99,24 +100,49 @@ def reuse(snapshot: Snapshot, found: Mapping[Key, Candidate], here: str, workers
         known: dict[Shard, str] = {}  # written and hashed as usual: the write checks them against the origin
     else:
         given = {s: known_digests[s] for s in todo if known_digests and s in known_digests}
-        hash_now = [s for s in todo if s not in given]
-        with ThreadPoolExecutor(max(1, workers), thread_name_prefix="flowcheck-local-hash") as pool:
-            digests = {**given, **dict(zip(hash_now, pool.map(lambda s: _digest(snapshot.array(s)), hash_now)))}
+        digests = {**given, **_digests(snapshot, [s for s in todo if s not in given], workers)}
         known = {s: d for s, d in digests.items() if d != found[keyed[s]].digest}
     order: dict[tuple[str, int, str], int] = {}
     used: dict[tuple[str, int, str], dict[str, FileEntry]] = {}
     skip: dict[Shard, Reused] = {}
+    folders: dict[tuple[str, int, str], str] = {}
     for s in todo:
         c = found[keyed[s]]
         if digests[s] != c.digest:
             continue
         i = order.setdefault(c.holder, len(order))
-        used.setdefault(c.holder, {}).update((f.path, f) for f in c.files)
-        folder = os.path.relpath(os.path.join(branch_rel(c.holder[0]), step_dir(c.holder[1])), here)
+        if i == len(used):
+            used[c.holder] = {}
+            folders[c.holder] = os.path.relpath(os.path.join(branch_rel(c.holder[0]), step_dir(c.holder[1])), here)
+        used[c.holder].update((f.path, f) for f in c.files)
+        folder = folders[c.holder]
         skip[s] = Reused(Piece(c.piece.path, start=c.piece.start, ref=i), c.digest, folder)
     refs = tuple(StepRef(b, n, d, tuple(sorted(used[(b, n, d)].values(), key=lambda f: f.path)))
                  for (b, n, d) in order)
     return skip, known, refs
+
+
+def _digests(snapshot: Snapshot, shards: list[Shard], workers: int) -> dict[Shard, str]:
+    """The shards' data digests, on ``workers`` threads (the native hash releases the GIL), in batches of about
+    equal bytes: one task per shard would cost more than hashing thousands of small row blocks."""
+    if not shards:
+        return {}
+    size = {s: math.prod(s.shape) for s in shards}
+    per = max(1, sum(size.values()) // (4 * max(1, workers)))
+    batches: list[list[Shard]] = [[]]
+    filled = 0
+    for s in shards:
+        if filled >= per:
+            batches.append([])
+            filled = 0
+        batches[-1].append(s)
+        filled += size[s]
+
+    def run(batch: list[Shard]) -> list[str]:
+        return [_digest(snapshot.array(s)) for s in batch]
+
+    with ThreadPoolExecutor(max(1, workers), thread_name_prefix="flowcheck-local-hash") as pool:
+        return dict(zip(shards, (d for ds in pool.map(run, batches) for d in ds)))
 
 
 def _digest(arr: np.ndarray) -> str:
