@@ -125,8 +125,10 @@ def test_blocked_steps_export_promote_and_open_in_a_plain_zarr_reader(tmp_path):
     out = str(tmp_path / "step3.safetensors")
     export_file(local, local.manifest(3), out)
     assert load_file(out)[EMB].tobytes() == tables[2].tobytes()
-    promoted = store.promote(3)
+    store.promote(2)
+    promoted = store.promote(3)  # its parent's object copy holds the unchanged blocks: only the changed upload
     assert promoted.digest() == local.manifest(3).digest()
+    assert promoted.refs and promoted.nbytes < ROWS * COLS * 4 / 3
     assert store.object.read(3, EMB, (slice(0, ROWS), slice(0, COLS))).tobytes() == tables[2].tobytes()
 
     zarr = pytest.importorskip("zarr")
