@@ -179,7 +179,12 @@ class LocalTier(Tier):
         if found is None:
             return {}, {}, ()
         here = os.path.join(local_refs.branch_rel(self.branch), step_dir(snapshot.step))
-        return local_refs.reuse(snapshot, local_refs.candidates(found[1], found[0]), here, self.config.workers,
+        cands = local_refs.candidates(found[1], found[0])
+        holder = self._at(found[0])
+        changed = local_refs.probe_changed(snapshot, found[1], cands,
+                                           lambda tensor, entry, rows: holder._read_packed(found[1], tensor, entry, rows)[0])
+        cands = {k: c for k, c in cands.items() if k not in changed}  # written (and hashed) as any new shard
+        return local_refs.reuse(snapshot, cands, here, self.config.workers,
                                 getattr(snapshot, "_known_digests", None))  # a memory-tier pin's (tiers/memory.py)
 
     def _packable(self, snapshot: Snapshot) -> bool:

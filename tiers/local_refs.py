@@ -14,17 +14,17 @@ import logging
 import math
 import os
 import shutil
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
 
-from flowcheck import _native
+from flowcheck import _native, dtypes
 from flowcheck.branches import BRANCHES, MAIN
 from flowcheck.digest import DATA_ALG
 from flowcheck.errors import FlowcheckError, TierError
-from flowcheck.manifest import FileEntry, Manifest, ParentRef, Piece, StepRef
+from flowcheck.manifest import FileEntry, Manifest, ParentRef, Piece, ShardEntry, StepRef
 from flowcheck.state import Shard, Snapshot
 from flowcheck.tiers.base import step_dir
 from flowcheck.tiers.durable import fsync_dir
@@ -120,6 +120,40 @@ def reuse(snapshot: Snapshot, found: Mapping[Key, Candidate], here: str, workers
     refs = tuple(StepRef(b, n, d, tuple(sorted(used[(b, n, d)].values(), key=lambda f: f.path)))
                  for (b, n, d) in order)
     return skip, known, refs
+
+
+PROBE_MIN = 4 << 20  # shards at least this large are probed before they are hashed
+PROBE_BYTES = 64 << 10
+
+
+def probe_changed(snapshot: Snapshot, parent: Manifest, found: Mapping[Key, Candidate],
+                  read: Callable[[str, ShardEntry, tuple[slice, ...]], np.ndarray]) -> set[Key]:
+    """Keys of large shards whose first rows differ from the parent's: changed for sure, without hashing them.
+
+    In full training every shard changes, and one hash pass over the whole state before the write (instead of
+    the writer's, overlapped with its I/O) is most of the dedup check's cost; reading ~64 KiB of the parent's
+    copy of each large shard settles almost all of them.  Equal first rows prove nothing (the shard is hashed
+    as before); a probe that cannot read the parent settles nothing.  A read-back snapshot is compared by
+    digests anyway (no data read), so it is not probed."""
+    if snapshot.origin is not None:
+        return set()
+    entries = {(name, e.offsets, e.shape, t.dtype): e for name, t in parent.tensors.items() for e in t.shards}
+    out: set[Key] = set()
+    for s in snapshot.data:
+        key = (s.tensor, s.offsets, s.shape, snapshot.layout.spec(s.tensor).dtype)
+        if key not in found or not s.shape or math.prod(s.shape) * dtypes.dtype(key[3]).itemsize < PROBE_MIN:
+            continue
+        row = math.prod(s.shape[1:]) * dtypes.dtype(key[3]).itemsize
+        rows = (slice(0, min(s.shape[0], max(1, PROBE_BYTES // max(1, row)))), *(slice(0, n) for n in s.shape[1:]))
+        try:
+            theirs = read(s.tensor, entries[key], rows)
+        except (FlowcheckError, OSError, KeyError) as e:
+            log.debug("local tier: dedup probe of %s %s skipped: %s", s.tensor, s.offsets, e)
+            continue
+        ours = np.asarray(snapshot.array(s))[rows[0]]
+        if ours.tobytes() != np.ascontiguousarray(theirs).tobytes():
+            out.add(key)
+    return out
 
 
 def _digests(snapshot: Snapshot, shards: list[Shard], workers: int) -> dict[Shard, str]:

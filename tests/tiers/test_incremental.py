@@ -359,3 +359,33 @@ def test_deleting_a_referenced_step_whose_manifest_was_damaged_still_keeps_the_r
     local(tmp_path).delete(1)
     assert retained(tier)
     assert_reads_back(local(tmp_path), snaps[3])
+
+
+# ---- the dedup check's probe: large shards whose first rows changed are not hashed before the write ------------
+def test_probed_changed_shards_are_written_without_a_hash_pass_and_equal_first_rows_still_hash(tmp_path, monkeypatch):
+    from flowcheck.tiers import local_refs
+
+    monkeypatch.setattr(local_refs, "PROBE_MIN", 4096)  # the small test shards (32 KiB) count as large
+    monkeypatch.setattr(local_refs, "PROBE_BYTES", 1024)  # one row
+    hashed = []
+    real = local_refs._digest
+    monkeypatch.setattr(local_refs, "_digest", lambda arr: hashed.append(arr.nbytes) or real(arr))
+    tier = local(tmp_path)
+    one = lora_state(1)
+    tier.write(one, None)
+    data = dict(one.data)
+    head_changed = Shard(FROZEN[0], (0, 0), (32, 256))
+    tail_changed = Shard(FROZEN[1], (32, 0), (32, 256))
+    data[head_changed] = one.array(head_changed) + np.float32(1)  # first row differs: settled by the probe
+    tail = one.array(tail_changed).copy()
+    tail[-1, -1] += np.float32(1)  # first rows equal: only the hash finds the change
+    data[tail_changed] = tail
+    two = Snapshot("r1", 2, LAYOUT, data, Scalars(optimizer_step=2))
+    m = tier.write(two, tier.manifest(1).parent_ref())
+    written = {(n, e.offsets) for n, t in m.tensors.items() for e in t.shards if e.location[0].ref is None}
+    assert (FROZEN[0], (0, 0)) in written and (FROZEN[1], (32, 0)) in written
+    assert (FROZEN[2], (0, 0)) not in written  # unchanged: referenced
+    assert 32 * 256 * 4 in hashed and len(hashed) == len(one.data) - 1  # every candidate but the probed one
+    loaded = local(tmp_path).load(2)
+    for shard in two.data:
+        assert loaded.array(shard).tobytes() == two.array(shard).tobytes(), shard
