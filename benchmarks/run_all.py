@@ -175,6 +175,11 @@ def ratio_rows(key: str, result: dict | None) -> list[dict]:
             s = max(e["median"]["decode_s"], e["median"]["update_s"]) * e["scale_to_1_3b"]
             out.append(_row("mirror (c)", "s/iteration at GPT-3 1.3B, 2 cores (ratio: paper's 6 s ÷ this)", s, 6.0 / s))
         return out
+    if key == "rss":
+        return [_row(key, f"node peak RSS ÷ state ({result['state_bytes'] / 1e9:.1f} GB; pushes + snapshots)",
+                     value=result.get("ratio"), goal=f"<= {result['goal']}x"),
+                _row(key, "node state read back from the local tier bit for bit", value=int(bool(result.get("verified"))),
+                     goal="= 1")]
     if key == "mirror_loss":
         return [_row(key, "silently wrong iterations (all p, m)", value=result["silently_wrong"], goal="= 0")]
     return []
