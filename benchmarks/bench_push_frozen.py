@@ -29,35 +29,17 @@ import urllib.request
 
 import torch
 
-from flowcheck.demo.model import CHARS, CONTEXT, batches, build, data
+from flowcheck.demo.lora import lora_gpt as demo_lora_gpt
+from flowcheck.demo.model import CHARS, CONTEXT, batches, data
 from flowcheck.node.client import control_request
 from flowcheck.restore.arch import ModelArch
 from flowcheck.store import open_store
 from flowcheck.torch import Checkpointer, PushConfig
 
-RANK = 8
-
-
-class LoRA(torch.nn.Module):
-    def __init__(self, base: torch.nn.Linear) -> None:
-        super().__init__()
-        self.base = base
-        self.lora_a = torch.nn.Parameter(torch.randn(RANK, base.in_features) * 0.02)
-        self.lora_b = torch.nn.Parameter(torch.randn(base.out_features, RANK) * 0.02)
-
-    def forward(self, x):
-        return self.base(x) + (x @ self.lora_a.t()) @ self.lora_b.t()
-
-
 def lora_gpt(hidden: int, layers: int):
-    torch.manual_seed(0)
-    model = build(ModelArch(num_layers=layers, hidden_size=hidden, num_attention_heads=8, vocab_size=len(CHARS),
-                            ffn_hidden_size=4 * hidden, max_position_embeddings=CONTEXT, make_vocab_size_divisible_by=4))
-    model.requires_grad_(False)
-    for layer in model.decoder.layers:
-        att = layer.self_attention
-        att.linear_qkv, att.linear_proj = LoRA(att.linear_qkv), LoRA(att.linear_proj)
-    return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    return demo_lora_gpt(ModelArch(num_layers=layers, hidden_size=hidden, num_attention_heads=8, vocab_size=len(CHARS),
+                                   ffn_hidden_size=4 * hidden, max_position_embeddings=CONTEXT,
+                                   make_vocab_size_divisible_by=4))
 
 
 def free_port() -> int:

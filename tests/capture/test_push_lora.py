@@ -11,7 +11,8 @@ import torch
 from click.testing import CliRunner
 
 from flowcheck.cli import main
-from flowcheck.demo.model import CHARS, CONTEXT, batches, build, data
+from flowcheck.demo.lora import lora_gpt as demo_lora_gpt
+from flowcheck.demo.model import CHARS, CONTEXT, batches, data
 from flowcheck.restore.arch import ModelArch
 from flowcheck.store import open_store
 from flowcheck.torch.checkpointer import Checkpointer
@@ -24,29 +25,8 @@ ARCH = ModelArch(num_layers=2, hidden_size=256, num_attention_heads=4, vocab_siz
                  max_position_embeddings=CONTEXT, make_vocab_size_divisible_by=4)
 
 
-class LoRA(torch.nn.Module):
-    """y = base(x) + x A^T B^T: the frozen base linear plus a trainable rank-``RANK`` update."""
-
-    def __init__(self, base: torch.nn.Linear) -> None:
-        super().__init__()
-        self.base = base
-        self.lora_a = torch.nn.Parameter(torch.randn(RANK, base.in_features) * 0.02)
-        self.lora_b = torch.nn.Parameter(torch.randn(base.out_features, RANK) * 0.02)
-
-    def forward(self, x):
-        return self.base(x) + (x @ self.lora_a.t()) @ self.lora_b.t()
-
-
 def lora_gpt() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    torch.manual_seed(0)
-    model = build(ARCH)
-    model.requires_grad_(False)
-    for layer in model.decoder.layers:
-        att = layer.self_attention
-        att.linear_qkv, att.linear_proj = LoRA(att.linear_qkv), LoRA(att.linear_proj)
-    # PEFT's way: the optimizer holds the adapters only
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
-    return model, opt
+    return demo_lora_gpt(ARCH, RANK)
 
 
 def state_copy(model, opt) -> dict[str, np.ndarray]:
