@@ -112,8 +112,8 @@ class FailingWrites:
         faults = self
 
         class ChunkWriter(_native.ChunkWriter):  # the packed layout's native writer fails the same way
-            def __init__(self, fd, chunk_bytes, flush_every=0):
-                super().__init__(fd, chunk_bytes, flush_every)
+            def __init__(self, fd, chunk_bytes, flush_every=0, bound_dirty=False):
+                super().__init__(fd, chunk_bytes, flush_every, bound_dirty)
                 self.path = faults._fds.get(fd, "")
 
             def write(self, buffer, hash=True):

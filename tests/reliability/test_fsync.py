@@ -55,8 +55,8 @@ class Recorder:
         events, fds = self.events, self._fds
 
         class ChunkWriter(_native.ChunkWriter):  # the packed layout's native writer: its writes are writes
-            def __init__(self, fd, chunk_bytes, flush_every=0):
-                super().__init__(fd, chunk_bytes, flush_every)
+            def __init__(self, fd, chunk_bytes, flush_every=0, bound_dirty=False):
+                super().__init__(fd, chunk_bytes, flush_every, bound_dirty)
                 self.path = fds.get(fd, "?")
 
             def write(self, buffer, hash=True):
