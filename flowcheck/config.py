@@ -190,7 +190,7 @@ class ServeConfig:
 
     push: str = "127.0.0.1:7377"  # HOST:PORT of the push listener (trainers: Checkpointer(node="tcp://HOST:PORT"))
     http: str = "127.0.0.1:7378"  # HOST:PORT of the HTTP control API; loopback unless you mean otherwise
-    part_timeout_s: float = 60.0  # a step whose senders do not all arrive in time is aborted (never half-applied)
+    part_timeout_s: float = 60.0  # a step none of whose parts progressed this long is aborted (never half-applied)
     mirror_job: str | None = None  # mirror capture: the job description YAML (configs/mirror-job.yaml)
     mirror_pcaps: str | None = None  # mirror capture from files: a glob of pcap/pcapng files, replayed at start
     mirror_interface: str | None = None  # mirror capture live: the mirror port's interface (needs CAP_NET_RAW)
