@@ -43,6 +43,7 @@ def _expected(model, opt) -> dict[str, np.ndarray]:
 
 
 def _stored(node: NodeProcess, step: int) -> dict[str, np.ndarray]:
+    node.wait_step(step)  # a part is acked once it is in; the step is published just after (a whole state: hashed)
     status, body = node.post("/snapshot")
     assert status == 200 and body["step"] == step, body
     store = open_store(node.config)
