@@ -205,6 +205,18 @@ ArraySource = np.ndarray | Callable[[], np.ndarray]
 
 
 @dataclass(frozen=True)
+class Pin:
+    """What a memory-tier pin (``MemoryTier.pin``) hands a writer along with the pinned arrays."""
+
+    id: int  # for MemoryTier.release
+    known_digests: Mapping[Shard, str]  # digests already known for these very arrays: a writer need not hash them
+    written: Mapping[Shard, int]  # when each shard was last written, so MemoryTier.learn keeps only what still holds
+    # a writer calls it once a shard's bytes are out (e.g. in the page cache): that shard may change from then on,
+    # so updates arriving during a long snapshot copy only the shards not yet written
+    on_shard_written: Callable[[Shard], None]
+
+
+@dataclass(frozen=True)
 class Snapshot:
     """One step of one run: shard data (arrays, or callables that load them) plus scalars.
 
@@ -220,6 +232,7 @@ class Snapshot:
     scalars: Scalars = Scalars()
     source: str = "push"
     origin: Any = None  # flowcheck.manifest.Manifest when read back from a tier
+    pin: Pin | None = field(default=None, repr=False, compare=False)  # set by MemoryTier.pin
 
     def __post_init__(self) -> None:
         check_name(self.run, "run name")

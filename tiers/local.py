@@ -154,9 +154,8 @@ class LocalTier(Tier):
                    on_bytes: Callable[[int], None]) -> tuple[Manifest, list[str] | None]:
         """Write the step's files into ``tmp``; (the manifest to commit, the paths still to fsync or None: all)."""
         def written(shard: Shard, nbytes: int) -> None:
-            release = getattr(snapshot, "_on_shard_written", None)
-            if release is not None:
-                release(shard)  # the bytes are in the file (page cache): the source may change from now on
+            if snapshot.pin is not None:
+                snapshot.pin.on_shard_written(shard)  # the bytes are in the file (page cache): the source may change from now on
             on_bytes(nbytes)
 
         if self._packable(snapshot):
@@ -185,7 +184,7 @@ class LocalTier(Tier):
                                            lambda tensor, entry, rows: holder._read_packed(found[1], tensor, entry, rows)[0])
         cands = {k: c for k, c in cands.items() if k not in changed}  # written (and hashed) as any new shard
         return local_refs.reuse(snapshot, cands, here, self.config.workers,
-                                getattr(snapshot, "_known_digests", None))  # a memory-tier pin's (tiers/memory.py)
+                                snapshot.pin.known_digests if snapshot.pin is not None else None)
 
     def _packable(self, snapshot: Snapshot) -> bool:
         """Packs hold uncompressed data of a single-node state (a v2 step keeps v2, whose pieces have no start)."""

@@ -24,7 +24,7 @@ from flowcheck import _native, dtypes
 from flowcheck.config import MemoryConfig
 from flowcheck.errors import StaleStateError, StepNotFoundError
 from flowcheck.manifest import Manifest, ParentRef
-from flowcheck.state import Scalars, Shard, Snapshot, StateLayout
+from flowcheck.state import Pin, Scalars, Shard, Snapshot, StateLayout
 from flowcheck.tiers.base import Tier, make_manifest, normalize_region, shard_digests
 
 log = logging.getLogger(__name__)
@@ -216,16 +216,9 @@ class MemoryTier(Tier):
             pin_id = next(self._pin_ids)
             self._pins[pin_id] = set(self._arrays)
             data = dict(self._arrays)
-            snap = Snapshot(self.run, self._step, self._layout, data, self._scalars, source=self._source)
-            object.__setattr__(snap, "_pin_id", pin_id)  # rides along (frozen dataclass) for release()
-            # the digests known for these very arrays (pinned: nothing writes them until unpinned), which a writer
-            # may use instead of hashing; and when each was last written, so ``learn`` keeps only what still holds
-            object.__setattr__(snap, "_known_digests", dict(self._digests))
-            object.__setattr__(snap, "_written", dict(self._written))
-            # a writer that has copied a shard's bytes out (e.g. the local tier's pwrite) unpins it at once,
-            # so updates arriving during a long snapshot copy only the shards not yet written
-            object.__setattr__(snap, "_on_shard_written", lambda shard: self._unpin(pin_id, shard))
-            return snap
+            # the known digests hold: pinned arrays are not written until unpinned
+            pin = Pin(pin_id, dict(self._digests), dict(self._written), lambda shard: self._unpin(pin_id, shard))
+            return Snapshot(self.run, self._step, self._layout, data, self._scalars, source=self._source, pin=pin)
 
     def _unpin(self, pin_id: int, shard: Shard) -> None:
         with self._cond:
@@ -237,9 +230,9 @@ class MemoryTier(Tier):
     def learn(self, snapshot: Snapshot, manifest: Manifest) -> None:
         """Keep the data digests ``manifest`` (a commit of pinned ``snapshot``) records for the shards nothing has
         written since the pin: the next snapshot does not hash them again."""
-        pinned = getattr(snapshot, "_written", None)
-        if pinned is None:
+        if snapshot.pin is None:
             return
+        pinned = snapshot.pin.written
         with self._cond:
             for name, t in manifest.tensors.items():
                 for e in t.shards:
@@ -252,7 +245,7 @@ class MemoryTier(Tier):
             return dict(self._digests)
 
     def release(self, snapshot: Snapshot) -> None:
-        pin_id = getattr(snapshot, "_pin_id", None)
+        pin_id = snapshot.pin.id if snapshot.pin is not None else None
         with self._cond:
             self._pins.pop(pin_id, None)
             if not self._pins:

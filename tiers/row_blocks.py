@@ -19,7 +19,6 @@ import numpy as np
 from flowcheck import dtypes
 from flowcheck.state import Shard, Snapshot
 
-ON_WRITTEN = "_on_shard_written"  # the memory tier's per-shard release (tiers/memory.py pin)
 
 
 def blocks(shard: Shard, itemsize: int, block_bytes: int) -> list[Shard]:
@@ -58,14 +57,10 @@ def split(snapshot: Snapshot, block_bytes: int) -> Snapshot:
             parts[b] = shard
     if not parts:
         return snapshot
-    out = replace(snapshot, data=data)
-    release = getattr(snapshot, ON_WRITTEN, None)
-    if release is not None:
-        object.__setattr__(out, ON_WRITTEN, _release_whole(release, parts))
-    for attr in ("_pin_id",):  # rides along for MemoryTier.release
-        if hasattr(snapshot, attr):
-            object.__setattr__(out, attr, getattr(snapshot, attr))
-    return out
+    pin = snapshot.pin
+    if pin is not None:
+        pin = replace(pin, on_shard_written=_release_whole(pin.on_shard_written, parts))
+    return replace(snapshot, data=data, pin=pin)
 
 
 def _release_whole(release: Callable[[Shard], None], parts: dict[Shard, Shard]) -> Callable[[Shard], None]:

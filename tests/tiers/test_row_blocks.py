@@ -13,7 +13,7 @@ from flowcheck.audit import audit
 from flowcheck.config import LocalConfig
 from flowcheck.errors import ConfigError
 from flowcheck.manifest import INCREMENTAL_VERSION
-from flowcheck.state import Scalars, Shard, Snapshot, StateLayout, TensorSpec
+from flowcheck.state import Pin, Scalars, Shard, Snapshot, StateLayout, TensorSpec
 from flowcheck.store import Store
 from flowcheck.tiers import row_blocks
 from flowcheck.tiers.local import LocalTier
@@ -167,18 +167,18 @@ def test_dcp_save_and_load_through_a_blocked_local_tier(tmp_path):
 
 def test_split_releases_each_whole_shard_once_after_its_last_block():
     table = np.zeros((ROWS, COLS), np.float32)
-    s = snap(1, table)
     released = []
-    object.__setattr__(s, "_on_shard_written", released.append)
+    s = dataclasses.replace(snap(1, table), pin=Pin(7, {}, {}, released.append))
     out = row_blocks.split(s, BLOCK)
+    assert out.pin.id == 7  # MemoryTier.release still finds the pin
     blocks = [b for b in out.data if b.tensor == EMB]
     assert len(blocks) == ROWS // ROWS_PER_BLOCK
     assert sum(b.shape[0] for b in blocks) == ROWS and all(np.shares_memory(out.data[b], table) for b in blocks)
     for b in blocks[:-1]:
-        out._on_shard_written(b)
+        out.pin.on_shard_written(b)
     assert released == []
-    out._on_shard_written(blocks[-1])
-    out._on_shard_written(Shard("optimizer.step_count", (), ()))
+    out.pin.on_shard_written(blocks[-1])
+    out.pin.on_shard_written(Shard("optimizer.step_count", (), ()))
     assert released == [Shard(EMB, (0, 0), (ROWS, COLS)), Shard("optimizer.step_count", (), ())]
 
 
