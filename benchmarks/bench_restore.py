@@ -117,7 +117,9 @@ def main(argv: list[str] | None = None) -> dict:
     moto = None if args.no_s3 else c.MotoServer(os.path.join(work, "moto.log"))
     rows: list[tuple] = []
     try:
-        c.check_disk(work, int(6 * n_params * c.BYTES_PER_PARAM) + (1 << 30))
+        # at the peak: the store's local copy, DCP's copy and one restore's output (~1x each); with S3, moto's
+        # objects and the promotion's staging (~1x more) and the source file while it is imported
+        c.check_disk(work, int((3 if moto is None else 5) * n_params * c.BYTES_PER_PARAM) + (1 << 30))
         ref, dcp_dir = os.path.join(work, "ref.safetensors"), os.path.join(work, "dcp")
         nbytes = build(arch, ref, dcp_dir)
         description = (f"GPT (ModelArch) {arch.num_layers} layers, hidden {arch.hidden_size}, {arch.num_attention_heads} heads, "
