@@ -19,7 +19,14 @@ import numpy as np
 from flowcheck import dtypes
 from flowcheck.branches import MAIN, RECORD, BranchRecord, branch_root, check_branch
 from flowcheck.digest import data_digest
-from flowcheck.errors import FlowcheckError, IntegrityError, ManifestError, StepNotFoundError, TensorNotFoundError
+from flowcheck.errors import (
+    FlowcheckError,
+    IntegrityError,
+    ManifestError,
+    StepExistsError,
+    StepNotFoundError,
+    TensorNotFoundError,
+)
 from flowcheck.manifest import Manifest, ParentRef, ShardEntry, check_parent, parse, validated_bytes
 from flowcheck.progress import Progress
 from flowcheck.state import Shard, Snapshot
@@ -30,6 +37,8 @@ from flowcheck.tiers.regions import allocate, full_region, normalize_region, too
 from flowcheck.tiers.step_manifest import make_manifest, shard_digests, shard_files, with_origin  # noqa: F401
 
 log = logging.getLogger(__name__)
+
+MANIFEST = "manifest.json"  # a committed step's manifest, in its step folder, in every tier
 
 STEP_DIR = "step-{step:09d}"
 MAX_STEP = 999_999_999  # what STEP_DIR's nine digits hold (a wider number would be invisible to listings)
@@ -129,6 +138,15 @@ class Tier(ABC):
     def _manifest_token(self, step: int) -> object | None:
         """Something that changes when a step's manifest file changes (None: do not cache)."""
         return None
+
+    def _already_committed(self, snapshot: Snapshot, where: str) -> Manifest:
+        """A write of a step this tier already has: the stored manifest when ``snapshot`` is that very step read
+        back (e.g. a retried promotion: nothing to do), else StepExistsError naming ``where``."""
+        existing = self.manifest(snapshot.step)
+        if snapshot.origin is not None and snapshot.origin.digest() == existing.digest():
+            return existing
+        raise StepExistsError(f"{where} is already committed with different content; "
+                              "delete it first or write a new step")
 
     def manifest(self, step: int, *, check_signature: bool = True, fresh: bool = False) -> Manifest:
         """The parsed, integrity-checked manifest of a committed step (signature checked per the policy).

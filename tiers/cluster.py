@@ -33,7 +33,7 @@ import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from flowcheck.tiers.base import Problem, step_dir
+from flowcheck.tiers.base import MANIFEST, Problem, step_dir
 
 from flowcheck.errors import (
     ClusterError,
@@ -62,7 +62,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 NODES = "nodes"
-MANIFEST = "manifest.json"
 POLL_MAX_S = 2.0
 
 

@@ -40,14 +40,13 @@ from flowcheck.manifest import INCREMENTAL_VERSION, PACKED_VERSION, Manifest, Pa
 from flowcheck.progress import Progress, counter
 from flowcheck.state import Shard, Snapshot
 from flowcheck.tiers import local_refs, local_zarr, row_blocks, zarr_pack
-from flowcheck.tiers.base import Problem, Tier, full_region, make_manifest, parse_step_dir, step_dir
+from flowcheck.tiers.base import MANIFEST, Problem, Tier, full_region, make_manifest, parse_step_dir, step_dir
 from flowcheck.tiers.durable import DurableStore, fsync_dir, make_tree_durable, replace_file, sync_paths
 from flowcheck.tiers.read_ahead import ReadAhead
 from flowcheck.tiers.step_manifest import check_digests
 
 log = logging.getLogger(__name__)
 
-MANIFEST = "manifest.json"
 READ_AHEAD = 256 << 20  # bytes of whole shards read ahead of a reader walking a step in storage order
 
 
@@ -107,7 +106,7 @@ class LocalTier(Tier):
     def _write(self, snapshot: Snapshot, parent: ParentRef | None, progress: Progress | None = None) -> Manifest:
         final = os.path.join(self.root, step_dir(snapshot.step))
         if os.path.exists(os.path.join(final, MANIFEST)):
-            return self._already_committed(snapshot, final)
+            return self._already_committed(snapshot, f"local tier: step {snapshot.step} at {final}")
         if self._packable(snapshot):
             snapshot = row_blocks.split(snapshot, self.config.row_block_bytes)
         try:
@@ -206,15 +205,6 @@ class LocalTier(Tier):
             raise
         if self.config.fsync:
             fsync_dir(self.root)
-
-    def _already_committed(self, snapshot: Snapshot, final: str) -> Manifest:
-        existing = self.manifest(snapshot.step)
-        if snapshot.origin is not None and snapshot.origin.digest() == existing.digest():
-            return existing  # the same step again (e.g. a retried promotion): nothing to do
-        raise StepExistsError(
-            f"local tier: step {snapshot.step} is already committed at {final} with different content; "
-            "delete it first or write a new step"
-        )
 
     # ---- read --------------------------------------------------------------
     def load(self, step: int, *, verify: bool = True) -> Snapshot:

@@ -18,11 +18,11 @@ import logging
 from flowcheck.config import ClusterConfig, ObjectConfig, TierPolicy
 from flowcheck.errors import FlowcheckError, StepNotFoundError, TierError
 from flowcheck.tiers import object_refs
-from flowcheck.tiers.base import Tier, parse_step_dir, step_dir
+from flowcheck.tiers.base import MANIFEST, Tier, parse_step_dir, step_dir
 from flowcheck.tiers.object_backend import aws_endpoint_region, backend_for, botocore_options, filesystem
 from flowcheck.tiers.object_read import READ_AHEAD, ObjectReader
 from flowcheck.tiers.object_verify import ObjectChecks
-from flowcheck.tiers.object_write import ATTEMPT, MANIFEST, ObjectWriter, attempt_dir, attempt_of
+from flowcheck.tiers.object_write import ATTEMPT, ObjectWriter, attempt_dir, attempt_of
 from flowcheck.tiers.retry import RetryPolicy, access_problem
 
 log = logging.getLogger(__name__)

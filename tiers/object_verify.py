@@ -15,8 +15,8 @@ from datetime import datetime
 from flowcheck.errors import FlowcheckError, FormatError, IntegrityError, TierError
 from flowcheck.manifest import FileEntry, Manifest, StepRef
 from flowcheck.tiers import object_refs
-from flowcheck.tiers.base import Problem, parse_step_dir, step_dir
-from flowcheck.tiers.object_write import ATTEMPT, MANIFEST, attempt_of
+from flowcheck.tiers.base import MANIFEST, Problem, parse_step_dir, step_dir
+from flowcheck.tiers.object_write import ATTEMPT, attempt_of
 
 log = logging.getLogger(__name__)
 

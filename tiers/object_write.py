@@ -27,11 +27,10 @@ from flowcheck.progress import Progress
 from flowcheck.state import Shard, Snapshot
 from flowcheck.tiers import object_refs
 from flowcheck.tiers import safetensors_io as st
-from flowcheck.tiers.base import make_manifest, shard_digests, step_dir
+from flowcheck.tiers.base import MANIFEST, make_manifest, shard_digests, step_dir
 
 log = logging.getLogger(__name__)
 
-MANIFEST = "manifest.json"
 ATTEMPT = "attempt-"
 PIPELINE_MIN_FILE = 256 << 20
 
@@ -70,7 +69,7 @@ class ObjectWriter:
             return cluster.write(self, snapshot, parent)
         try:
             if self._exists(f"{step_dir(snapshot.step)}/{MANIFEST}"):
-                return self._already_committed(snapshot)
+                return self._already_committed(snapshot, f"object tier {self.url}: step {snapshot.step}")
             attempt = attempt_dir(step_dir(snapshot.step))
             m = self._commit_attempt(self.store_files(snapshot, parent, attempt, progress, incremental=True),
                                      attempt)
@@ -287,12 +286,6 @@ class ObjectWriter:
                 return existing
 
         return self._retry.run(f"object tier {self.url}: step {m.step}: committing the manifest", attempt)
-
-    def _already_committed(self, snapshot: Snapshot) -> Manifest:
-        existing = self.manifest(snapshot.step)
-        if snapshot.origin is not None and snapshot.origin.digest() == existing.digest():
-            return existing
-        raise StepExistsError(f"object tier {self.url}: step {snapshot.step} is already committed with different content")
 
 
 def _nbytes(snapshot: Snapshot, shards: list[Shard]) -> int:

@@ -29,13 +29,12 @@ from flowcheck.manifest import FORMAT_VERSION, FileEntry, Manifest, NodeRef, par
 from flowcheck.state import Snapshot
 from flowcheck.store import Store
 from flowcheck.tiers import cluster
-from flowcheck.tiers.base import step_dir
+from flowcheck.tiers.base import MANIFEST, step_dir
 from flowcheck.tiers.durable import fsync_dir, replace_file, write_file
 
 log = logging.getLogger(__name__)
 
 OBJECTS_NODE = "objects"  # the part holding DCP's bytes items, written by the coordinator
-MANIFEST = "manifest.json"
 
 
 def write_part(store: Store, target: SaveTarget, snapshot: Snapshot, node: str) -> Manifest:
