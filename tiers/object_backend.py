@@ -9,9 +9,13 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import sys
 import threading
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import timezone
 from typing import TYPE_CHECKING
 
@@ -25,6 +29,13 @@ if TYPE_CHECKING:
 
 S3_PROTOCOLS = ("s3", "s3a")
 READERS = 4  # threads reading a local folder's files (streams of a fetch at once)
+
+
+@dataclass(frozen=True)
+class Uploads:
+    """A write's uploads: ``submit(local, remote, size, bar, what)`` starts one and returns its future."""
+
+    submit: Callable[..., Future]
 
 
 def aws_endpoint_region(config: ObjectConfig) -> tuple[str | None, str | None]:
@@ -112,6 +123,13 @@ class Backend:
             dest[:] = np.frombuffer(blob, np.uint8)
         for i in range(len(wants)) if done is not None else ():
             done(i)
+
+    @contextmanager
+    def uploads(self) -> Iterator[Uploads]:
+        """Uploads of one write, started in order and waited for in order: each file, one after the other,
+        on a thread of its own (staging the next file goes on meanwhile)."""
+        with ThreadPoolExecutor(1, "fc-upload") as pool:
+            yield Uploads(lambda local, remote, size, bar, what: pool.submit(self.upload, local, remote, size, bar, what))
 
     def upload(self, local: str, remote: str, size: int, bar, what: str) -> None:
         from flowcheck.tiers.object_write import bar_callback
@@ -254,11 +272,72 @@ class S3Backend(Backend):
             return super().upload(local, remote, size, bar, what)
         from flowcheck.tiers.s3_upload import upload_file
 
-        # parts no larger than needed to keep every worker busy on this file (S3's minimum is 5 MiB)
+        self.tier._call(what, upload_file, client, local, remote, self._transfer_config(size), progress=bar.update)
+
+    @contextmanager
+    def uploads(self) -> Iterator[Uploads]:
+        """Every file of one write through one boto3 transfer manager: ``upload_workers`` requests in flight in
+        all, so the next file's parts go out while the previous file's last parts and its completion (seconds for
+        a multi-GiB object) are still under way. A file whose transfer failed is uploaded again, whole, through
+        ``upload`` (the tier's retries and error messages)."""
+        client = self.tier.boto3_client()
+        if client is None:
+            with super().uploads() as up:
+                yield up
+            return
+        from boto3.s3.transfer import create_transfer_manager
+        from s3transfer.subscribers import BaseSubscriber
+
+        managers: list = []  # made for the first file: its part size keeps every worker busy on it
+        closing = threading.Event()  # the write is over (failed elsewhere): what fails now is not retried
+
+        def submit(local: str, remote: str, size: int, bar, what: str) -> Future:
+            if not managers:
+                managers.append(create_transfer_manager(client, self._transfer_config(size)))
+            out: Future = Future()
+
+            def again() -> None:  # the whole file once more, through the retrying path
+                try:
+                    self.upload(local, remote, size, bar, what)
+                    out.set_result(None)
+                except BaseException as e:  # noqa: BLE001 - handed to whoever waits for this file
+                    out.set_exception(e)
+
+            class Watch(BaseSubscriber):
+                def on_progress(self, future, bytes_transferred, **kwargs) -> None:
+                    bar.update(bytes_transferred)
+
+                def on_done(self, future, **kwargs) -> None:
+                    try:
+                        future.result()
+                        out.set_result(None)
+                    except Exception as e:  # noqa: BLE001 - retried whole, unless the write is being given up
+                        if closing.is_set():
+                            out.set_exception(e)
+                        else:
+                            threading.Thread(target=again, name="fc-upload-retry", daemon=True).start()
+
+            bucket, key = remote.split("/", 1)
+            managers[0].upload(os.fspath(local), bucket, key, subscribers=[Watch()])
+            return out
+
+        try:
+            yield Uploads(submit)
+        finally:
+            if sys.exc_info()[0] is not None:
+                closing.set()
+            for m in managers:
+                m.__exit__(*sys.exc_info())
+
+    def _transfer_config(self, size: int):
+        """``upload_workers`` requests in flight, of parts no larger than needed to keep every worker busy on a
+        file of ``size`` bytes (S3's minimum part is 5 MiB)."""
+        from boto3.s3.transfer import TransferConfig
+
         workers = self.tier.config.upload_workers
         part = max(5 << 20, min(self.tier.config.part_mib << 20, -(-size // workers)))
-        self.tier._call(what, upload_file, client, local, remote, part_bytes=part, concurrency=workers,
-                        progress=bar.update)
+        return TransferConfig(multipart_threshold=part, multipart_chunksize=part, max_concurrency=workers,
+                              use_threads=True)
 
     def _put_options(self) -> dict:
         return {"chunksize": self.tier.config.part_mib << 20, "max_concurrency": self.tier.config.upload_workers}

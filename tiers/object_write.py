@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 
 ATTEMPT = "attempt-"
 PIPELINE_MIN_FILE = 256 << 20
+UPLOADS_IN_FLIGHT = 2  # files of one write uploading at once (the next is staged meanwhile)
 
 
 def attempt_dir(prefix: str) -> str:
@@ -164,7 +165,10 @@ class ObjectWriter:
         return [f for f in files if f] or [[]]
 
     def _stage_and_upload(self, snapshot, plan, staging, manifest_id, sd, progress=None):
-        """Stage file i+1 while file i uploads; staging holds at most two files at a time."""
+        """Stage file i+1 while files i-1 and i upload (through the backend's ``uploads``: on S3 one transfer
+        manager, so file i's parts go out while file i-1's last parts and its completion finish); staging holds
+        at most two files at a time, three while the next is staged."""
+        from collections import deque
         from concurrent.futures import ThreadPoolExecutor
 
         from tqdm.auto import tqdm
@@ -184,18 +188,28 @@ class ObjectWriter:
             progress.total = total  # each file's header bytes are added as it is staged
         own = tqdm(total=total, unit="B", unit_scale=True, desc=f"upload {sd}",
                    disable=not self.progress or progress is not None)
-        with ThreadPoolExecutor(1, "fc-stage") as stager, own, contextlib.nullcontext(own if progress is None else progress) as bar:
+        def settle(i: int, local: str, size: int, digest: str, uploading) -> None:
+            uploading.result()
+            os.unlink(local)
+            files.append(FileEntry(f"{sd}/{names[i]}", size, digest))
+            for p in plan[i]:
+                locations[p.shard].append(Piece(f"{sd}/{names[i]}", p.key, p.rows))
+
+        with ThreadPoolExecutor(1, "fc-stage") as stager, own, \
+                contextlib.nullcontext(own if progress is None else progress) as bar, self.backend.uploads() as up:
             ahead = stager.submit(stage, 0) if plan else None
-            for i, planned in enumerate(plan):
+            in_flight: deque = deque()
+            for i in range(len(plan)):
                 local, size, digest, header_bytes = ahead.result()
+                bar.total += header_bytes
+                in_flight.append((i, local, size, digest,
+                                  up.submit(local, self._p(f"{sd}/{names[i]}"), size, bar, f"uploading {sd}/{names[i]}")))
+                if len(in_flight) == UPLOADS_IN_FLIGHT:
+                    settle(*in_flight.popleft())
                 if i + 1 < len(plan):
                     ahead = stager.submit(stage, i + 1)
-                bar.total += header_bytes
-                self._upload(local, f"{sd}/{names[i]}", size, bar)
-                os.unlink(local)
-                files.append(FileEntry(f"{sd}/{names[i]}", size, digest))
-                for p in planned:
-                    locations[p.shard].append(Piece(f"{sd}/{names[i]}", p.key, p.rows))
+            while in_flight:
+                settle(*in_flight.popleft())
         return files, {s: tuple(v) for s, v in locations.items()}
 
     def _entry(self, snapshot: Snapshot, p: _Planned) -> st.Entry:
@@ -207,9 +221,6 @@ class ObjectWriter:
             return arr if p.rows is None else arr[p.rows[0]:p.rows[1]]
 
         return st.Entry(p.key, spec.dtype, shape, data)
-
-    def _upload(self, local: str, rel: str, size: int, bar) -> None:
-        self.backend.upload(local, self._p(rel), size, bar, f"uploading {rel}")
 
     def boto3_client(self):
         """boto3 for S3 uploads when installed (the s3 extra); None falls back to s3fs put_file."""

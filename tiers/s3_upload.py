@@ -30,16 +30,11 @@ def s3_client(endpoint_url: str | None, region: str | None, storage_options: dic
     return session.client("s3", endpoint_url=endpoint_url, region_name=region, config=Config(**(config_kwargs or {})))
 
 
-def upload_file(client, local: str, remote: str, *, part_bytes: int, concurrency: int,
-                progress: Callable[[int], None] | None = None) -> None:
-    """Upload ``local`` to ``remote`` (``bucket/key``) with ``concurrency`` parts of ``part_bytes`` in flight.
+def upload_file(client, local: str, remote: str, config, progress: Callable[[int], None] | None = None) -> None:
+    """Upload ``local`` to ``remote`` (``bucket/key``) as boto3's TransferConfig ``config`` says.
 
     Each request is retried by the client's botocore config; a part that runs out of attempts
     fails the upload, which the transfer manager then aborts (best effort: GC aborts what is left).
     The caller retries the whole file."""
-    from boto3.s3.transfer import TransferConfig
-
     bucket, key = remote.split("/", 1)
-    config = TransferConfig(multipart_threshold=part_bytes, multipart_chunksize=part_bytes,
-                            max_concurrency=concurrency, use_threads=True)
     client.upload_file(os.fspath(local), bucket, key, Config=config, Callback=progress)
