@@ -68,9 +68,9 @@ def build(arch, ref: str, dcp_dir: str, seed: int = 0) -> int:
     """Write the reference safetensors file and the DCP checkpoint of the same tensors; returns the state bytes."""
     import torch
     import torch.distributed.checkpoint as dcp
-    from safetensors.torch import save_file
 
     from flowcheck.restore.megatron_map import model_params
+    from flowcheck.tiers import safetensors_io as st
 
     g = torch.Generator().manual_seed(seed)
     state = {}
@@ -81,7 +81,9 @@ def build(arch, ref: str, dcp_dir: str, seed: int = 0) -> int:
     nbytes = sum(t.nbytes for t in state.values())
     meta = {k: json.dumps(v) for k, v in arch.to_json().items()}
     meta["optimizer_step"] = str(STEP)
-    save_file(state, ref, metadata=meta)
+    # tensor by tensor (a standard safetensors file): safetensors' save_file builds the whole file in memory
+    # first, the state twice over, which a 12 GB state does not fit beside on this host
+    st.write(ref, [st.Entry(k, "float32", tuple(t.shape), lambda t=t: t.numpy()) for k, t in state.items()], meta)
     dcp.save(state, storage_writer=dcp.FileSystemWriter(dcp_dir), no_dist=True)
     del state
     gc.collect()
