@@ -42,7 +42,7 @@ from flowcheck.errors import AuthError, ConfigError, FlowcheckError
 from flowcheck.logs import oneline
 from flowcheck.torch import dtensor
 from flowcheck.torch.coords import Coordinates
-from flowcheck.torch.megatron import MEGATRON_KEY, MegatronRank, hook_targets
+from flowcheck.torch.megatron import MEGATRON_KEY, MegatronRank, hook_targets, model_key
 from flowcheck.torch.push_config import PushConfig, push_config
 from flowcheck.torch.state import _flatten_optimizer, _json_ready, capture_rng, optimizer_param_names
 
@@ -75,16 +75,16 @@ class _Entry:
     offsets: list[int]  # of the box in the canonical global tensor
     local: str  # local state-dict (or optimizer.<slot>.<param>) name
     view: Any  # local tensor -> the box
-    # a frozen parameter's (storage, version counter) when the node last acknowledged its bytes under the node
-    # state ``Checkpointer._node_state``; a save whose key still matches sends it as "kept" (no bytes)
-    held: tuple[int, int] | None = None
+    # a frozen parameter's key (``_key``) when the node last acknowledged its bytes under the node state
+    # ``Checkpointer._node_state``; a save whose key still matches sends it as "kept" (no bytes)
+    held: tuple | None = None
 
 
 @dataclass
 class _Job:
     step: int
     scalars: dict[str, Any]
-    frozen: dict[int, tuple[int, int]] = field(default_factory=dict)  # entry index -> key, frozen when saved
+    frozen: dict[int, tuple] = field(default_factory=dict)  # entry index -> key (``_key``), frozen when saved
     kept: frozenset[int] = frozenset()  # entries not copied nor sent: the node holds their bytes
     copied: threading.Event = field(default_factory=threading.Event)
     done: threading.Event = field(default_factory=threading.Event)
@@ -195,13 +195,14 @@ class Checkpointer:
         return job.done.is_set() and job.error is None
 
     def mark_changed(self, *names: str) -> None:
-        """Send these frozen parameters (state-dict names; none given: all) again with the next save.
+        """Send these frozen parameters (state-dict names; a Megatron rank's: its chunks' keys without the wrappers'
+        ``module.``; none given: all) again with the next save.
 
         Needed only after changing a frozen parameter in a way its version counter does not see (writes through
         ``.data``, or through memory shared with another tensor); in-place torch ops, ``copy_`` and
         ``load_state_dict`` are seen without it."""
         for e in self._entries:
-            if not names or e.local in names:
+            if not names or e.local in names or (self._megatron is not None and model_key(e.local) in names):
                 e.held = None
 
     def load(self, step: int | str = "latest", *, store: Any = None, config: str | None = None, prefer: str = "auto") -> int:
@@ -258,21 +259,22 @@ class Checkpointer:
         """The save's job: which entries are frozen parameters now (and their keys), and which of those the node
         already holds unchanged — those are neither copied nor sent (the push carries them as "kept").
 
-        Unchanged means the same storage and version counter as when the node acknowledged them: every in-place torch
-        op bumps the counter (``.data`` writes do not: ``mark_changed``).  A Megatron trainer sends everything."""
+        Unchanged means the same storage, place in it and version counter as when the node acknowledged them: every
+        in-place torch op bumps the counter (``.data`` writes do not: ``mark_changed``).  Plain parameters, a Megatron
+        rank's boxes and an FSDP2 rank's DTensor pieces alike: the key is the piece's (``_key``)."""
         frozen_names = self._frozen_names()
-        frozen: dict[int, tuple[int, int]] = {}
-        for i, e in enumerate(self._entries):
-            t = tensors[e.local]
-            if e.local in frozen_names and not dtensor.is_dtensor(t):
-                frozen[i] = (t.untyped_storage().data_ptr(), t._version)
+        frozen = {i: _key(e.tensor, tensors[e.local]) for i, e in enumerate(self._entries) if e.local in frozen_names}
         kept = frozenset(i for i, key in frozen.items()
-                         if self._node_state is not None and self._entries[i].held == key and self._entries[i].nbytes)
+                         if self._node_state is not None and _same(self._entries[i].held, key) and self._entries[i].nbytes)
         return _Job(step, scalars, frozen, kept)
 
     def _frozen_names(self) -> set[str]:
-        if self._megatron is not None or not self.config.skip_frozen:
+        """Local keys of the parameters frozen now: state-dict names (an FSDP2 model's too: fully_shard keeps them),
+        or a Megatron rank's chunk keys (flowcheck/torch/megatron.py)."""
+        if not self.config.skip_frozen:
             return set()
+        if self._megatron is not None:
+            return set(self._megatron.frozen)
         return {n for n, p in self.model.named_parameters(remove_duplicate=False) if not p.requires_grad}
 
     def _tensors(self, flat) -> dict[str, torch.Tensor]:
@@ -509,6 +511,17 @@ class Checkpointer:
         self.stats.failures += 1
         self.stats.last_error = f"step {job.step}: {type(e).__name__}: {e}"
         log.warning("checkpoint push of step %d failed (%s); training continues", job.step, oneline(e))
+
+
+def _key(piece: torch.Tensor, whole: Any) -> tuple:
+    """What says a frozen piece's bytes did not change between saves: its storage (held by the key, so no other tensor
+    can be allocated at its address meanwhile), its address in it, and the version counters of the piece and of the
+    tensor it is cut from (a DTensor's own, and its local shard's: in-place ops bump both)."""
+    return piece.untyped_storage(), piece.data_ptr(), piece._version, whole._version
+
+
+def _same(held: tuple | None, key: tuple) -> bool:
+    return held is not None and held[0].data_ptr() == key[0].data_ptr() and held[1:] == key[1:]
 
 
 def _closed_by_peer(sock: socket.socket) -> bool:

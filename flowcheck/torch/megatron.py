@@ -152,6 +152,10 @@ class MegatronRank:
             _PlainLeaf(optimizer) if optimizer is not None else None)
         self.leaves = [leaf for leaf in leaves if getattr(leaf, "optimizer", None) is not None]
         self._names: dict[int, tuple[int, str]] | None = None
+        self.frozen: set[str] = set()  # local keys of the model's frozen (requires_grad=False) parameters, per tensors()
+        # canonical names of the parameters frozen on other pipeline stages: they have no optimizer state, which
+        # every rank's layout must say alike (the node takes one layout), and this rank cannot see them
+        self.frozen_elsewhere = self._gather_frozen()
 
     # -- what is sent ---------------------------------------------------------------------
     def tensors(self) -> dict[str, torch.Tensor]:
@@ -163,12 +167,38 @@ class MegatronRank:
                 held |= self._shards(leaf, out)
             else:
                 self._whole_slots(leaf, out)
+        frozen: set[str] = set()
         for v, chunk in enumerate(self.chunks):
             for k, t in chunk.state_dict(keep_vars=True).items():
                 # Transformer Engine's _extra_state may be a tensor: FP8 metadata, not training state
                 if isinstance(t, torch.Tensor) and id(t) not in held and not k.endswith("_extra_state"):
                     out[f"{v}{_SEP}{_strip(k)}"] = t.detach()
+                    if isinstance(t, torch.nn.Parameter) and not t.requires_grad:
+                        frozen.add(f"{v}{_SEP}{_strip(k)}")
+        self.frozen = frozen
         return out
+
+    def _gather_frozen(self) -> frozenset[str]:
+        """The frozen parameters of every pipeline stage (canonical names), gathered once over the default process
+        group when there are several stages — a collective: every rank builds its Checkpointer.  Without
+        torch.distributed (or at PP=1) a rank knows only its own: a stage's parameter is then taken as trainable."""
+        dist = torch.distributed
+        if self.coords.pp == 1 or not (dist.is_available() and dist.is_initialized()):
+            return frozenset()
+        rts = self._rank_tensors(self.tensors())
+        where = {k: (_parse(k)[0], _parse(k)[3]) for k in self.frozen}
+        mine = sorted({rts[at].param.name for at in where.values() if at in rts})  # unknown keys: cut() says so
+        every: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+        return frozenset(n for names in every for n in names)
+
+    def _rank_tensors(self, tensors: dict[str, torch.Tensor]) -> dict[tuple[int, str], Any]:
+        from flowcheck.restore.megatron_map import rank_tensors
+
+        c = self.coords
+        spec_name = "te" if any(".layer_norm_weight" in k for k in tensors) else "local"
+        return {(rt.chunk, rt.key): rt for rt in rank_tensors(self.arch, c.tp, c.pp, c.vpp, c.tp_rank, c.pp_rank,
+                                                                spec_name)}
 
     def _name(self, param: torch.Tensor) -> tuple[int, str]:
         if self._names is None:
@@ -217,13 +247,10 @@ class MegatronRank:
     # -- how it is cut --------------------------------------------------------------------
     def cut(self, tensors: dict[str, torch.Tensor]) -> tuple[list[dict], list[tuple], list[tuple]]:
         """(specs of every canonical tensor, boxes DP replicas share, boxes only this DP rank holds)."""
-        from flowcheck.restore.megatron_map import rank_tensors
-
         c = self.coords
-        spec_name = "te" if any(".layer_norm_weight" in k for k in tensors) else "local"
-        rts = {(rt.chunk, rt.key): rt for rt in rank_tensors(self.arch, c.tp, c.pp, c.vpp, c.tp_rank, c.pp_rank,
-                                                               spec_name)}
+        rts = self._rank_tensors(tensors)
         shared, own, dtype_of = [], [], {}
+        frozen, with_state = set(self.frozen_elsewhere), set()
         for local, t in tensors.items():
             v, slot, start, key = _parse(local)
             rt = rts.get((v, key))
@@ -232,6 +259,10 @@ class MegatronRank:
                                   f"TP={c.tp} PP={c.pp} VPP={c.vpp} (rank tp={c.tp_rank} pp={c.pp_rank})")
             name = rt.param.name if slot is None else f"{OPT}{slot}.{rt.param.name}"
             dtype_of.setdefault(slot, dtypes.from_torch(t.dtype).name)
+            if local in self.frozen:
+                frozen.add(rt.param.name)
+            elif slot is not None:
+                with_state.add(rt.param.name)
             if not self._sends(rt):
                 continue
             if start is not None:
@@ -241,7 +272,7 @@ class MegatronRank:
                 raise ConfigError(f"Checkpointer: {key}: local shape {list(t.shape)}, the model description says "
                                   f"{list(rt.shape)} at TP={c.tp}")
             shared.extend((name, [sl.start for sl in p.src], local, _slicer(p.dest)) for p in rt.parts if not p.pad)
-        return self._specs(dtype_of), shared, own
+        return self._specs(dtype_of, frozen - with_state), shared, own
 
     def _sends(self, rt: Any) -> bool:
         """One copy of each box: the tied output layer's is the first stage's embedding, TP replicas TP rank 0's."""
@@ -249,15 +280,18 @@ class MegatronRank:
             return False
         return rt.param.role != "replicated" or self.coords.tp_rank == 0
 
-    def _specs(self, dtype_of: dict[str | None, str]) -> list[dict]:
+    def _specs(self, dtype_of: dict[str | None, str], stateless: set[str]) -> list[dict]:
+        """Every canonical parameter, and its optimizer slots unless it is frozen (``stateless``: no optimizer
+        state anywhere, so no rank sends one)."""
         from flowcheck.restore.megatron_map import model_params
 
         slots = sorted(s for s in dtype_of if s is not None)
         specs = []
         for p in model_params(self.arch):
             specs.append({"name": p.name, "dtype": dtype_of.get(None, "float32"), "shape": list(p.shape), "role": p.role})
-            specs.extend({"name": f"{OPT}{s}.{p.name}", "dtype": dtype_of[s], "shape": list(p.shape), "role": p.role}
-                         for s in slots)
+            if p.name not in stateless:
+                specs.extend({"name": f"{OPT}{s}.{p.name}", "dtype": dtype_of[s], "shape": list(p.shape),
+                              "role": p.role} for s in slots)
         return specs
 
     # -- scalars ----------------------------------------------------------------------------
@@ -282,6 +316,11 @@ class _PlainLeaf:
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = optimizer
+
+
+def model_key(local: str) -> str:
+    """A local key's model state-dict key (without its chunk), as a trainer names the tensor."""
+    return local.split(_SEP, 1)[1]
 
 
 def _parse(local: str) -> tuple[int, str | None, int | None, str]:

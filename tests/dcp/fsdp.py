@@ -238,6 +238,59 @@ def resume_push(rank: int, world: int, port: int, cfg: str, n: int, out: str) ->
     dist.destroy_process_group()
 
 
+FROZEN = ("tok.", "pos", "blocks.0.")  # a LoRA-like fine-tune: the embeddings and the first block frozen
+
+
+def push_frozen(rank: int, world: int, port: int, node_url: str, n: int, pause_after: int, gates: str) -> None:
+    """Train steps 1..n with the FROZEN parameters frozen (AdamW over the others), pushing every step to a node;
+    after step ``pause_after`` wait for ``<gates>/go`` (the test restarts the node meanwhile).  Each rank dumps the
+    payload bytes of every push, its buffer size and the bytes of its frozen pieces; rank 0 also the state as it
+    should be stored (every tensor whole, optimizer slots named as the push names them)."""
+    import time
+
+    from flowcheck.torch import Checkpointer
+    from flowcheck.torch.state import _flatten_optimizer, optimizer_param_names
+
+    init(rank, world, port)
+    torch.manual_seed(0)
+    model = TinyGPT()
+    for name, p in model.named_parameters():
+        p.requires_grad_(not name.startswith(FROZEN))
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    for b in model.blocks:
+        fully_shard(b, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.7)
+    frozen = sum(p.to_local().numel() * p.element_size() for name, p in model.named_parameters()
+                 if name.startswith(FROZEN))
+    ck = Checkpointer(model, opt, sched, node=node_url, run="gpt", timeout_s=60, transport="tcp")
+    sent = []
+    for step in range(1, n + 1):
+        train_step(model, opt, sched, step, rank, world)
+        ck.save(step)
+        assert ck.flush(60), ck.stats.last_error
+        sent.append(ck.stats.last_sent_bytes)
+        if step == pause_after:
+            dist.barrier()
+            if rank == 0:
+                open(os.path.join(gates, "paused"), "w").close()
+            while not os.path.exists(os.path.join(gates, "go")):
+                time.sleep(0.05)
+    dump(os.path.join(gates, f"rank{rank}.json"), {"sent": sent, "full": ck.stats.buffer_bytes, "frozen": frozen,
+                                                     "resends": ck.stats.resends, "failures": ck.stats.failures})
+    whole = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
+    tensors, _, _ = _flatten_optimizer(opt.state_dict(), optimizer_param_names(model, opt))
+    whole.update({k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in tensors.items()})
+    if rank == 0:
+        torch.save({k: v.detach().clone() for k, v in whole.items()}, os.path.join(gates, "state.pt"))
+    ck.close()
+    dist.destroy_process_group()
+
+
 def gated_writer(gate: str, die_rank: int | None = None):
     """A flowcheck Writer whose write_data waits for ``gate`` to exist (so a test sees the save in flight), and on
     ``die_rank`` dies (SIGKILL) right after its part is stored: a rank killed mid-save."""
