@@ -48,6 +48,7 @@ from flowcheck.tiers.step_manifest import check_digests
 log = logging.getLogger(__name__)
 
 READ_AHEAD = 256 << 20  # bytes of whole shards read ahead of a reader walking a step in storage order
+PROBES_KEPT = 4  # steps whose probe digests a tier keeps (the parent of the next step is usually the last written)
 
 
 class LocalTier(Tier):
@@ -62,6 +63,9 @@ class LocalTier(Tier):
         self._holders: dict[tuple, tuple[object, bool]] = {}  # referenced step -> (its manifest token, committed)
         self._holders_lock = threading.Lock()
         self._ahead: ReadAhead = ReadAhead(self._read_packed_whole, config.workers, READ_AHEAD)
+        # probe digests of the steps this tier wrote last, by manifest digest: the next step's dedup check compares
+        # with them instead of opening the parent's packs (tiers/local_refs.py probe_changed)
+        self._probes: OrderedDict[str, dict[local_refs.Key, str]] = OrderedDict()
 
     def at_branch(self, branch: str) -> LocalTier:
         return LocalTier(self.config, self.run, branch=branch, **self._same_kw())
@@ -158,32 +162,44 @@ class LocalTier(Tier):
             on_bytes(nbytes)
 
         if self._packable(snapshot):
-            skip, known, refs = self._reusable(snapshot, parent)
+            probes = local_refs.probe_digests(snapshot)
+            skip, known, refs = self._reusable(snapshot, parent, probes)
             for shard in skip:
                 written(shard, math.prod(shard.shape) * dtypes.dtype(snapshot.layout.spec(shard.tensor).dtype).itemsize)
             digests, locations, files, unsynced = zarr_pack.write_step(self.config, snapshot, tmp, written, skip, known)
             check_digests(snapshot, digests)
             m = make_manifest(snapshot, node=self.node, parent=parent, digests=digests, locations=locations, files=files)
-            m = replace(m, format_version=INCREMENTAL_VERSION if refs else PACKED_VERSION, refs=refs)
-            return self._sign(m), unsynced
+            m = self._sign(replace(m, format_version=INCREMENTAL_VERSION if refs else PACKED_VERSION, refs=refs))
+            self._remember_probes(m.digest(), probes)
+            return m, unsynced
         digests, locations, files = local_zarr.write_arrays(self.config, snapshot, store, written)
         m = make_manifest(snapshot, node=self.node, parent=parent, digests=digests, locations=locations, files=files)
         return self._sign(m), None
 
-    def _reusable(self, snapshot: Snapshot, parent: ParentRef | None
+    def _reusable(self, snapshot: Snapshot, parent: ParentRef | None,
+                  probes: dict[local_refs.Key, str] | None = None
                   ) -> tuple[dict[Shard, zarr_pack.Reused], dict[Shard, str], tuple[StepRef, ...]]:
-        """The shards the parent (in this tier, on any branch) already holds, which are not written again."""
+        """The shards the parent (in this tier, on any branch) already holds, which are not written again.
+        ``probes``: the snapshot's probe digests (computed here when not given)."""
         found = None if parent is None else local_refs.find_parent(self._search_order(), parent)
         if found is None:
             return {}, {}, ()
         here = os.path.join(local_refs.branch_rel(self.branch), step_dir(snapshot.step))
         cands = local_refs.candidates(found[1], found[0])
         holder = self._at(found[0])
-        changed = local_refs.probe_changed(snapshot, found[1], cands,
-                                           lambda tensor, entry, rows: holder._read_packed(found[1], tensor, entry, rows)[0])
+        changed = local_refs.probe_changed(
+            snapshot, found[1], cands,
+            lambda tensor, entry, rows: holder._read_packed(found[1], tensor, entry, rows)[0],
+            local_refs.probe_digests(snapshot) if probes is None else probes, self._probes.get(parent.manifest_digest))
         cands = {k: c for k, c in cands.items() if k not in changed}  # written (and hashed) as any new shard
         return local_refs.reuse(snapshot, cands, here, self.config.workers,
                                 snapshot.pin.known_digests if snapshot.pin is not None else None)
+
+    def _remember_probes(self, manifest_digest: str, probes: dict[local_refs.Key, str]) -> None:
+        with self._holders_lock:
+            self._probes[manifest_digest] = probes
+            while len(self._probes) > PROBES_KEPT:
+                self._probes.popitem(last=False)
 
     def _packable(self, snapshot: Snapshot) -> bool:
         """Packs hold uncompressed data of a single-node state (a v2 step keeps v2, whose pieces have no start)."""

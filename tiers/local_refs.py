@@ -124,34 +124,59 @@ def reuse(snapshot: Snapshot, found: Mapping[Key, Candidate], here: str, workers
 
 PROBE_MIN = 4 << 20  # shards at least this large are probed before they are hashed
 PROBE_BYTES = 64 << 10
+INLINE_HASH_BYTES = 16 << 20  # fewer bytes (elements x 8, an upper bound) to hash than this: on the calling thread
+
+
+def probe_rows(shape: tuple[int, ...], dtype: str) -> tuple[slice, ...] | None:
+    """The first rows (about PROBE_BYTES) a shard of ``shape`` is probed by; None below PROBE_MIN (it is hashed)."""
+    itemsize = dtypes.dtype(dtype).itemsize
+    if not shape or math.prod(shape) * itemsize < PROBE_MIN:
+        return None
+    row = math.prod(shape[1:]) * itemsize
+    return (slice(0, min(shape[0], max(1, PROBE_BYTES // max(1, row)))), *(slice(0, n) for n in shape[1:]))
+
+
+def probe_digests(snapshot: Snapshot) -> dict[Key, str]:
+    """Digests of the probed first rows of the snapshot's large shards (~64 KiB each: microseconds).  The tier keeps
+    them with the step it writes, so the check of that step's child compares digests instead of reading the step's
+    files.  A read-back snapshot is compared by its manifest's digests: none."""
+    if snapshot.origin is not None:
+        return {}
+    out: dict[Key, str] = {}
+    for s in snapshot.data:
+        dtype = snapshot.layout.spec(s.tensor).dtype
+        rows = probe_rows(s.shape, dtype)
+        if rows is not None:
+            out[(s.tensor, s.offsets, s.shape, dtype)] = _digest(np.asarray(snapshot.array(s))[rows[0]])
+    return out
 
 
 def probe_changed(snapshot: Snapshot, parent: Manifest, found: Mapping[Key, Candidate],
-                  read: Callable[[str, ShardEntry, tuple[slice, ...]], np.ndarray]) -> set[Key]:
+                  read: Callable[[str, ShardEntry, tuple[slice, ...]], np.ndarray],
+                  ours: Mapping[Key, str], theirs: Mapping[Key, str] | None = None) -> set[Key]:
     """Keys of large shards whose first rows differ from the parent's: changed for sure, without hashing them.
 
     In full training every shard changes, and one hash pass over the whole state before the write (instead of
-    the writer's, overlapped with its I/O) is most of the dedup check's cost; reading ~64 KiB of the parent's
-    copy of each large shard settles almost all of them.  Equal first rows prove nothing (the shard is hashed
-    as before); a probe that cannot read the parent settles nothing.  A read-back snapshot is compared by
-    digests anyway (no data read), so it is not probed."""
-    if snapshot.origin is not None:
-        return set()
+    the writer's, overlapped with its I/O) is most of the dedup check's cost; the first rows settle almost all of
+    them.  ``ours``: this snapshot's probe digests (``probe_digests``); ``theirs``: the parent's, when this tier
+    wrote it and kept them — different digests are different bytes, so no file is opened; otherwise ~64 KiB of the
+    parent's copy of each large shard is read and compared.  Equal first rows prove nothing (the shard is hashed as
+    before); a probe that cannot read the parent settles nothing."""
+    if theirs is not None:
+        return {k for k, d in ours.items() if k in found and k in theirs and theirs[k] != d}
     entries = {(name, e.offsets, e.shape, t.dtype): e for name, t in parent.tensors.items() for e in t.shards}
     out: set[Key] = set()
     for s in snapshot.data:
         key = (s.tensor, s.offsets, s.shape, snapshot.layout.spec(s.tensor).dtype)
-        if key not in found or not s.shape or math.prod(s.shape) * dtypes.dtype(key[3]).itemsize < PROBE_MIN:
+        rows = probe_rows(s.shape, key[3])
+        if key not in found or key not in ours or rows is None:
             continue
-        row = math.prod(s.shape[1:]) * dtypes.dtype(key[3]).itemsize
-        rows = (slice(0, min(s.shape[0], max(1, PROBE_BYTES // max(1, row)))), *(slice(0, n) for n in s.shape[1:]))
         try:
-            theirs = read(s.tensor, entries[key], rows)
+            stored = read(s.tensor, entries[key], rows)
         except (FlowcheckError, OSError, KeyError) as e:
             log.debug("local tier: dedup probe of %s %s skipped: %s", s.tensor, s.offsets, e)
             continue
-        ours = np.asarray(snapshot.array(s))[rows[0]]
-        if ours.tobytes() != np.ascontiguousarray(theirs).tobytes():
+        if np.asarray(snapshot.array(s))[rows[0]].tobytes() != np.ascontiguousarray(stored).tobytes():
             out.add(key)
     return out
 
@@ -162,6 +187,8 @@ def _digests(snapshot: Snapshot, shards: list[Shard], workers: int) -> dict[Shar
     if not shards:
         return {}
     size = {s: math.prod(s.shape) for s in shards}
+    if workers <= 1 or sum(size.values()) * 8 < INLINE_HASH_BYTES:  # starting threads costs more than hashing these
+        return {s: _digest(snapshot.array(s)) for s in shards}
     per = max(1, sum(size.values()) // (4 * max(1, workers)))
     batches: list[list[Shard]] = [[]]
     filled = 0

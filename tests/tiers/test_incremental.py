@@ -362,14 +362,31 @@ def test_deleting_a_referenced_step_whose_manifest_was_damaged_still_keeps_the_r
 
 
 # ---- the dedup check's probe: large shards whose first rows changed are not hashed before the write ------------
-def test_probed_changed_shards_are_written_without_a_hash_pass_and_equal_first_rows_still_hash(tmp_path, monkeypatch):
+@pytest.mark.parametrize("same_tier", [True, False], ids=["probes-remembered", "parent-read"])
+def test_probed_changed_shards_are_written_without_a_hash_pass_and_equal_first_rows_still_hash(tmp_path, monkeypatch,
+                                                                                                same_tier):
+    """The tier that wrote the parent compares the probe digests it kept (no parent pack is opened); another tier
+    object (a restarted node) reads the parent's first rows; both settle the same shards."""
     from flowcheck.tiers import local_refs
+    from flowcheck.tiers.local import LocalTier
 
     monkeypatch.setattr(local_refs, "PROBE_MIN", 4096)  # the small test shards (32 KiB) count as large
     monkeypatch.setattr(local_refs, "PROBE_BYTES", 1024)  # one row
-    hashed = []
-    real = local_refs._digest
-    monkeypatch.setattr(local_refs, "_digest", lambda arr: hashed.append(arr.nbytes) or real(arr))
+    hashed, probing = [], []
+    real, real_probes = local_refs._digest, local_refs.probe_digests
+    monkeypatch.setattr(local_refs, "_digest", lambda arr: (None if probing else hashed.append(arr.nbytes)) or real(arr))
+
+    def probe_digests(snapshot):  # their hashes of one row are not the hash pass counted here
+        probing.append(1)
+        try:
+            return real_probes(snapshot)
+        finally:
+            probing.clear()
+
+    monkeypatch.setattr(local_refs, "probe_digests", probe_digests)
+    parent_reads = []
+    real_read = LocalTier._read_packed
+    monkeypatch.setattr(LocalTier, "_read_packed", lambda self, *a: parent_reads.append(a[1]) or real_read(self, *a))
     tier = local(tmp_path)
     one = lora_state(1)
     tier.write(one, None)
@@ -381,11 +398,14 @@ def test_probed_changed_shards_are_written_without_a_hash_pass_and_equal_first_r
     tail[-1, -1] += np.float32(1)  # first rows equal: only the hash finds the change
     data[tail_changed] = tail
     two = Snapshot("r1", 2, LAYOUT, data, Scalars(optimizer_step=2))
-    m = tier.write(two, tier.manifest(1).parent_ref())
+    hashed.clear()
+    writer = tier if same_tier else local(tmp_path)
+    m = writer.write(two, tier.manifest(1).parent_ref())
     written = {(n, e.offsets) for n, t in m.tensors.items() for e in t.shards if e.location[0].ref is None}
     assert (FROZEN[0], (0, 0)) in written and (FROZEN[1], (32, 0)) in written
     assert (FROZEN[2], (0, 0)) not in written  # unchanged: referenced
     assert 32 * 256 * 4 in hashed and len(hashed) == len(one.data) - 1  # every candidate but the probed one
+    assert (parent_reads == []) == same_tier
     loaded = local(tmp_path).load(2)
     for shard in two.data:
         assert loaded.array(shard).tobytes() == two.array(shard).tobytes(), shard
