@@ -62,7 +62,7 @@ class CheckpointerStats:
     buffer_bytes: int = 0
     last_sent_bytes: int = 0  # payload bytes the last push carried (less than buffer_bytes when frozen tensors are kept)
     sent_bytes: int = 0  # payload bytes of every push the node acknowledged
-    kept_bytes: int = 0  # bytes of frozen tensors not sent again because the node holds them (tests, metrics)
+    kept_bytes: int = 0  # bytes of frozen tensors and unchanged buffers not sent again: the node holds them
     resends: int = 0  # pushes sent again whole because the node lacked the frozen tensors (restarted, stale)
 
 
@@ -78,6 +78,9 @@ class _Entry:
     # a frozen parameter's key (``_key``) when the node last acknowledged its bytes under the node state
     # ``Checkpointer._node_state``; a save whose key still matches sends it as "kept" (no bytes)
     held: tuple | None = None
+    # a buffer's (non-parameter tensor's) slice of the host buffer holds the bytes the node holds: written by a push
+    # the node acknowledged, not rewritten since; a save that finds the tensor equal to it sends it as "kept"
+    mirrored: bool = False
 
 
 @dataclass
@@ -86,6 +89,8 @@ class _Job:
     scalars: dict[str, Any]
     frozen: dict[int, tuple] = field(default_factory=dict)  # entry index -> key (``_key``), frozen when saved
     kept: frozenset[int] = frozenset()  # entries not copied nor sent: the node holds their bytes
+    buffers: frozenset[int] = frozenset()  # entries of non-parameter tensors (buffers)
+    compare: frozenset[int] = frozenset()  # buffers compared with their mirrored slice before the copy (equal: kept)
     copied: threading.Event = field(default_factory=threading.Event)
     done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
@@ -266,7 +271,19 @@ class Checkpointer:
         frozen = {i: _key(e.tensor, tensors[e.local]) for i, e in enumerate(self._entries) if e.local in frozen_names}
         kept = frozenset(i for i, key in frozen.items()
                          if self._node_state is not None and _same(self._entries[i].held, key) and self._entries[i].nbytes)
-        return _Job(step, scalars, frozen, kept)
+        buffer_names = self._buffer_names()
+        buffers = frozenset(i for i, e in enumerate(self._entries) if e.local in buffer_names)
+        compare = frozenset(i for i in buffers if self._node_state is not None and self._entries[i].mirrored
+                            and self.config.skip_unchanged_buffers)
+        return _Job(step, scalars, frozen, kept, buffers, compare)
+
+    def _buffer_names(self) -> set[str]:
+        """Local keys of the model's buffers (non-parameter tensors: rotary ``inv_freq``, an EMA copy, BatchNorm
+        statistics) — compared byte for byte before each copy, since nothing else says exactly that they did not
+        change (``.data`` writes do not bump the version counter)."""
+        if self._megatron is not None:
+            return set(self._megatron.buffers)
+        return {n for n, _ in self.model.named_buffers(remove_duplicate=False)}
 
     def _frozen_names(self) -> set[str]:
         """Local keys of the parameters frozen now: state-dict names (an FSDP2 model's too: fully_shard keeps them),
@@ -367,7 +384,7 @@ class Checkpointer:
     def _run(self, job: _Job) -> None:
         try:
             t0 = time.perf_counter()
-            self._copy(job.kept)
+            self._copy(job)
             self.stats.last_copy_s = time.perf_counter() - t0
         except BaseException as e:  # noqa: BLE001
             job.error = e
@@ -387,7 +404,10 @@ class Checkpointer:
         finally:
             job.done.set()
 
-    def _copy(self, kept: frozenset[int] = frozenset()) -> None:
+    def _copy(self, job: _Job) -> None:
+        """Copy every entry but the kept ones into the host buffer; a buffer equal to its mirrored slice (CPU tensors:
+        compared in place, about the cost of the copy it saves; a change usually shows in the first bytes) joins
+        ``job.kept``.  A CUDA buffer is copied: comparing it would bring it to the host first, which is the copy."""
         seg = self._segment
         if seg is not None:  # odd: a node still reading the previous frame sees its copy torn and refuses it
             self._generation += 1 if self._generation % 2 == 0 else 2
@@ -395,16 +415,22 @@ class Checkpointer:
         buf = self._buffer
         stream = torch.cuda.Stream() if torch.cuda.is_available() else None
         host = buf.numpy() if stream is None else None
+        unchanged = set()
         with torch.no_grad(), (torch.cuda.stream(stream) if stream is not None else _null()):
             for i, e in enumerate(self._entries):
-                if e.nbytes and i not in kept:
+                if e.nbytes and i not in job.kept:
                     src = e.tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+                    if i in job.compare and not src.is_cuda and _equal_bytes(src, buf[e.at:e.at + e.nbytes]):
+                        unchanged.add(i)
+                        continue
+                    e.mirrored = False  # rewritten: it holds what the node holds once this push is acknowledged
                     if src.is_cuda or host is None:
                         buf[e.at:e.at + e.nbytes].copy_(src, non_blocking=stream is not None)
                     else:  # around the cache: the training step on the other core keeps its lines
                         _native.copy_into(host[e.at:e.at + e.nbytes], src.numpy(), threads=1, stream=True)
         if stream is not None:
             stream.synchronize()
+        job.kept = job.kept | unchanged
         if seg is not None:
             self._generation += 1
             _native.generation_store(seg.buf, generation_at(self.stats.buffer_bytes), self._generation)
@@ -478,13 +504,12 @@ class Checkpointer:
             for e in self._entries:  # another node state (or a node that names none): it holds nothing of ours yet
                 e.held = None
             self._node_state = state if isinstance(state, str) else None
-        sent_kept = 0
         for i, key in job.frozen.items():
-            e = self._entries[i]
-            if i in kept:  # the node took it as kept: what it holds is unchanged
-                sent_kept += e.nbytes
-            else:
-                e.held = key
+            if i not in kept:  # sent: the node holds it as of this key (kept: what it holds is unchanged)
+                self._entries[i].held = key
+        for i in job.buffers:  # sent, or kept because equal to its slice: the slice is what the node holds
+            self._entries[i].mirrored = True
+        sent_kept = sum(self._entries[i].nbytes for i in kept)
         self.stats.last_sent_bytes = sent
         self.stats.sent_bytes += sent
         self.stats.kept_bytes += sent_kept
@@ -518,6 +543,15 @@ def _key(piece: torch.Tensor, whole: Any) -> tuple:
     can be allocated at its address meanwhile), its address in it, and the version counters of the piece and of the
     tensor it is cut from (a DTensor's own, and its local shard's: in-place ops bump both)."""
     return piece.untyped_storage(), piece.data_ptr(), piece._version, whole._version
+
+
+def _equal_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two uint8 CPU tensors hold the same bytes: torch.equal over the widest integer view both allow (byte
+    by byte it runs ~20x slower; integers compare bits, so NaNs and -0.0 are told apart exactly)."""
+    for dtype, size in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
+        if a.numel() % size == 0 and a.storage_offset() % size == 0 and b.storage_offset() % size == 0:
+            return torch.equal(a.view(dtype), b.view(dtype))
+    return torch.equal(a, b)
 
 
 def _same(held: tuple | None, key: tuple) -> bool:

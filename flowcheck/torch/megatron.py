@@ -153,6 +153,7 @@ class MegatronRank:
         self.leaves = [leaf for leaf in leaves if getattr(leaf, "optimizer", None) is not None]
         self._names: dict[int, tuple[int, str]] | None = None
         self.frozen: set[str] = set()  # local keys of the model's frozen (requires_grad=False) parameters, per tensors()
+        self.buffers: set[str] = set()  # local keys of the model's buffers (non-parameter tensors), per tensors()
         # canonical names of the parameters frozen on other pipeline stages: they have no optimizer state, which
         # every rank's layout must say alike (the node takes one layout), and this rank cannot see them
         self.frozen_elsewhere = self._gather_frozen()
@@ -168,6 +169,7 @@ class MegatronRank:
             else:
                 self._whole_slots(leaf, out)
         frozen: set[str] = set()
+        buffers: set[str] = set()
         for v, chunk in enumerate(self.chunks):
             for k, t in chunk.state_dict(keep_vars=True).items():
                 # Transformer Engine's _extra_state may be a tensor: FP8 metadata, not training state
@@ -175,7 +177,9 @@ class MegatronRank:
                     out[f"{v}{_SEP}{_strip(k)}"] = t.detach()
                     if isinstance(t, torch.nn.Parameter) and not t.requires_grad:
                         frozen.add(f"{v}{_SEP}{_strip(k)}")
-        self.frozen = frozen
+                    elif not isinstance(t, torch.nn.Parameter):
+                        buffers.add(f"{v}{_SEP}{_strip(k)}")
+        self.frozen, self.buffers = frozen, buffers
         return out
 
     def _gather_frozen(self) -> frozenset[str]:

@@ -36,6 +36,9 @@ class PushConfig:
     # send a requires_grad=False parameter only when the node lacks it or it changed (its version counter moved);
     # False: every parameter every save (for code that changes frozen parameters through .data without mark_changed)
     skip_frozen: bool = True
+    # compare each CPU buffer (a non-parameter tensor: rotary inv_freq, an EMA copy) with the bytes the node last
+    # acknowledged, kept in the host buffer; an equal one is not sent again (exact: a byte compare, not a version)
+    skip_unchanged_buffers: bool = True
 
     def __post_init__(self) -> None:
         url = urlparse(self.node) if isinstance(self.node, str) else None
@@ -60,7 +63,7 @@ class PushConfig:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
                 raise ConfigError(f"{name}: expected a positive number{' or None (no cap)' if name == 'budget_mib' else ''}"
                                   f", found {value!r}")
-        for name in ("hook", "rng", "skip_frozen"):
+        for name in ("hook", "rng", "skip_frozen", "skip_unchanged_buffers"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}: expected True or False, found {getattr(self, name)!r}")
         if self.token is not None and not isinstance(self.token, str):

@@ -264,3 +264,64 @@ def test_a_stale_node_state_asks_for_the_kept_shards_again_and_is_rewritten_in_p
             assert np.array_equal(store.memory.read(4, name), arr), name
     finally:
         receiver.close()
+
+
+def _model_with_buffers(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The frozen model plus two buffers: a constant (rotary ``inv_freq``-like) and an EMA copy of the last layer."""
+    model, opt = _frozen_model(seed)
+    model.register_buffer("inv_freq", 1.0 / (10000 ** (torch.arange(0, 64, 2).float() / 64)))
+    model.register_buffer("ema", model[2].weight.detach().clone())
+    return model, opt
+
+
+def test_unchanged_buffers_are_kept_and_any_change_even_through_data_is_sent(node):
+    model, opt = _model_with_buffers()
+    gen = torch.Generator().manual_seed(8)
+    frozen = _nbytes(model[0].weight, model[0].bias)
+    inv, ema = _nbytes(model.inv_freq), _nbytes(model.ema)
+    with Checkpointer(model, opt, node=node.url, run="gpt", transport="tcp") as ck:
+        full = _push(ck, model, opt, gen, 1)
+        assert _push(ck, model, opt, gen, 2) == full - frozen - inv - ema  # neither buffer changed
+        with torch.no_grad():
+            model.ema.mul_(0.9).add_(model[2].weight, alpha=0.1)  # an EMA update: in place
+        assert _push(ck, model, opt, gen, 3) == full - frozen - inv
+        model.ema.data[0, 0] += 1.0  # a .data write: no version bump, and still seen (the bytes are compared)
+        model.inv_freq.data[-1] = 0.5
+        assert _push(ck, model, opt, gen, 4) == full - frozen
+        node.wait_step(4)
+        _assert_stored(node, 4, _expected(model, opt))
+        assert _push(ck, model, opt, gen, 5) == full - frozen - inv - ema
+        assert ck.stats.kept_bytes == 4 * frozen + 2 * (inv + ema) + inv  # steps 2-5; 2, 5; 3
+    node.wait_step(5)
+    _assert_stored(node, 5, _expected(model, opt))
+
+
+def test_skip_unchanged_buffers_false_sends_buffers_every_save(node):
+    model, opt = _model_with_buffers()
+    gen = torch.Generator().manual_seed(9)
+    frozen = _nbytes(model[0].weight, model[0].bias)
+    config = PushConfig(node=node.url, run="gpt", transport="tcp", skip_unchanged_buffers=False)
+    with Checkpointer(model, opt, config=config) as ck:
+        full = _push(ck, model, opt, gen, 1)
+        assert [_push(ck, model, opt, gen, step) for step in (2, 3)] == [full - frozen] * 2
+    node.wait_step(3)
+    _assert_stored(node, 3, _expected(model, opt))
+
+
+def test_a_restarted_node_is_sent_the_unchanged_buffers_again(tmp_path):
+    node = NodeProcess(str(tmp_path)).start()
+    try:
+        model, opt = _model_with_buffers()
+        gen = torch.Generator().manual_seed(10)
+        with Checkpointer(model, opt, node=node.url, run="gpt", transport="shm", timeout_s=5) as ck:
+            full = _push(ck, model, opt, gen, 1)
+            kept = full - _nbytes(model[0].weight, model[0].bias, model.inv_freq, model.ema)
+            assert _push(ck, model, opt, gen, 2) == kept
+            node.kill()
+            node.start()
+            assert _push(ck, model, opt, gen, 3) == full and ck.stats.resends == 1
+            assert _push(ck, model, opt, gen, 4) == kept
+            node.wait_step(4)
+            _assert_stored(node, 4, _expected(model, opt))
+    finally:
+        node.stop()
