@@ -7,9 +7,10 @@ in a rotated order so that what drifts during the run (page cache, other load) f
       full save of the same state (``torch.distributed.checkpoint.save``, FileSystemWriter, one process, fsync'd).
   (b) ``lora_promotion``: each step of (a) promoted to a ``file://`` object tier (``--s3``: also a moto S3 server)
       in order: incremental (the parent's object copy holds the frozen shards) vs full (no parent: all uploaded).
-  (c) ``full_training``: every tensor changes every step: with a parent (the dedup check hashes every shard with a
-      candidate first, finds nothing to reuse, and the writer then skips its own hashing) vs without.  The dedup
-      check's cost = median of the per-step ratios (with / without) - 1; goal <= 3%.
+  (c) ``full_training``: every tensor changes every step: with a parent (the dedup check probes the large shards'
+      first rows, hashes the rest, finds nothing to reuse, and the writer then skips hashing what it hashed) vs
+      without.  The dedup check's cost = median of the per-step ratios (with / without) - 1; goal <= 3%.  Also the
+      check alone, timed per step, with the probe digests the tier kept vs reading the parent's first rows.
   (d) ``row_blocks``: an fp32 embedding table (``--emb-mib``, 4 KiB rows) of which ``--rows-changed`` of the rows
       (uniformly at random: the worst case for blocks) change per step, and the same table with every row
       changing: incremental steps with ``tiers.local.row_block_bytes`` = each of ``--row-block-kib`` vs without
@@ -168,14 +169,31 @@ def lora(args, base: str, object_urls: list[tuple[str, str]]) -> dict:
 def full_training(args, base: str) -> dict:
     with_, without = Chain(f"{base}/with", True), Chain(f"{base}/without", False)
     check: list[float] = []
+    check_read: list[float] = []
     for step in range(1, args.dedup_steps + 1):
         snap = state(step, args.mib, args.trainable, True)
         if with_.parent is not None:
-            # the check alone, as the write runs it (parent manifest, candidates, one hash pass over the shards
-            # that have one): an upper bound of its cost, since the write then skips hashing those shards
-            t0 = time.perf_counter()
-            with_.tier._reusable(snap, with_.parent)
-            check.append(time.perf_counter() - t0)
+            # the check alone, as the write runs it (parent manifest, candidates, probes, a hash of the shards the
+            # probes do not settle): an upper bound of its cost, since the write then skips hashing those shards.
+            # Side by side, in rotated order: with the probe digests the tier kept when it wrote the parent (what
+            # a node's tier does), and reading the parent's first rows from its packs (a tier that did not write
+            # the parent: a restarted node; and every check before the digests were kept)
+            def kept() -> None:
+                t0 = time.perf_counter()
+                with_.tier._reusable(snap, with_.parent)
+                check.append(time.perf_counter() - t0)
+
+            def read() -> None:
+                probes = dict(with_.tier._probes)
+                with_.tier._probes.clear()
+                try:
+                    t0 = time.perf_counter()
+                    with_.tier._reusable(snap, with_.parent)
+                    check_read.append(time.perf_counter() - t0)
+                finally:
+                    with_.tier._probes.update(probes)
+
+            rotated(step, {"kept": kept, "read": read})
         rotated(step, {"with": lambda: with_.write(snap), "without": lambda: without.write(snap)})
         if step > 2:
             with_.tier.delete(step - 2)  # nothing references it (every shard changed)
@@ -189,6 +207,12 @@ def full_training(args, base: str) -> dict:
     res["dedup_cost_medians"] = res["incremental"]["seconds_median"] / res["full"]["seconds_median"] - 1
     res["dedup_check_seconds_median"] = statistics.median(check)
     res["dedup_check_share"] = statistics.median(check) / res["full"]["seconds_median"]
+    res["dedup_check_read_seconds_median"] = statistics.median(check_read)
+    res["dedup_check_read_share"] = statistics.median(check_read) / res["full"]["seconds_median"]
+    # per step: the check's share of that step's snapshot without it (the snapshot's drift falls on both)
+    res["dedup_check_share_paired"] = paired(check, without.times[1:], skip=0)
+    res["dedup_check_read_share_paired"] = paired(check_read, without.times[1:], skip=0)
+    res["dedup_check_shares"] = [c / w for c, w in zip(check, without.times[1:])]
     return res
 
 
@@ -244,7 +268,10 @@ def report(out: dict) -> None:
         print(f"full_training  s/step: with dedup check {f['incremental']['seconds_median']:.3f}, without "
               f"{f['full']['seconds_median']:.3f} (medians); dedup cost {100 * f['dedup_cost_paired']:+.1f}% paired, "
               f"{100 * f['dedup_cost_medians']:+.1f}% of medians; the check alone {f['dedup_check_seconds_median']:.4f} s = "
-              f"{100 * f['dedup_check_share']:.1f}% of a snapshot without it")
+              f"{100 * f['dedup_check_share']:.1f}% of a snapshot without it (per-step median "
+              f"{100 * f['dedup_check_share_paired']:.1f}%, max {100 * max(f['dedup_check_shares']):.1f}%); reading "
+              f"the parent's packs instead of kept probe digests {f['dedup_check_read_seconds_median']:.4f} s = "
+              f"{100 * f['dedup_check_read_share']:.1f}% (per-step {100 * f['dedup_check_read_share_paired']:.1f}%)")
     for kib, by_case in out.get("row_blocks", {}).items():
         if not isinstance(by_case, dict):
             continue

@@ -5,13 +5,16 @@ over the adapters only, one torch thread.  Two `flowcheck serve` node processes 
 fed step by step in turn (ABAB: a drifting machine favours neither):
   kept: PushConfig(skip_frozen=True) (the default) — frozen parameters sent once, then carried as kept shards; the
         node writes only the changed shards into RAM and its snapshot hashes only those (tiers/memory.py digests);
-  full: PushConfig(skip_frozen=False) — every tensor every save, as before issue 20's trainer side: the node rewrites
-        every shard and its snapshot hashes the whole state.
+  full: PushConfig(skip_frozen=False, skip_unchanged_buffers=False) — every tensor every save, as before issue 20's
+        trainer side: the node rewrites every shard and its snapshot hashes the whole state.
+  buffers_sent (only with --ema-mib): frozen parameters kept, buffers sent every save (skip_unchanged_buffers=False,
+        as before buffers were compared).  --ema-mib registers a buffer of that size that never changes (a frozen EMA
+        / teacher copy): "kept" compares it with the bytes the node holds on the side thread and sends it as kept.
 Per step (after the first, a full push either way): payload bytes pushed, seconds of save() + flush() (the push to the
 node's ack), seconds of the node's POST /snapshot (local tier, fsync on), bytes that snapshot wrote.  Medians; ratios
 full / kept.  TCP transport (over shared memory the node reads the segment in place; bytes are the same).
 
-  python benchmarks/bench_push_frozen.py --hidden 512 --layers 4 --steps 20
+  python benchmarks/bench_push_frozen.py --hidden 512 --layers 4 --steps 20 [--ema-mib 32]
 """
 from __future__ import annotations
 
@@ -89,6 +92,7 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--ema-mib", type=float, default=0, help="a constant buffer of this size (a frozen EMA copy)")
     ap.add_argument("--dir", default=None, help="where the two nodes' stores go (default: a temporary folder)")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -96,16 +100,21 @@ def main() -> None:
     tokens = data()
     alts = {}
     try:
-        for name, skip in (("kept", True), ("full", False)):
+        plan = [("kept", True, True), ("full", False, False)] + ([("buffers_sent", True, False)] if args.ema_mib else [])
+        for name, skip, skip_buffers in plan:
             os.makedirs(os.path.join(root, name))
             node = Node(os.path.join(root, name))
             model, opt = lora_gpt(args.hidden, args.layers)
+            if args.ema_mib:
+                model.register_buffer("ema", torch.randn(int(args.ema_mib * 2**20) // 4))
             ck = Checkpointer(model, opt, config=PushConfig(node=f"tcp://127.0.0.1:{node.push}", run="lora",
-                                                            transport="tcp", skip_frozen=skip, timeout_s=120))
+                                                            transport="tcp", skip_frozen=skip, timeout_s=120,
+                                                            skip_unchanged_buffers=skip_buffers))
             alts[name] = {"node": node, "model": model, "opt": opt, "ck": ck, "store": open_store(node.config),
                           "push_s": [], "push_bytes": [], "snap_s": [], "snap_bytes": []}
+        names = list(alts)
         for step in range(1, args.steps + 1):
-            for name in (("kept", "full") if step % 2 else ("full", "kept")):
+            for name in names[step % len(names):] + names[:step % len(names)]:  # rotated: drift favours none
                 a = alts[name]
                 x, y = batches(tokens)
                 logits = a["model"](x)
@@ -121,14 +130,16 @@ def main() -> None:
                 a["node"].request("POST", "/snapshot")
                 snap_s = time.perf_counter() - t0
                 if step > 1:
+                    a.setdefault("copy_s", []).append(a["ck"].stats.last_copy_s)
                     a["push_s"].append(push_s)
                     a["push_bytes"].append(a["ck"].stats.last_sent_bytes)
                     a["snap_s"].append(snap_s)
                     a["snap_bytes"].append(a["store"].local.manifest(step).nbytes)
         out = {"state_bytes": alts["kept"]["ck"].stats.buffer_bytes, "steps": args.steps}
         for name, a in alts.items():
-            out[name] = {k: statistics.median(a[k]) for k in ("push_s", "push_bytes", "snap_s", "snap_bytes")}
-        out["ratio_full_over_kept"] = {k: out["full"][k] / out["kept"][k] for k in out["kept"]}
+            out[name] = {k: statistics.median(a[k]) for k in ("push_s", "copy_s", "push_bytes", "snap_s", "snap_bytes")}
+        for other in names[1:]:
+            out[f"ratio_{other}_over_kept"] = {k: out[other][k] / out["kept"][k] for k in out["kept"]}
         print(json.dumps(out, indent=2))
     finally:
         for a in alts.values():
