@@ -337,11 +337,11 @@ def main() -> None:
         if moto is not None:
             moto.close()
         shutil.rmtree(base, ignore_errors=True)
-    report(out)
-    print(json.dumps(out, indent=1))
-    if args.json:
+    if args.json:  # first: a reader that stops after the summary (`| head`) must not lose the file
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
+    report(out)
+    print(json.dumps(out, indent=1))
 
 
 if __name__ == "__main__":

@@ -71,10 +71,15 @@ def _patch_torch_adam_load() -> None:
 
 # ---------------------------------------------------------------- the trainer
 
-def build(arch: dict, tp: int, pp: int, distributed: bool):
-    """(DDP model chunks, megatron optimizer, scheduler) as Megatron-LM's setup_model_and_optimizer builds them."""
+def build(arch: dict, tp: int, pp: int, distributed: bool, freeze: tuple[str, ...] = ()):
+    """(DDP model chunks, megatron optimizer, scheduler) as Megatron-LM's setup_model_and_optimizer builds them;
+    parameters whose names start with one of ``freeze`` are frozen first (no gradient buffer, no optimizer state)."""
     torch.manual_seed(SEED)
     chunks = W.build_chunks(arch, tp, pp, 1)
+    for c in chunks:
+        for name, p in c.named_parameters():
+            if freeze and name.startswith(tuple(freeze)):
+                p.requires_grad_(False)
     config = chunks[0].config
     config.finalize_model_grads_func = finalize_model_grads  # the DP gradient reduce-scatter / all-reduce
     ddp = DistributedDataParallelConfig(use_distributed_optimizer=distributed, overlap_grad_reduce=False,
@@ -145,7 +150,8 @@ def op_train(task: dict, rank: int) -> None:
     from flowcheck.torch import Checkpointer
 
     tp, pp, k, m = task["tp"], task["pp"], task["k"], task["m"]
-    model, opt, sched = build(task["arch"], tp, pp, distributed=task.get("distributed", True))
+    model, opt, sched = build(task["arch"], tp, pp, distributed=task.get("distributed", True),
+                              freeze=tuple(task.get("freeze", ())))
     ckpt = Checkpointer(model, opt, sched, node=task["node"], run=task["run"], arch=ModelArch.from_mapping(task["arch"]),
                         timeout_s=60)
     record = []
@@ -188,7 +194,7 @@ def dump_state(model, opt, task_dir: str, sched) -> None:
     for v, chunk in enumerate(model):
         for name, p in chunk.module.named_parameters():
             state[("weight", v, name)] = p.detach().clone()
-            for slot, t in _full_slots(leaf, p).items():
+            for slot, t in (_full_slots(leaf, p) if p.requires_grad else {}).items():  # frozen: no optimizer state
                 state[(slot, v, name)] = t
     if parallel_state.get_data_parallel_rank() == 0:
         rank = (parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank())

@@ -94,7 +94,7 @@ def _resume(task_dir: str, tp: int, pp: int, jobs: list[dict]) -> list[dict]:
     return out
 
 
-def _pushed_job(tmp_path_factory, name: str, distributed: bool, k: int, m: int):
+def _pushed_job(tmp_path_factory, name: str, distributed: bool, k: int, m: int, **extra):
     """A node that took ``k`` pushed steps of a killed TP2 x DP2 job, and the job's own records."""
     root = str(tmp_path_factory.mktemp(name))
     with pytest.MonkeyPatch.context() as mp:
@@ -102,7 +102,7 @@ def _pushed_job(tmp_path_factory, name: str, distributed: bool, k: int, m: int):
         node = NodeProcess(root, run="gpt", every_steps=1, part_timeout_s=60).start()
         try:
             train_dir = os.path.join(root, "train")
-            _train_and_kill(train_dir, node, {"k": k, "m": m, "distributed": distributed})
+            _train_and_kill(train_dir, node, {"k": k, "m": m, "distributed": distributed, **extra})
             _wait_local(node, k)
             yield node, train_dir
         finally:
@@ -154,16 +154,31 @@ def test_non_distributed_optimizer_push_is_the_trainers_full_state_bit_for_bit(p
     _check_pushed(*plain_job, 2)
 
 
-def _check_pushed(node: NodeProcess, train_dir: str, step: int):
-    """Step ``step`` in the local tier holds every weight and Adam moment, each tiled once by the ranks' pieces, equal
-    bit for bit to the trainer's own (TP-local) state; its scalars are the trainer's param groups and scheduler."""
+@pytest.fixture(scope="module")
+def frozen_job(tmp_path_factory):
+    """The distributed-optimizer job with its embeddings frozen (a partial fine-tune): K pushed steps."""
+    yield from _pushed_job(tmp_path_factory, "megatron-frozen", True, K, 0, freeze=["embedding."])
+
+
+def test_frozen_parameters_of_a_megatron_trainer_are_pushed_once_and_stored_bit_for_bit(frozen_job):
+    node, train_dir = frozen_job
+    m = _check_pushed(node, train_dir, K, frozen=("embedding.",))
+    assert "embedding.word_embeddings.weight" in m.tensors
+    assert not any(n.startswith("optimizer.") and ".embedding." in n for n in m.tensors)
+
+
+def _check_pushed(node: NodeProcess, train_dir: str, step: int, frozen: tuple[str, ...] = ()):
+    """Step ``step`` in the local tier holds every weight and Adam moment (none for ``frozen`` parameters), each tiled
+    once by the ranks' pieces, equal bit for bit to the trainer's own (TP-local) state; its scalars are the trainer's
+    param groups and scheduler.  Frozen weights are sent by the first push only (later ones carry them as kept)."""
     store = open_store(node.config)
     m = store.local.manifest(step)
     arch = ModelArch.from_mapping(ARCH)
     ranks = _trainer_state(train_dir)
     assert sorted(ranks) == [(0, 0), (1, 0)]
     slots = {"weight": "", "exp_avg": "optimizer.exp_avg.", "exp_avg_sq": "optimizer.exp_avg_sq."}
-    names = [prefix + p.name for p in model_params(arch) for prefix in slots.values()]
+    names = [prefix + p.name for p in model_params(arch) for prefix in slots.values()
+             if not prefix or not p.name.startswith(frozen or ("\0",))]
     assert sorted(m.tensors) == sorted(names)  # fp32 training: the main params are the weights, no fp32_param
     for name, entry in m.tensors.items():  # the pieces tile each tensor: no overlap, no gap
         covered = np.zeros(entry.global_shape, dtype=np.int64)
@@ -171,7 +186,10 @@ def _check_pushed(node: NodeProcess, train_dir: str, step: int):
             covered[tuple(slice(o, o + n) for o, n in zip(sh.offsets, sh.shape))] += 1
         assert (covered == 1).all(), name
     state_bytes = sum(int(np.prod(e.global_shape)) * 4 for e in m.tensors.values())
-    assert node.get("/status")["push"]["bytes"] == step * state_bytes  # every piece sent once, by one rank
+    frozen_bytes = sum(int(np.prod(e.global_shape)) * 4 for n, e in m.tensors.items() if frozen and n.startswith(frozen))
+    pushed = node.get("/status")["push"]
+    assert pushed["bytes"] == step * state_bytes - (step - 1) * frozen_bytes  # every piece sent once, by one rank
+    assert pushed["kept_bytes"] == (step - 1) * frozen_bytes
     full = {n: torch.from_numpy(store.read(step, n, prefer="local")) for n in names}
     for (t, p), got in ranks.items():
         rts = {rt.key: rt for rt in rank_tensors(arch, 2, 1, 1, t, p)}
