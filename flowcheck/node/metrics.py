@@ -96,8 +96,8 @@ class _NodeCollector:
                        "Pushed parts rejected (bad header, layout, size; unsigned, wrongly signed or replayed).", rs.rejected)
         yield _counter("flowcheck_push_aborted_steps", "Pushed steps aborted (a sender lost or timed out).",
                        rs.aborted_steps)
-        yield _counter("flowcheck_push_kept_bytes", "Bytes of frozen tensors pushes carried as kept (held in RAM, not "
-                       "sent again).", rs.kept_bytes)
+        yield _counter("flowcheck_push_kept_bytes", "Bytes of frozen tensors and unchanged buffers pushes carried as "
+                       "kept (held in RAM, not sent again).", rs.kept_bytes)
         yield _counter("flowcheck_push_resends_asked", "Pushes with kept shards the node lacked, asked again whole.",
                        rs.resends_asked)
         yield from self._connections()
