@@ -41,6 +41,11 @@ def merge_send(buf: Buffer, parts: list[tuple[Buffer, int]], flag: int, ll: bool
     """Place a final send's (segments, shift) parts into an allreduce's data/copies slices: first valid copy of
     each whole element wins, later copies compared bitwise, copies saturate at 255; (seen, differing, unplaced)."""
 
+def merge_sends(jobs: list[tuple[Buffer, list[tuple[Buffer, int]], int, bool, Buffer, Buffer]]
+                ) -> list[tuple[int, int, list[tuple[int, int]]]]:
+    """merge_send over (buf, parts, flag, ll, data, copies) jobs in list order, the GIL released once for all;
+    every job checked before any is merged; one (seen, differing, unplaced) per job."""
+
 def segment_flags(buf: Buffer, segments: Buffer) -> np.ndarray:
     """int64 per segment: the LL flag of its first line (bytes 4..8), -1 under 16 bytes."""
 

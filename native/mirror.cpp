@@ -1104,147 +1104,219 @@ int64_t merge_run(uint8_t* data, uint8_t* copies, const uint8_t* src, int64_t co
 // the parser: the merge prefetches this many segments ahead (bench_mirror (a): 2 cut merge_send by a fifth).
 constexpr size_t PREFETCH_AHEAD = 2;
 
-py::tuple merge_send(const py::buffer& buf, const py::list& parts, int64_t flag, bool ll, py::buffer& data,
-                     py::buffer& copies) {
+// One final send to merge: its parts (segment rows with their shift), LL flag and destination slices.  Built with
+// the GIL held (every argument checked), merged with it released.
+struct MergeJob {
     struct Part {
         const SegmentRow* rows;
         size_t n;
         int64_t shift;
     };
-    Bytes b = readable(buf);
-    py::buffer_info di = data.request(true), ci = copies.request(true);
-    const int64_t isz = di.itemsize;
-    if (di.ndim != 1 || (isz != 1 && isz != 2 && isz != 4 && isz != 8) || (di.size > 1 && di.strides[0] != isz))
-        throw py::value_error("data must be a writable contiguous 1-d array of 1-, 2-, 4- or 8-byte items");
+    Bytes b;
+    std::vector<Part> parts;
+    int64_t flag;
+    bool ll;
+    uint8_t* out;
+    uint8_t* cnt;
+    int64_t n, isz;
+    int64_t seen = 0, differing = 0;
+    std::vector<std::pair<int32_t, int64_t>> unplaced;
+};
+
+// Checks merge_send's arguments and builds its job; `keep` holds the segment arrays alive while the GIL is
+// released.  `what` prefixes the errors (merge_sends: which job).
+MergeJob merge_job(const py::buffer& buf, const py::list& parts, int64_t flag, bool ll, py::buffer& data,
+                   py::buffer& copies, std::vector<py::object>& keep, const std::string& what = "") {
+    MergeJob j;
+    j.b = readable(buf);
+    py::buffer_info di, ci;
+    try {
+        di = data.request(true), ci = copies.request(true);
+    } catch (py::error_already_set& e) {
+        throw py::value_error(what + "data and copies must be writable arrays (" + std::string(e.what()) + ")");
+    }
+    j.isz = di.itemsize;
+    if (di.ndim != 1 || (j.isz != 1 && j.isz != 2 && j.isz != 4 && j.isz != 8) || (di.size > 1 && di.strides[0] != j.isz))
+        throw py::value_error(what + "data must be a writable contiguous 1-d array of 1-, 2-, 4- or 8-byte items");
     if (ci.ndim != 1 || ci.itemsize != 1 || (ci.size > 1 && ci.strides[0] != 1))
-        throw py::value_error("copies must be a writable contiguous 1-d uint8 array");
+        throw py::value_error(what + "copies must be a writable contiguous 1-d uint8 array");
     if (ci.size != di.size)
-        throw py::value_error("copies holds " + std::to_string(ci.size) + " counts for " + std::to_string(di.size) +
+        throw py::value_error(what + "copies holds " + std::to_string(ci.size) + " counts for " + std::to_string(di.size) +
                               " data elements");
-    std::vector<py::object> keep;  // the segment arrays stay alive while the GIL is released
-    std::vector<Part> ps;
-    keep.reserve(parts.size()), ps.reserve(parts.size());
+    j.parts.reserve(parts.size());
     for (size_t k = 0; k < parts.size(); ++k) {
         py::handle item = parts[k];
         if (!py::isinstance<py::tuple>(item) || py::len(item) != 2)
-            throw py::value_error("part " + std::to_string(k) + " is not a (segments, shift) pair");
+            throw py::value_error(what + "part " + std::to_string(k) + " is not a (segments, shift) pair");
         py::tuple t = py::reinterpret_borrow<py::tuple>(item);
-        if (!PyObject_CheckBuffer(t[0].ptr())) throw py::value_error("part " + std::to_string(k) + ": segments is not an array");
+        if (!PyObject_CheckBuffer(t[0].ptr()))
+            throw py::value_error(what + "part " + std::to_string(k) + ": segments is not an array");
         py::buffer segs = py::reinterpret_borrow<py::buffer>(t[0]);
-        Segments rows = in_capture(b, segs, "part " + std::to_string(k) + ", ");
-        Part p{rows.rows, rows.n, as_int64(t[1], "shift")};
+        Segments rows = in_capture(j.b, segs, what + "part " + std::to_string(k) + ", ");
+        j.parts.push_back({rows.rows, rows.n, as_int64(t[1], "shift")});
         keep.push_back(std::move(segs));
-        ps.push_back(p);
     }
-    uint8_t* out = static_cast<uint8_t*>(di.ptr);
-    uint8_t* cnt = static_cast<uint8_t*>(ci.ptr);
-    const int64_t n = di.size, size = n * isz;
+    j.flag = flag, j.ll = ll;
+    j.out = static_cast<uint8_t*>(di.ptr), j.cnt = static_cast<uint8_t*>(ci.ptr), j.n = di.size;
+    return j;
+}
+
+// The merge itself (see merge_send); runs without the GIL.
+void run_merge(MergeJob& j) {
+    const Bytes& b = j.b;
+    const bool ll = j.ll;
+    const int64_t flag = j.flag, isz = j.isz, n = j.n, size = n * isz;
+    uint8_t* out = j.out;
+    uint8_t* cnt = j.cnt;
     int64_t seen = 0, differing = 0;
-    std::vector<std::pair<int32_t, int64_t>> unplaced;
-    {
-        py::gil_scoped_release nogil;
-        // Pass 1: what each segment places (checks its LL lines) -> byte ranges [lo, hi) of the send.
-        struct Placed {
-            const uint8_t* p;  // LL: its first line; Simple: the payload byte for `lo`
-            int64_t lo, hi;
-        };
-        std::vector<Placed> placed;
-        std::vector<int64_t> misaligned, bad_lines;
-        for (const Part& part : ps) {
-            misaligned.clear(), bad_lines.clear();
-            for (size_t i = 0; i < part.n; ++i) {
-                const SegmentRow& r = part.rows[i];
-                const uint8_t* p = b.data + r.offset;
-                if (i + PREFETCH_AHEAD < part.n) {  // segments lie apart in the capture: fetch ahead
-                    const SegmentRow& ahead = part.rows[i + PREFETCH_AHEAD];
-                    for (int32_t k = 0; k < ahead.length; k += 64) __builtin_prefetch(b.data + ahead.offset + k);
-                }
-                int64_t pos;
-                if (__builtin_add_overflow(r.msg_offset, part.shift, &pos)) continue;  // nowhere in the send
-                if (!ll) {
-                    if (pos < 0) continue;
-                    int64_t m = std::min<int64_t>(r.length, size - pos);
-                    if (m > 0) placed.push_back({p, pos, pos + m});
-                    continue;
-                }
-                if (r.length % 16 || pos % 16 || pos < 0) { misaligned.push_back(r.length); continue; }
-                int64_t lines = r.length / 16;
-                int64_t bad = flag < 0 ? lines : ll_bad_lines(p, lines, uint32_t(flag));
-                if (bad) { bad_lines.push_back(std::min<int64_t>(bad, INT32_MAX)); continue; }
-                int64_t lo = pos / 2;
-                if (lo < size) placed.push_back({p, lo, std::min<int64_t>(lo + lines * 8, size)});
+    // Pass 1: what each segment places (checks its LL lines) -> byte ranges [lo, hi) of the send.
+    struct Placed {
+        const uint8_t* p;  // LL: its first line; Simple: the payload byte for `lo`
+        int64_t lo, hi;
+    };
+    std::vector<Placed> placed;
+    std::vector<int64_t> misaligned, bad_lines;
+    for (const MergeJob::Part& part : j.parts) {
+        misaligned.clear(), bad_lines.clear();
+        for (size_t i = 0; i < part.n; ++i) {
+            const SegmentRow& r = part.rows[i];
+            const uint8_t* p = b.data + r.offset;
+            if (i + PREFETCH_AHEAD < part.n) {  // segments lie apart in the capture: fetch ahead
+                const SegmentRow& ahead = part.rows[i + PREFETCH_AHEAD];
+                for (int32_t k = 0; k < ahead.length; k += 64) __builtin_prefetch(b.data + ahead.offset + k);
             }
-            for (int64_t v : misaligned) unplaced.emplace_back(-1, v);
-            for (int64_t v : bad_lines) unplaced.emplace_back(int32_t(v), 0);
+            int64_t pos;
+            if (__builtin_add_overflow(r.msg_offset, part.shift, &pos)) continue;  // nowhere in the send
+            if (!ll) {
+                if (pos < 0) continue;
+                int64_t m = std::min<int64_t>(r.length, size - pos);
+                if (m > 0) placed.push_back({p, pos, pos + m});
+                continue;
+            }
+            if (r.length % 16 || pos % 16 || pos < 0) { misaligned.push_back(r.length); continue; }
+            int64_t lines = r.length / 16;
+            int64_t bad = flag < 0 ? lines : ll_bad_lines(p, lines, uint32_t(flag));
+            if (bad) { bad_lines.push_back(std::min<int64_t>(bad, INT32_MAX)); continue; }
+            int64_t lo = pos / 2;
+            if (lo < size) placed.push_back({p, lo, std::min<int64_t>(lo + lines * 8, size)});
         }
-        // The whole elements of each range; in the usual case they follow each other without overlap and each
-        // range merges straight from the (cached) packet, else the ranges are unioned through a scratch copy.
-        auto elems = [&](const Placed& x) {
-            return std::pair<int64_t, int64_t>{(x.lo + isz - 1) / isz, std::min<int64_t>(x.hi / isz, n)};
-        };
-        bool ordered = true;
-        int64_t reach = 0;
+        for (int64_t v : misaligned) j.unplaced.emplace_back(-1, v);
+        for (int64_t v : bad_lines) j.unplaced.emplace_back(int32_t(v), 0);
+    }
+    // The whole elements of each range; in the usual case they follow each other without overlap and each
+    // range merges straight from the (cached) packet, else the ranges are unioned through a scratch copy.
+    auto elems = [&](const Placed& x) {
+        return std::pair<int64_t, int64_t>{(x.lo + isz - 1) / isz, std::min<int64_t>(x.hi / isz, n)};
+    };
+    bool ordered = true;
+    int64_t reach = 0;
+    for (const Placed& x : placed) {
+        auto [ea, eb] = elems(x);
+        if (ea >= eb) continue;
+        if (ea < reach) { ordered = false; break; }
+        reach = eb;
+    }
+    auto merge = [&](uint8_t* d, uint8_t* c, const uint8_t* src, int64_t count) -> int64_t {
+        switch (isz) {
+            case 1: return merge_run<uint8_t>(d, c, src, count);
+            case 2: return merge_run<uint16_t>(d, c, src, count);
+            case 4: return merge_run<uint32_t>(d, c, src, count);
+            default: return merge_run<uint64_t>(d, c, src, count);
+        }
+    };
+    if (ordered) {
+        std::vector<uint8_t> line_data;  // one LL segment's data words
         for (const Placed& x : placed) {
             auto [ea, eb] = elems(x);
             if (ea >= eb) continue;
-            if (ea < reach) { ordered = false; break; }
-            reach = eb;
+            const uint8_t* src = x.p + (ea * isz - x.lo);  // Simple: the payload itself
+            if (ll) {  // LL ranges start on a line, so on an element: unpack the lines, then merge
+                int64_t bytes = (eb - ea) * isz, lines = (bytes + 7) / 8;
+                if (int64_t(line_data.size()) < lines * 8) line_data.resize(size_t(lines * 8));
+                ll_copy(line_data.data(), x.p, lines);
+                src = line_data.data();
+            }
+            seen += eb - ea;
+            differing += merge(out + ea * isz, cnt + ea, src, eb - ea);
         }
-        auto merge = [&](uint8_t* d, uint8_t* c, const uint8_t* src, int64_t count) -> int64_t {
-            switch (isz) {
-                case 1: return merge_run<uint8_t>(d, c, src, count);
-                case 2: return merge_run<uint16_t>(d, c, src, count);
-                case 4: return merge_run<uint32_t>(d, c, src, count);
-                default: return merge_run<uint64_t>(d, c, src, count);
-            }
-        };
-        if (ordered) {
-            std::vector<uint8_t> line_data;  // one LL segment's data words
-            for (const Placed& x : placed) {
-                auto [ea, eb] = elems(x);
-                if (ea >= eb) continue;
-                const uint8_t* src = x.p + (ea * isz - x.lo);  // Simple: the payload itself
-                if (ll) {  // LL ranges start on a line, so on an element: unpack the lines, then merge
-                    int64_t bytes = (eb - ea) * isz, lines = (bytes + 7) / 8;
-                    if (int64_t(line_data.size()) < lines * 8) line_data.resize(size_t(lines * 8));
-                    ll_copy(line_data.data(), x.p, lines);
-                    src = line_data.data();
+    } else {
+        std::unique_ptr<uint8_t[]> scratch(new uint8_t[size_t(std::max<int64_t>(size, 1))]);  // only placed bytes are read
+        uint8_t* o = scratch.get();
+        std::vector<std::pair<int64_t, int64_t>> present;  // element ranges [a, b)
+        for (const Placed& x : placed) {
+            if (ll) {
+                int64_t fit = (x.hi - x.lo) / 8;
+                ll_copy(o + x.lo, x.p, fit);
+                if (x.hi > x.lo + fit * 8) {  // a partial last line
+                    uint8_t line[8];
+                    const uint8_t* q = x.p + 16 * fit;
+                    std::memcpy(line, q, 4), std::memcpy(line + 4, q + 8, 4);
+                    std::memcpy(o + x.lo + fit * 8, line, size_t(x.hi - (x.lo + fit * 8)));
                 }
-                seen += eb - ea;
-                differing += merge(out + ea * isz, cnt + ea, src, eb - ea);
+            } else {
+                std::memcpy(o + x.lo, x.p, size_t(x.hi - x.lo));
             }
-        } else {
-            std::unique_ptr<uint8_t[]> scratch(new uint8_t[size_t(std::max<int64_t>(size, 1))]);  // only placed bytes are read
-            uint8_t* o = scratch.get();
-            std::vector<std::pair<int64_t, int64_t>> present;  // element ranges [a, b)
-            for (const Placed& x : placed) {
-                if (ll) {
-                    int64_t fit = (x.hi - x.lo) / 8;
-                    ll_copy(o + x.lo, x.p, fit);
-                    if (x.hi > x.lo + fit * 8) {  // a partial last line
-                        uint8_t line[8];
-                        const uint8_t* q = x.p + 16 * fit;
-                        std::memcpy(line, q, 4), std::memcpy(line + 4, q + 8, 4);
-                        std::memcpy(o + x.lo + fit * 8, line, size_t(x.hi - (x.lo + fit * 8)));
-                    }
-                } else {
-                    std::memcpy(o + x.lo, x.p, size_t(x.hi - x.lo));
-                }
-                auto [ea, eb] = elems(x);
-                if (ea < eb) present.emplace_back(ea, eb);
-            }
-            std::sort(present.begin(), present.end());
-            for (size_t i = 0; i < present.size();) {  // the union of the ranges, each run merged once
-                int64_t a = present[i].first, e = present[i].second;
-                for (++i; i < present.size() && present[i].first <= e; ++i) e = std::max(e, present[i].second);
-                seen += e - a;
-                differing += merge(out + a * isz, cnt + a, o + a * isz, e - a);
-            }
+            auto [ea, eb] = elems(x);
+            if (ea < eb) present.emplace_back(ea, eb);
+        }
+        std::sort(present.begin(), present.end());
+        for (size_t i = 0; i < present.size();) {  // the union of the ranges, each run merged once
+            int64_t a = present[i].first, e = present[i].second;
+            for (++i; i < present.size() && present[i].first <= e; ++i) e = std::max(e, present[i].second);
+            seen += e - a;
+            differing += merge(out + a * isz, cnt + a, o + a * isz, e - a);
         }
     }
+    j.seen = seen, j.differing = differing;
+}
+
+py::tuple merge_result(const MergeJob& j) {
     py::list bad;
-    for (const auto& [status, bytes] : unplaced) bad.append(py::make_tuple(status, bytes));
-    return py::make_tuple(seen, differing, bad);
+    for (const auto& [status, bytes] : j.unplaced) bad.append(py::make_tuple(status, bytes));
+    return py::make_tuple(j.seen, j.differing, bad);
+}
+
+py::tuple merge_send(const py::buffer& buf, const py::list& parts, int64_t flag, bool ll, py::buffer& data,
+                     py::buffer& copies) {
+    std::vector<py::object> keep;
+    MergeJob j = merge_job(buf, parts, flag, ll, data, copies, keep);
+    {
+        py::gil_scoped_release nogil;
+        run_merge(j);
+    }
+    return merge_result(j);
+}
+
+// Several merge_send calls in one, in list order, with the GIL released once for all of them: `jobs` is a list of
+// (buf, parts, flag, ll, data, copies) tuples.  Every job is checked before any is merged (a bad one merges
+// nothing).  Returns one (seen, differing, unplaced) tuple per job.  Jobs whose destinations overlap must be in one
+// call, in the order their copies should count; calls on disjoint destinations may run on different threads.
+py::list merge_sends(const py::list& jobs) {
+    std::vector<py::object> keep;
+    std::vector<MergeJob> js;
+    js.reserve(jobs.size());
+    for (size_t k = 0; k < jobs.size(); ++k) {
+        const std::string what = "job " + std::to_string(k) + ": ";
+        py::handle item = jobs[k];
+        if (!py::isinstance<py::tuple>(item) || py::len(item) != 6)
+            throw py::value_error(what + "expected a (buf, parts, flag, ll, data, copies) tuple");
+        py::tuple t = py::reinterpret_borrow<py::tuple>(item);
+        if (!py::isinstance<py::list>(t[1])) throw py::value_error(what + "parts must be a list");
+        for (int i : {0, 4, 5})
+            if (!PyObject_CheckBuffer(t[i].ptr())) throw py::value_error(what + "buf, data and copies must be arrays");
+        py::buffer b = py::reinterpret_borrow<py::buffer>(t[0]), d = py::reinterpret_borrow<py::buffer>(t[4]),
+                   c = py::reinterpret_borrow<py::buffer>(t[5]);
+        js.push_back(merge_job(b, py::reinterpret_borrow<py::list>(t[1]), as_int64(t[2], "flag"), t[3].cast<bool>(), d, c,
+                               keep, what));
+        keep.push_back(b), keep.push_back(d), keep.push_back(c);
+    }
+    {
+        py::gil_scoped_release nogil;
+        for (MergeJob& j : js) run_merge(j);
+    }
+    py::list out;
+    for (const MergeJob& j : js) out.append(merge_result(j));
+    return out;
 }
 
 // The LL flag of every segment's first line (u32 at bytes 4..8), -1 for segments under 16 bytes.
@@ -1405,6 +1477,9 @@ PYBIND11_MODULE(_mirror, m) {
           py::arg("expected_flag") = -1, "Copy LL128 data of the segments into out; returns (flag, lines, bad_lines).");
     m.def("merge_send", &merge_send, py::arg("buf"), py::arg("parts"), py::arg("flag"), py::arg("ll"), py::arg("data"),
           py::arg("copies"), "Place a final send's parts into an allreduce's data/copies slices; (seen, differing, unplaced).");
+    m.def("merge_sends", &merge_sends, py::arg("jobs"),
+          "merge_send over a list of (buf, parts, flag, ll, data, copies) jobs in order, the GIL released once; "
+          "one (seen, differing, unplaced) per job.");
     m.def("segment_flags", &segment_flags, py::arg("buf"), py::arg("segments"),
           "The LL flag of every segment's first line, -1 for segments under 16 bytes.");
     m.def("ring_block", &ring_block, py::arg("block"), py::arg("out"), py::arg("at"), py::arg("offsets"),

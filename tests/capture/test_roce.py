@@ -598,3 +598,42 @@ def test_a_short_middle_packet_makes_the_message_bad_length_not_complete():
     _, r = decode(Frames.from_list(wire))
     m = r.messages[0]
     assert m["flags"] & MessageFlag.BAD_LENGTH and not m["complete"] and m["bytes_seen"] == 2560
+
+
+def test_merge_sends_equals_merge_send_one_call_at_a_time():
+    """The batched merge gives every job what merge_send gives it, in list order (later copies compared with the
+    first), including bad lines and misaligned segments."""
+    rng = np.random.default_rng(5)
+    words = rng.integers(0, 2**32, 4 * 64, dtype=np.uint32)
+    words[1::2] = 7
+    other = words.copy()
+    other[[0, 20, 64]] += 1  # a second copy that differs in three data words
+    bufs = [words.view(np.uint8), other.view(np.uint8)]
+    segs = [_rows((0, 0, 256), (256, 256, 256)), _rows((512, 0, 256), (0, 8, 256), (768, 256, 256))]
+    plan = [(0, 0, 7, 0), (1, 0, 7, 0), (0, 1, 7, 32), (1, 1, 7, 0), (0, 0, 8, 0), (1, 0, None, 0)]
+
+    def run(batched: bool):
+        data, copies = np.zeros(96, np.uint32), np.zeros(96, np.uint8)
+        jobs = [roce.merge_job(bufs[b], [(segs[s], shift)], flag, True, data[:64], copies[:64])
+                for b, s, flag, shift in plan]
+        got = roce.merge_sends(jobs) if batched else [roce.merge_send(bufs[b], [(segs[s], shift)], flag, True,
+                                                                       data[:64], copies[:64]) for b, s, flag, shift in plan]
+        return [tuple(g) for g in got], data.tobytes(), copies.tobytes()
+
+    one, batch = run(False), run(True)
+    assert one == batch
+    assert any(g[1] for g in one[0]) and any(g[2] for g in one[0])  # conflicts and unplaced segments were exercised
+    assert roce.merge_sends([]) == []
+
+
+def test_merge_sends_rejects_a_bad_job_before_merging_any():
+    buf = np.zeros(64, np.uint8)
+    buf[4:8] = 1
+    data, copies = np.zeros(4, np.float32), np.zeros(4, np.uint8)
+    good = roce.merge_job(buf, [(_rows((0, 0, 16)), 0)], 1, True, data, copies)
+    for bad in ((buf, [], 0, True, data), (buf, [(_rows((60, 0, 16)), 0)], 0, True, data, copies),
+                (buf, [], 0, True, data, np.zeros(3, np.uint8)), (buf, [], 0, True, b"xx", copies),
+                (buf, ((_rows((0, 0, 16)), 0),), 0, True, data, copies), [buf, [], 0, True, data, copies]):
+        with pytest.raises(ValueError, match="job 1"):
+            roce.merge_sends([good, bad])
+        assert not copies.any()

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from flowcheck.capture.mirror import roce
-from flowcheck.capture.mirror.assemble import Assembler, RingStream, WireSend, _runs
+from flowcheck.capture.mirror.assemble import Assembler, RingStream, WireSend, _runs, overlap_groups
 from flowcheck.capture.mirror.job import job_from_dict
 from flowcheck.capture.mirror.ring import ring_sends
 
@@ -16,7 +16,8 @@ def _job(n: int, buckets: list[int], channels: int = 1, first: list[int] | None 
                           "buckets": {"steady": buckets, **({"first": first} if first else {})}})
 
 
-def _streams(job, vectors: list[np.ndarray], positions: list[int], *, lose=(), extra_before=0, cut=None):
+def _streams(job, vectors: list[np.ndarray], positions: list[int], *, lose=(), extra_before=0, cut=None,
+             batched=False):
     """What mirrored outbound streams of ``positions`` carry for allreduces of ``vectors`` (finals only matter)."""
     p = job.ring_params(job.channels)
     out = []
@@ -30,22 +31,34 @@ def _streams(job, vectors: list[np.ndarray], positions: list[int], *, lose=(), e
                 for s in ring_sends(len(vec), p, pos, ch):
                     data = vec[s.start:s.start + s.count] if s.final else np.full(s.count, np.nan, np.float32)
                     if (pos, ch, k, s.step) not in lose:
-                        sends[step] = WireSend(step, p.wire_bytes(s.count), _filler(data, cut), {})
+                        sends[step] = WireSend(step, p.wire_bytes(s.count), _filler(data, cut, batched), {})
                     step += 1
             out.append(RingStream(f"p{pos}c{ch}", pos, ch, sends, 1, step - 1))
     return out
 
 
-def _filler(data: np.ndarray, cut):
-    """WireSend.place of a send whose first ``cut`` data bytes arrived (Simple: one raw segment, merged natively)."""
+def _filler(data: np.ndarray, cut, batched: bool = False):
+    """WireSend.place of a send whose first ``cut`` data bytes arrived (Simple: one raw segment, merged natively);
+    ``batched``: with the job/done pair of streams.SendPlacer, so the Assembler merges it in batches on threads."""
     raw = data.view(np.uint8)
     n = raw.nbytes if cut is None else min(raw.nbytes, cut)
     segs = np.zeros(1, roce.SEGMENT)
     segs["length"] = n
+    return _Placer(raw, segs) if batched else lambda out, copies: _Placer(raw, segs)(out, copies)
 
-    def place(out, copies):
-        return roce.merge_send(raw, [(segs, 0)], None, False, out, copies)[:2]
-    return place
+
+class _Placer:
+    def __init__(self, raw: np.ndarray, segs: np.ndarray) -> None:
+        self.raw, self.segs = raw, segs
+
+    def job(self, out, copies):
+        return roce.merge_job(self.raw, [(self.segs, 0)], None, False, out, copies)
+
+    def done(self, merged):
+        return merged.seen, merged.differing
+
+    def __call__(self, out, copies):
+        return self.done(roce.merge_sends([self.job(out, copies)])[0])
 
 
 @pytest.mark.parametrize("n,channels", [(2, 1), (2, 2), (3, 1), (4, 2), (8, 2)])
@@ -122,3 +135,36 @@ def test_first_iteration_plan_differs():
 def test_runs():
     assert _runs(np.array([0, 1, 1, 0, 1], bool)) == [(1, 3), (4, 5)]
     assert _runs(np.zeros(3, bool)) == []
+
+
+@pytest.mark.parametrize("workers", [1, 2, 4])
+def test_batched_merge_on_k_threads_equals_one_send_at_a_time_even_when_copies_disagree(workers):
+    """The final sends of an allreduce merged in batches (disjoint ranges on ``workers`` threads) give the same
+    vectors, copy counts, sources and conflicts as merging one send at a time: the first stream's copy wins."""
+    job = _job(4, [9000, 5000])
+    rng = np.random.default_rng(2)
+    vecs = [rng.standard_normal(9000).astype(np.float32), rng.standard_normal(5000).astype(np.float32)]
+    bad = [v.copy() for v in vecs]
+    bad[0][[10, 4000, 8999]] += 1  # chunks finalised by several positions: copies disagree
+    bad[1][[1, 2600]] -= 1
+
+    def run(batched: bool, k: int):
+        streams = _streams(job, vecs, [0, 1], batched=batched, lose={(1, 0, 1, 9)})
+        streams += _streams(job, bad, [2, 3], batched=batched, cut=3000)
+        return [(a.summary(), a.data.tobytes(), a.copies.tobytes()) for a in Assembler(job, 1, workers=k).assemble(streams)]
+
+    want, got = run(False, 1), run(True, workers)
+    assert got == want
+    assert len(got) == 2 and all(s["conflicts"] for s, _, _ in got)  # the order of copies mattered
+
+
+def test_overlap_groups_keep_overlapping_ranges_together_in_order():
+    ranges = [(0, 10), (5, 15), (20, 30), (20, 30), (40, 41), (15, 20)]
+    for k in (1, 2, 3, 8):
+        groups = overlap_groups(ranges, k)
+        assert sorted(i for g in groups for i in g) == list(range(len(ranges))) and len(groups) <= k
+        assert all(g == sorted(g) for g in groups)
+        where = {i: n for n, g in enumerate(groups) for i in g}
+        assert where[0] == where[1] and where[2] == where[3]
+    assert len(overlap_groups(ranges, 8)) == 4  # {0,1}, {2,3}, {4}, {5}: [15, 20) touches but does not overlap
+    assert overlap_groups([], 4) == []

@@ -113,8 +113,8 @@ def test_traffic_without_ring_connections_is_not_held(tmp_path):
     (8, 2, "ll", 3e-3, 2e-3, 2e-3),
 ])
 def test_decode_with_k_parse_workers_equals_one_worker(tmp_path, monkeypatch, dp, channels, proto, loss, dup, reorder):
-    """K = 1, 2, 4 threads in the first pass give byte-identical reports and vectors (the parse threshold is
-    lowered so the small simulated captures split too)."""
+    """K = 1, 2, 4 threads in the first pass and in the merge of final sends give byte-identical reports and
+    vectors (the parse threshold is lowered so the small simulated captures split too)."""
     import json
 
     from flowcheck.capture.mirror import roce

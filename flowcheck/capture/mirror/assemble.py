@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from flowcheck.capture.mirror import roce
 from flowcheck.capture.mirror.job import Job
 from flowcheck.capture.mirror.partition import Partition
 from flowcheck.capture.mirror.ring import RingParams, Send, ring_sends
@@ -158,8 +160,9 @@ class Matcher:
 class Assembler:
     """Matches allreduces on every stream and fills their vectors; yields each when it is settled."""
 
-    def __init__(self, job: Job, nchannels: int, partition: Partition | None = None) -> None:
+    def __init__(self, job: Job, nchannels: int, partition: Partition | None = None, workers: int = 1) -> None:
         self.job = job
+        self.workers = workers  # threads for the merge of final sends (output does not depend on it)
         self.partition = partition if partition is not None and not partition.whole else None
         self.placed_bytes = 0  # data bytes merged into allreduce vectors (what a scaled-out node saves on)
         self.params = job.ring_params(nchannels)
@@ -185,11 +188,13 @@ class Assembler:
             self._causal(live, ats, elements)
             if not ats or self._resent(live, ats, elements):
                 return
+            taken: list = []
             for s in live:
                 if s.name in ats:
                     pattern = self.matcher.pattern(elements, s.position, s.channel)
-                    self._take(ar, s, ats[s.name], pattern)
+                    self._take(ar, s, ats[s.name], pattern, taken)
                     cursors[s.name] = ats[s.name] + len(pattern)
+            self._merge(ar, taken)
             self.last = ar
             yield ar
 
@@ -284,9 +289,9 @@ class Assembler:
             at += 1
         return None
 
-    def _take(self, ar: Allreduce, s: RingStream, at: int, pattern: list[Send]) -> None:
-        """Merge the final sends of the allreduce found at step ``at``: the first valid copy of each element
-        wins, a later copy that differs is a conflict (natively: roce.merge_send through WireSend.place)."""
+    def _take(self, ar: Allreduce, s: RingStream, at: int, pattern: list[Send], taken: list) -> None:
+        """The final sends of the allreduce found at step ``at`` onto ``taken``, in order: a source entry (a dict) for
+        those with nothing to merge, (source, send, start, end) for those ``_merge`` merges."""
         for j, send in enumerate(pattern):
             if not send.final or send.count == 0:
                 continue
@@ -295,17 +300,73 @@ class Assembler:
                    "loop": send.loop, "range": [send.start, send.start + send.count], "step": at + j}
             if ar.owned is not None and not any(a < send.start + send.count and send.start < b for a, b in ar.owned):
                 # another node's parameters: nothing to copy or compare; its time still settles a streaming decode
-                ar.sources.append({**src, "not_owned": True, **({"t0": ws.info["t0"]} if ws and "t0" in ws.info else {})})
+                taken.append({**src, "not_owned": True, **({"t0": ws.info["t0"]} if ws and "t0" in ws.info else {})})
                 continue
             if ws is None:
-                ar.sources.append({**src, "elements_seen": 0, "lost": True})
+                taken.append({**src, "elements_seen": 0, "lost": True})
                 continue
             end = send.start + send.count
             if send.start < 0 or end > ar.elements:
                 raise ValueError(f"send [{send.start}, {end}) lies outside allreduce {ar.index} of {ar.elements} elements")
-            seen, differing = ws.place(ar.data[send.start:end], ar.copies[send.start:end])
+            taken.append((src, ws, send.start, end))
+
+    def _merge(self, ar: Allreduce, taken: list) -> None:
+        """Merge the taken final sends in order: the first valid copy of each element wins, a later copy that differs
+        is a conflict (natively: roce.merge_sends, sends over disjoint element ranges on ``workers`` threads)."""
+        todo = [t for t in taken if isinstance(t, tuple)]
+        results = iter(self._place(ar, [(ws.place, a, b) for _, ws, a, b in todo]))
+        for t in taken:
+            if not isinstance(t, tuple):
+                ar.sources.append(t)
+                continue
+            src, ws, _, _ = t
+            seen, differing = next(results)
             ar.placed_bytes += seen * ar.data.itemsize
             self.placed_bytes += seen * ar.data.itemsize
             if differing:
                 ar.conflicts.append({**src, "elements_differing": differing})
             ar.sources.append({**src, **ws.info, "elements_seen": seen})
+
+    def _place(self, ar: Allreduce, places: list[tuple[Callable, int, int]]) -> list[tuple[int, int]]:
+        """(seen, differing) of each placement, as if each ran in order; sends whose element ranges overlap (the m
+        mirrored copies of one chunk) stay in one native call in that order, disjoint groups go to other threads."""
+        if not all(hasattr(p, "job") for p, _, _ in places):  # a place that is not a SendPlacer: one at a time
+            return [p(ar.data[a:b], ar.copies[a:b]) for p, a, b in places]
+        jobs = [p.job(ar.data[a:b], ar.copies[a:b]) for p, a, b in places]
+        groups = overlap_groups([(a, b) for _, a, b in places], self.workers)
+        merged: list = [None] * len(jobs)
+
+        def run(group: list[int]) -> None:
+            for i, m in zip(group, roce.merge_sends([jobs[i] for i in group])):
+                merged[i] = m
+
+        if len(groups) <= 1:
+            for g in groups:
+                run(g)
+        else:
+            with ThreadPoolExecutor(len(groups), thread_name_prefix="merge") as pool:
+                list(pool.map(run, groups))
+        return [p.done(m) for (p, _, _), m in zip(places, merged)]
+
+
+def overlap_groups(ranges: list[tuple[int, int]], k: int) -> list[list[int]]:
+    """Indices of ``ranges`` in at most ``k`` groups such that overlapping ranges share a group; each group in index
+    order, groups balanced by their elements (largest component first onto the lightest group)."""
+    order = sorted(range(len(ranges)), key=lambda i: ranges[i][0])
+    components: list[list[int]] = []
+    reach = None
+    for i in order:
+        a, b = ranges[i]
+        if reach is None or a >= reach:
+            components.append([])
+            reach = b
+        components[-1].append(i)
+        reach = max(reach, b)
+    k = max(1, min(k, len(components)))
+    bins: list[list[int]] = [[] for _ in range(k)]
+    load = [0] * k
+    for comp in sorted(components, key=lambda c: -sum(ranges[i][1] - ranges[i][0] for i in c)):
+        j = load.index(min(load))
+        bins[j] += comp
+        load[j] += sum(ranges[i][1] - ranges[i][0] for i in comp)
+    return [sorted(g) for g in bins if g]

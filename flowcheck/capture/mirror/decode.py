@@ -57,7 +57,7 @@ def concat_frames(parts: Sequence[Frames], source: str) -> Frames:
 def decode(job: Job, frames: Frames, info: Decoded | None = None, *, workers: int = 1,
            partition: Partition | None = None) -> Iterator[Allreduce]:
     """Allreduces in capture order (each settled: every stream has moved past it or ended); ``workers``: threads
-    for the native first pass (the output does not depend on it); ``partition``: place only that part's
+    for the native first pass and for the merge of final sends (the output does not depend on it); ``partition``: place only that part's
     parameters (flowcheck.capture.mirror.partition; the others' elements stay missing and do not count)."""
     info = info if info is not None else Decoded()
     window = decode_window(job, frames, info, workers=workers, partition=partition)
@@ -82,7 +82,7 @@ class Window:
 
 def decode_window(job: Job, frames: Frames, info: Decoded, resume: dict[str, int] | None = None, *,
                   workers: int = 1, partition: Partition | None = None) -> Window:
-    """Parse (on ``workers`` threads), reassemble and find the ring connections of ``frames`` (``resume``: see
+    """Parse (on ``workers`` threads; the assembler merges on as many), reassemble and find the ring connections of ``frames`` (``resume``: see
     ``ring_streams``)."""
     if job.protocol == "ll128":
         raise JobError("protocol ll128: the decoder does not place LL128 lines yet (the schedule and the native "
@@ -98,7 +98,7 @@ def decode_window(job: Job, frames: Frames, info: Decoded, resume: dict[str, int
                                "detail": "no stream between ring neighbours of the job carries NCCL sends; "
                                          "check the ring members' MAC/IP addresses and the protocol"})
         return Window(packets, streams, [], None)
-    return Window(packets, streams, rings, Assembler(job, channels, partition))
+    return Window(packets, streams, rings, Assembler(job, channels, partition, workers=workers))
 
 
 def packet_anomalies(r: roce.Reassembly, anomalies: list[dict], *, tails: bool = True) -> None:

@@ -245,6 +245,24 @@ def merge_send(buf: np.ndarray, parts: list[tuple[np.ndarray, int]], flag: int |
     return Merged(seen, differing, unplaced)
 
 
+MergeJob = tuple  # (buf, parts, flag, ll, data, copies): merge_send's arguments, as SendPlacer.job builds them
+
+
+def merge_job(buf: np.ndarray, parts: list[tuple[np.ndarray, int]], flag: int | None, ll: bool, data: np.ndarray,
+              copies: np.ndarray) -> MergeJob:
+    """merge_send's arguments as one job for ``merge_sends`` (the flag checked here)."""
+    return (buf, parts, _flag(flag), ll, data, copies)
+
+
+def merge_sends(jobs: list[MergeJob]) -> list[Merged]:
+    """``merge_send`` of every job, in order, in one native call that releases the GIL once for all of them.
+
+    Jobs whose destinations overlap must go in one call, in the order their copies count (the first wins);
+    calls over disjoint destinations may run on different threads at once (Assembler does, by send range).
+    """
+    return [Merged(*r) for r in _mirror.merge_sends(jobs)]
+
+
 def segment_flags(buf: np.ndarray, segments: np.ndarray) -> np.ndarray:
     """The LL flag of every segment's first line (bytes 4..8, little-endian; int64), -1 for segments under 16 bytes."""
     return _mirror.segment_flags(buf, _segments(segments))

@@ -185,6 +185,11 @@ class SendPlacer:
         self.send, self.buf, self.ll, self.flag, self.anomalies, self.where = send, buf, ll, flag, anomalies, where
 
     def __call__(self, data: np.ndarray, copies: np.ndarray) -> tuple[int, int]:
+        return self.done(roce.merge_sends([self.job(data, copies)])[0])
+
+    def job(self, data: np.ndarray, copies: np.ndarray) -> roce.MergeJob:
+        """The merge of this send into ``data``/``copies`` as a ``roce.merge_sends`` job (the Assembler batches the
+        final sends of an allreduce into few native calls, on several threads); ``done`` takes its result."""
         send = self.send
         multi = len(send.parts) > 1
         parts = []
@@ -192,13 +197,16 @@ class SendPlacer:
             if not m.placeable or (m.va is None and multi) or not len(m.segments):
                 continue  # a piece whose place in the send is unknown: its bytes stay missing
             parts.append((m.segments, m.va - send.base_va if multi and send.base_va is not None else 0))
-        seen, differing, unplaced = roce.merge_send(self.buf, parts, self.flag, self.ll, data, copies)
-        for status, nbytes in unplaced:
+        return roce.merge_job(self.buf, parts, self.flag, self.ll, data, copies)
+
+    def done(self, merged: roce.Merged) -> tuple[int, int]:
+        """Reports the LL segments ``merged`` left out; (elements seen, elements differing)."""
+        for status, nbytes in merged.unplaced:
             if status < 0:
                 self.anomalies.append({**self.where, "type": "ll_misaligned_segment", "bytes": nbytes})
             else:
                 self.anomalies.append({**self.where, "type": "ll_bad_flags", "lines": status})
-        return seen, differing
+        return merged.seen, merged.differing
 
 
 def ring_streams(job: Job, streams: Sequence[StreamInfo], buf: np.ndarray, anomalies: list[dict],
