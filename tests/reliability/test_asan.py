@@ -2,7 +2,8 @@
 
 Builds ``native/mirror.cpp`` and ``native/flowcheck_native.cpp`` with ``-fsanitize=address,undefined``
 into a temporary folder, then runs the capture fuzz corpus (the shared captures, structured mutations
-of them, random bytes) through index_capture, parse, reassemble and the unpackers in a child Python
+of them, random bytes) through index_capture, parse, reassemble, the unpackers, the merges of final sends
+(one and batched, on two threads) and whole decodes of the real captures with their jobs in a child Python
 with ``LD_PRELOAD`` of gcc's libasan.  Any sanitizer report (out-of-bounds read, overflow, shift or
 signed-overflow UB) fails the test with the report.  Skipped, saying why, without g++ or libasan.
 
@@ -72,6 +73,7 @@ CHILD = textwrap.dedent('''
     from flowcheck.capture.mirror import roce
     from flowcheck.errors import FlowcheckError
     from tests.reliability import test_fuzz as tf
+    from concurrent.futures import ThreadPoolExecutor
 
     def decode(data):
         try:
@@ -99,6 +101,20 @@ CHILD = textwrap.dedent('''
                         counts["merges"] += 1
                     except (ValueError, FlowcheckError):
                         pass
+                # the batched merge (merge_sends): overlapping and disjoint destinations in one call, two calls at
+                # once on threads (as the assembler's workers run them), a bad job last (nothing merged)
+                data, copies = np.zeros(2048, np.float32), np.zeros(2048, np.uint8)
+                flag = int(first[0]) if len(first) and first[0] >= 0 else None
+                jobs = [roce.merge_job(wire, [(segs, sh)], fl, ll, data[a:b], copies[a:b])
+                        for a, b, sh, fl, ll in ((0, 1024, 0, flag, True), (512, 1536, 16, flag, True),
+                                                 (1536, 2048, -8, None, False), (1536, 2047, 4, flag, False))]
+                try:
+                    with ThreadPoolExecutor(2) as pool:
+                        list(pool.map(roce.merge_sends, [jobs[:2], jobs[2:]]))
+                    counts["merges"] += 4
+                    roce.merge_sends(jobs + [(wire, [(segs, 0)], 0, True, data, copies[:-1])])
+                except (ValueError, FlowcheckError):
+                    pass
                 for fn in (roce.ll_unpack, roce.ll128_unpack):
                     try:
                         fn(frames, segs, out)
@@ -126,6 +142,18 @@ CHILD = textwrap.dedent('''
             opts = option(9, bytes([resol])) + option(14, struct.pack("<Q", offset)) + option(0, b"")
             idb = block(1, struct.pack("<HHI", 1, 0, 0) + opts)
             corpus.append(shb() + idb + epb(0, 2**64 - 1, frame) + epb(0, 0, frame))
+    # whole decodes of the real captures with their jobs and of frame-edited copies, on 1 and 2 workers (the
+    # threaded first pass and merge of final sends)
+    counts["decodes"] = 0
+    for name in tf.JOB_CAPTURES:
+        raw = (tf.PCAPS / f"{name}.pcapng").read_bytes()
+        for k in range(4):
+            edits = [("frame", rng.random(), rng.randint(0, 95), rng.randint(0, 255)) for _ in range(k * 3)]
+            try:
+                tf._decode_with_job(name, tf._mutate_capture(raw, edits))
+                counts["decodes"] += 1
+            except FlowcheckError:
+                pass
     runs = 0
     for data in corpus:
         counts[decode(data)] += 1; runs += 1
@@ -176,7 +204,7 @@ CHILD = textwrap.dedent('''
                 pass
     os.close(fd)
     print(f"ASAN-FUZZ inputs={runs} accepted={counts['accepted']} rejected={counts['rejected']} "
-          f"merges={counts['merges']} ring_blocks={counts['ring_blocks']} crashes=0")
+          f"merges={counts['merges']} decodes={counts['decodes']} ring_blocks={counts['ring_blocks']} crashes=0")
 ''')
 
 

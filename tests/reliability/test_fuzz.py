@@ -212,6 +212,38 @@ def test_fuzz_capture_files_only_raise_capture_errors(seed, edits, check_icrc):
     run_target("pcap", lambda: _decode_capture(data, check_icrc))
 
 
+def _decode_with_job(name: str, data: bytes) -> None:
+    """The whole decode of a mutated shared capture with its job (reaches the merge of final sends): one worker and
+    two (threaded first pass and merge) give the same report and vectors."""
+    from flowcheck.capture.mirror.decode import Decoded, decode, report
+    from flowcheck.capture.mirror.job import load_job
+
+    path = WORK / "fuzz-job.cap"
+    path.write_bytes(data)
+    frames = read_capture(str(path))
+    job = load_job(str(ROOT / "tests" / "data" / "jobs" / f"{name}.yaml"))
+    outs = []
+    for workers in (1, 2):
+        info = Decoded()
+        ars = list(decode(job, frames, info, workers=workers))
+        outs.append((json.dumps(report(ars, info), sort_keys=True, default=str),
+                     [(a.data.tobytes(), a.copies.tobytes()) for a in ars]))
+    assert outs[0] == outs[1], "decode output depends on the number of workers"
+
+
+JOB_CAPTURES = sorted(p.stem for p in PCAPS.glob("*.pcapng") if (ROOT / "tests" / "data" / "jobs" / f"{p.stem}.yaml").exists())
+
+
+@pytest.mark.skipif(not JOB_CAPTURES, reason="shared captures not found at ../shared/data/pcaps")
+@settings(FUZZ, max_examples=max(10, EXAMPLES // 4))  # a whole decode per example, twice
+@given(which=st.integers(0, 10**6), edits=st.lists(  # frame header bytes: the file stays readable, the decoder is reached
+    st.tuples(st.just("frame"), st.floats(0, 1), st.integers(0, 95), st.integers(0, 255)), min_size=1, max_size=8))
+def test_fuzz_decode_with_job_only_raises_capture_errors_and_ignores_workers(which, edits):
+    name = JOB_CAPTURES[which % len(JOB_CAPTURES)]
+    data = _mutate_capture((PCAPS / f"{name}.pcapng").read_bytes(), edits)
+    run_target("decode-job", lambda: _decode_with_job(name, data))
+
+
 @FUZZ
 @given(head=st.sampled_from(MAGICS), body=st.binary(max_size=600))
 def test_fuzz_capture_random_bytes_after_a_magic(head, body):
