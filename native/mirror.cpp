@@ -15,6 +15,7 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <thread>
 #include <unordered_map>
 #include <vector>
 
@@ -639,12 +640,16 @@ struct GapRow {
     uint8_t kind;
 };
 
-struct Out {
-    std::vector<StreamRow> streams;
+// What reassembling one stream (or all of them, concatenated in stream order) produces.
+struct StreamTables {
     std::vector<MessageRow> messages;
     std::vector<SegmentRow> segments;
     std::vector<MissingRow> missing;
     std::vector<GapRow> gaps;
+};
+
+struct Out : StreamTables {
+    std::vector<StreamRow> streams;
     std::vector<int32_t> stream_of, message_of;
 };
 
@@ -732,7 +737,9 @@ int32_t stream_pmtu(const std::vector<Req>& q, const PacketRow* rows) {
 // between them belong to one message, even across a PSN hole.
 class Assembler {
   public:
-    Assembler(int32_t sid, int32_t pmtu, const PacketRow* rows, Out& out) : sid_(sid), pmtu_(pmtu), rows_(rows), out_(out) {}
+    // Message ids are indices into out.messages (a stream reassembled on its own counts from 0; see reassemble).
+    Assembler(int32_t sid, int32_t pmtu, const PacketRow* rows, StreamTables& out, int32_t* message_of)
+        : sid_(sid), pmtu_(pmtu), rows_(rows), out_(out), message_of_(message_of) {}
 
     void place(const Req& q) {
         const PacketRow& r = rows_[q.frame];
@@ -793,7 +800,7 @@ class Assembler {
         ++m_.n_packets, m_.bytes_seen += r.payload_len, m_.last_opcode = r.opcode;
         m_.first_frame = std::min(m_.first_frame, q.frame), m_.last_frame = std::max(m_.last_frame, q.frame);
         last_seen_psn_ = q.psn, last_seen_end_ = msg_off + r.payload_len;
-        out_.message_of[q.frame] = int32_t(id);
+        message_of_[q.frame] = int32_t(id);
     }
 
     // next_known: a later packet starts after this message, so it ends at next_psn - 1 at most.
@@ -842,19 +849,20 @@ class Assembler {
 
     int32_t sid_, pmtu_;
     const PacketRow* rows_;
-    Out& out_;
+    StreamTables& out_;
+    int32_t* message_of_;
     MessageRow m_{};
     std::vector<int64_t> seen_;  // packet positions in the open message, increasing
     bool open_ = false, end_known_ = false, prev_known_ = false;
     int64_t end_psn_ = 0, prev_end_ = 0, last_seen_psn_ = 0, last_seen_end_ = 0;
 };
 
-void assemble_stream(int32_t sid, std::vector<Req>& q, const PacketRow* rows, int32_t pmtu, Out& out) {
-    StreamRow& s = out.streams[size_t(sid)];
+void assemble_stream(int32_t sid, StreamRow& s, std::vector<Req>& q, const PacketRow* rows, int32_t pmtu, StreamTables& out,
+                     int32_t* message_of) {
     if (!std::is_sorted(q.begin(), q.end())) std::sort(q.begin(), q.end());  // by PSN; equal PSNs keep capture order: the first copy wins
     s.pmtu = pmtu;
     size_t first_message = out.messages.size();
-    Assembler a(sid, pmtu, rows, out);
+    Assembler a(sid, pmtu, rows, out, message_of);
     int64_t expected = 0;
     bool any = false;
     for (const Req& x : q) {
@@ -870,24 +878,74 @@ void assemble_stream(int32_t sid, std::vector<Req>& q, const PacketRow* rows, in
     s.psn_first = any ? q.front().psn : -1, s.psn_last = any ? expected - 1 : -1;
 }
 
-py::dict reassemble(const py::buffer& packets, int32_t pmtu) {
+// Streams are independent once demultiplexed: with `workers` > 1 each thread reassembles whole streams into its own
+// tables (message ids from 0), which are then concatenated in stream order with their ids shifted, so the result is
+// the same as one thread's.
+void assemble_streams(std::vector<std::vector<Req>>& reqs, const PacketRow* rows, int32_t pmtu, Out& out, int workers) {
+    int32_t fallback = pmtu;  // a stream without FIRST/MIDDLE packets borrows the capture's PMTU
+    if (!pmtu)
+        for (const auto& q : reqs) fallback = std::max(fallback, stream_pmtu(q, rows));
+    auto pmtu_of = [&](size_t s) {
+        int32_t own = pmtu ? pmtu : stream_pmtu(reqs[s], rows);
+        return own ? own : fallback;
+    };
+    const size_t ns = reqs.size();
+    if (workers <= 1 || ns < 2) {
+        out.segments.reserve(out.stream_of.size());  // at most one per packet: no regrowth copies
+        for (size_t s = 0; s < ns; ++s) assemble_stream(int32_t(s), out.streams[s], reqs[s], rows, pmtu_of(s), out, out.message_of.data());
+        return;
+    }
+    // largest streams first, each onto the least loaded thread
+    std::vector<size_t> order(ns);
+    for (size_t s = 0; s < ns; ++s) order[s] = s;
+    std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return reqs[a].size() > reqs[b].size(); });
+    const size_t k = std::min<size_t>(size_t(workers), ns);
+    std::vector<std::vector<size_t>> mine(k);
+    std::vector<size_t> load(k, 0);
+    for (size_t s : order) {
+        size_t t = size_t(std::min_element(load.begin(), load.end()) - load.begin());
+        mine[t].push_back(s), load[t] += reqs[s].size() + 1;
+    }
+    std::vector<StreamTables> parts(ns);
+    auto work = [&](size_t t) {
+        for (size_t s : mine[t]) {
+            parts[s].segments.reserve(reqs[s].size());
+            assemble_stream(int32_t(s), out.streams[s], reqs[s], rows, pmtu_of(s), parts[s], out.message_of.data());
+        }
+    };
+    std::vector<std::thread> threads;
+    for (size_t t = 1; t < k; ++t) threads.emplace_back(work, t);
+    work(0);
+    for (auto& th : threads) th.join();
+    size_t nm = 0, nseg = 0, nmiss = 0, ngap = 0;
+    for (const StreamTables& p : parts) nm += p.messages.size(), nseg += p.segments.size(), nmiss += p.missing.size(), ngap += p.gaps.size();
+    out.messages.reserve(nm), out.segments.reserve(nseg), out.missing.reserve(nmiss), out.gaps.reserve(ngap);
+    for (size_t s = 0; s < ns; ++s) {
+        StreamTables& p = parts[s];
+        const int32_t mbase = int32_t(out.messages.size());
+        const int64_t sbase = int64_t(out.segments.size());
+        for (MessageRow m : p.messages) m.seg_start += sbase, out.messages.push_back(m);
+        for (SegmentRow g : p.segments) g.message += mbase, out.segments.push_back(g);
+        for (MissingRow m : p.missing) m.message += mbase, out.missing.push_back(m);
+        out.gaps.insert(out.gaps.end(), p.gaps.begin(), p.gaps.end());
+        if (mbase)
+            for (const Req& x : reqs[s])
+                if (out.message_of[x.frame] >= 0) out.message_of[x.frame] += mbase;
+    }
+}
+
+py::dict reassemble(const py::buffer& packets, int32_t pmtu, int workers) {
     Bytes b = readable(packets, sizeof(PacketRow));
     const PacketRow* rows = reinterpret_cast<const PacketRow*>(b.data);
     size_t n = b.size / sizeof(PacketRow);
     if (pmtu < 0) throw py::value_error("pmtu must be >= 0 (0 = infer from the packets)");
+    if (workers < 1 || workers > 256) throw py::value_error("workers must be 1..256, got " + std::to_string(workers));
     Out out;
     {
         py::gil_scoped_release nogil;
         out.stream_of.assign(n, -1), out.message_of.assign(n, -1);
-        out.segments.reserve(n);  // at most one per packet: no regrowth copies
         std::vector<std::vector<Req>> reqs = demux(rows, n, out);
-        int32_t fallback = pmtu;  // a stream without FIRST/MIDDLE packets borrows the capture's PMTU
-        if (!pmtu)
-            for (const auto& q : reqs) fallback = std::max(fallback, stream_pmtu(q, rows));
-        for (size_t s = 0; s < reqs.size(); ++s) {
-            int32_t own = pmtu ? pmtu : stream_pmtu(reqs[s], rows);
-            assemble_stream(int32_t(s), reqs[s], rows, own ? own : fallback, out);
-        }
+        assemble_streams(reqs, rows, pmtu, out, workers);
     }
     py::dict d;
     d["streams"] = rows_to_bytes(out.streams), d["messages"] = rows_to_bytes(out.messages);
@@ -1469,8 +1527,9 @@ PYBIND11_MODULE(_mirror, m) {
           py::arg("check_icrc") = true, "Parse every frame into the packet table `out` (one row per frame); returns the frames per status (4) "
           "then per opcode (256, frames with a BTH).");
     m.def("frame_icrc", &frame_icrc, py::arg("frame"), "The ICRC a RoCEv2 frame should carry, or -1 if it is not one.");
-    m.def("reassemble", &reassemble, py::arg("packets"), py::arg("pmtu") = 0,
-          "Streams, messages, segments, missing byte ranges, PSN gaps from a packet table.");
+    m.def("reassemble", &reassemble, py::arg("packets"), py::arg("pmtu") = 0, py::arg("workers") = 1,
+          "Streams, messages, segments, missing byte ranges, PSN gaps from a packet table (whole streams on `workers` "
+          "threads; the tables do not depend on it).");
     m.def("ll_unpack", &ll_unpack, py::arg("buf"), py::arg("segments"), py::arg("out"), py::arg("expected_flag") = -1,
           "Copy LL data words of the segments into out; returns (flag, lines, bad_lines).");
     m.def("ll128_unpack", &ll128_unpack, py::arg("buf"), py::arg("segments"), py::arg("out"),

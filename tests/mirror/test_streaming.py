@@ -132,6 +132,29 @@ def test_decode_with_k_parse_workers_equals_one_worker(tmp_path, monkeypatch, dp
     assert outs[0] == outs[1] == outs[2]
 
 
+@pytest.mark.parametrize("dp,channels,proto,loss,dup,reorder", [
+    (4, 2, "simple", 2e-3, 1e-3, 1e-3),
+    (8, 2, "ll", 3e-3, 2e-3, 2e-3),
+])
+def test_reassembly_on_k_threads_gives_the_same_tables(tmp_path, dp, channels, proto, loss, dup, reorder):
+    """Streams reassembled on K native threads and concatenated: every table (messages, segments with their
+    message ids, missing ranges, gaps, the per-frame stream and message ids) equals one thread's, byte for byte."""
+    from flowcheck.capture.mirror import roce
+
+    sim = simulate(SimOptions(out=str(tmp_path / "sim"), dp=dp, iters=2, channels=channels, proto=proto,
+                              loss=loss, dup=dup, reorder=reorder, seed=3))
+    frames = read_all(sorted(sim.pcaps.values()))
+    packets = roce.parse(frames)
+    tables = []
+    for k in (1, 2, 3, 8):
+        r = roce.reassemble(frames, packets, workers=k)
+        tables.append([x.tobytes() for x in (r.streams, r.messages, r.segments, r.missing, r.gaps, r.stream_of, r.message_of)])
+    assert len(r.streams) > 2 and len(r.missing) and len(r.gaps)  # several streams, and losses to place around
+    assert tables[0] == tables[1] == tables[2] == tables[3]
+    with pytest.raises(ValueError, match="workers"):
+        roce.reassemble(frames, packets, workers=0)
+
+
 def test_decode_of_the_shared_real_captures_does_not_depend_on_parse_workers(monkeypatch):
     import glob
     import json

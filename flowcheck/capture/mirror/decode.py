@@ -82,15 +82,15 @@ class Window:
 
 def decode_window(job: Job, frames: Frames, info: Decoded, resume: dict[str, int] | None = None, *,
                   workers: int = 1, partition: Partition | None = None) -> Window:
-    """Parse (on ``workers`` threads; the assembler merges on as many), reassemble and find the ring connections of ``frames`` (``resume``: see
-    ``ring_streams``)."""
+    """Parse and reassemble ``frames`` (on ``workers`` threads; the assembler merges on as many) and find their ring
+    connections (``resume``: see ``ring_streams``)."""
     if job.protocol == "ll128":
         raise JobError("protocol ll128: the decoder does not place LL128 lines yet (the schedule and the native "
                        "unpack exist, the line-to-element mapping is unverified); capture with NCCL_PROTO=LL or Simple")
     packets = roce.parse(frames, workers=workers)
     info.packets = {**packets.status_counts, "opcodes": packets.opcode_counts}
     buf = np.frombuffer(frames.buf, np.uint8)
-    streams = _stream_infos(frames, packets, buf, info.anomalies)
+    streams = _stream_infos(frames, packets, buf, info.anomalies, workers)
     rings, channels, roles = ring_streams(job, streams, buf, info.anomalies, resume)
     info.channels, info.streams = channels, roles
     if not rings:
@@ -112,9 +112,10 @@ def packet_anomalies(r: roce.Reassembly, anomalies: list[dict], *, tails: bool =
             anomalies.append({"type": "duplicates", "stream": name, "packets": int(s["n_duplicates"])})
 
 
-def _stream_infos(frames: Frames, packets, buf: np.ndarray, anomalies: list[dict]) -> list[StreamInfo]:
-    """The reassembler's tables as StreamInfo/Msg objects; its PSN gaps and duplicates become anomalies."""
-    r = roce.reassemble(frames, packets)
+def _stream_infos(frames: Frames, packets, buf: np.ndarray, anomalies: list[dict], workers: int = 1) -> list[StreamInfo]:
+    """The reassembler's tables (streams on ``workers`` threads) as StreamInfo/Msg objects; its PSN gaps and
+    duplicates become anomalies."""
+    r = roce.reassemble(frames, packets, workers=workers)
     seg_flags = segment_flags(buf, r.segments)
     m = r.messages
     seg_start, n_segs = m["seg_start"].astype(np.int64), m["n_segs"].astype(np.int64)

@@ -183,11 +183,14 @@ def ip16(ip: str) -> bytes:
     return a.packed if a.version == 6 else b"\0" * 10 + b"\xff\xff" + a.packed
 
 
-def reassemble(frames: Frames, packets: Packets, *, pmtu: int | None = None) -> Reassembly:
-    """Streams and RDMA messages of the OK packets; ``pmtu`` overrides the per-stream inference."""
+def reassemble(frames: Frames, packets: Packets, *, pmtu: int | None = None, workers: int = 1) -> Reassembly:
+    """Streams and RDMA messages of the OK packets; ``pmtu`` overrides the per-stream inference; ``workers``: native
+    threads, each reassembling whole streams (the tables are the same as one thread's)."""
     if len(packets) != len(frames):
         raise ValueError(f"{len(packets)} packet rows for {len(frames)} frames")
-    out = _mirror.reassemble(np.ascontiguousarray(packets.table), pmtu or 0)
+    if not 1 <= workers <= 256:
+        raise ValueError(f"workers must be 1..256, got {workers}")
+    out = _mirror.reassemble(np.ascontiguousarray(packets.table), pmtu or 0, workers)
     streams = out["streams"].view(STREAM)
     member = out["stream_of"] >= 0
     cell = out["stream_of"][member].astype(np.int64) * 256 + packets.table["opcode"][member]
