@@ -84,6 +84,8 @@ CHILD = textwrap.dedent('''
                 packets = roce.parse(frames, check_icrc=icrc)
             ra = roce.reassemble(frames, packets)
             ra2 = roce.reassemble(frames, packets, pmtu=256)
+            ra3 = roce.reassemble(frames, packets, workers=3)  # whole streams on threads, tables concatenated
+            assert ra3.segments.tobytes() == ra.segments.tobytes() and ra3.message_of.tobytes() == ra.message_of.tobytes()
             out = np.zeros(1 << 16, np.uint8)
             wire = np.frombuffer(frames.buf, np.uint8)
             roce.segment_flags(wire, ra.segments)

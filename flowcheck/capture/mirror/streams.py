@@ -283,14 +283,19 @@ def _ring_stream(s: StreamInfo, position: int, channel: int, sends: list[Send], 
     for send, flag in zip(sends, flags):
         step = flag if flag is not None else counter + 1
         counter = step
-        where = {"stream": s.name, "psn": [send.parts[0].first_psn, send.parts[-1].last_psn], "flag": step,
-                 "t0": min((m.info["t0"] for m in send.parts if "t0" in m.info), default=None)}
+        parts = send.parts
+        if len(parts) == 1:  # most sends are one write: no generator per field
+            info = parts[0].info
+            t0, (frame, last_frame) = info.get("t0"), info["frames"]
+        else:
+            t0 = min((m.info["t0"] for m in parts if "t0" in m.info), default=None)
+            frame, last_frame = min(m.info["frames"][0] for m in parts), max(m.info["frames"][1] for m in parts)
+        where = {"stream": s.name, "psn": [parts[0].first_psn, parts[-1].last_psn], "flag": step, "t0": t0}
         if step in by_step:
             anomalies.append({**where, "type": "step_seen_twice"})
             continue
         by_step[step] = WireSend(step, send.size, SendPlacer(send, buf, ll, flag, anomalies, where), where,
-                                 psn=send.parts[0].first_psn & 0xFFFFFF, frame=min(m.info["frames"][0] for m in send.parts),
-                                 last_frame=max(m.info["frames"][1] for m in send.parts))
+                                 psn=parts[0].first_psn & 0xFFFFFF, frame=frame, last_frame=last_frame)
     first = min(by_step) if by_step else 1
     last = max(by_step) if by_step else 0
     for gap in sorted(set(range(first, last + 1)) - set(by_step)):
