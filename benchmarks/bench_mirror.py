@@ -39,6 +39,7 @@ import math
 import os
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -117,19 +118,29 @@ def build_traffic(elements: list[int], channels: int, seed: int = 0) -> Traffic:
 
 @contextlib.contextmanager
 def native_stage_times() -> Iterator[dict[str, float]]:
-    """Seconds spent in ``roce.parse`` and ``roce.reassemble`` while the block runs (decode calls both once)."""
+    """Seconds spent in ``roce.parse``, ``roce.reassemble`` and the merges of final sends (``roce.merge_sends``, or
+    ``roce.merge_send`` in trees before it) while the block runs: wall (summed over concurrent merges) and CPU
+    (``cpu_<name>``: every thread's work)."""
     from flowcheck.capture.mirror import roce
 
-    acc = {"parse": 0.0, "reassemble": 0.0}
-    originals = {name: getattr(roce, name) for name in acc}
+    acc = {"parse": 0.0, "reassemble": 0.0, "merge": 0.0, "cpu_parse": 0.0, "cpu_reassemble": 0.0, "cpu_merge": 0.0}
+    stage = {"parse": "parse", "reassemble": "reassemble", "merge_send": "merge", "merge_sends": "merge"}
+    originals = {name: getattr(roce, name) for name in stage if hasattr(roce, name)}
+    lock = threading.Lock()
 
     def timed(name: str, fn: Callable) -> Callable:
+        # parse and reassemble start their own native threads: process CPU; merges run on the calling (pool) thread,
+        # several at once: that thread's CPU
+        clock = time.thread_time if stage[name] == "merge" else time.process_time
+
         def inner(*a, **k):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), clock()
             try:
                 return fn(*a, **k)
             finally:
-                acc[name] += time.perf_counter() - t0
+                with lock:
+                    acc[stage[name]] += time.perf_counter() - t0
+                    acc["cpu_" + stage[name]] += clock() - c0
         return inner
 
     for name, fn in originals.items():
@@ -168,6 +179,7 @@ class DecodeRow:
     times: list[float] = field(default_factory=list)
     split: dict[str, list[float]] = field(default_factory=dict)
     cpu_ratio: list[float] = field(default_factory=list)
+    cpu_s: list[float] = field(default_factory=list)  # process CPU seconds per round (every thread's)
     note: str = ""
     baseline: bool = False
 
@@ -214,6 +226,9 @@ def part_decode(args, log) -> dict[str, Any]:
             row.split.setdefault("parse", []).append(acc["parse"])
             row.split.setdefault("reassemble", []).append(acc["reassemble"])
             row.split.setdefault("assemble", []).append(wall - acc["parse"] - acc["reassemble"])
+            row.split.setdefault("merge", []).append(acc["merge"])
+            row.split.setdefault("cpu", []).append(cpu)
+            row.split.setdefault("native_cpu", []).append(min(cpu, acc["cpu_parse"] + acc["cpu_reassemble"] + acc["cpu_merge"]))
             row.cpu_ratio.append(cpu / wall)
             verified.setdefault(row.method, verify(tr, out))
             return out
@@ -226,7 +241,7 @@ def part_decode(args, log) -> dict[str, Any]:
     for k in args.decode_workers:  # (b) scaling: the same input, the first pass on k threads
         if k > 1:
             tr = traffics[0]
-            row = DecodeRow(f"flowcheck decode, {tr.channels} channel(s), {k} parse workers", tr.wire_bytes,
+            row = DecodeRow(f"flowcheck decode, {tr.channels} channel(s), {k} parse workers", tr.wire_bytes,  # name kept: K threads parse, reassemble and merge now
                             tr.grad_bytes, note=f"{len(tr.frames)} frames, {len(tr.finals)} allreduces")
             rows.append((row, decoder(tr, row, k)))
     # diagnostic: the native LL unpack over every data message (what the per-packet Python unpack costs natively)
@@ -266,12 +281,16 @@ def part_decode(args, log) -> dict[str, Any]:
     for r in range(args.repeats):
         for row, fn in rows:
             gc.collect()
+            c0 = time.process_time()
             dt, _ = c.timed(fn)
             row.times.append(dt)
+            row.cpu_s.append(time.process_time() - c0)
             log(f"  (a) round {r + 1}/{args.repeats} {row.method}: {dt:.3f} s ({row.wire_bytes / 1e9 / dt:.3f} GB/s wire)")
     base_gbps = memcpy.wire_bytes / memcpy.median
     md = [("| method | median s | min s | max s | wire GB/s | gradient GB/s | ratio vs memcpy (wire GB/s) | parse s | "
-           "reassemble s | group+assemble s | CPU s / wall s | notes |"), "|---|" + "---:|" * 10 + "---|"]
+           "reassemble s | group+assemble s | CPU s / wall s | CPU s | ratio vs memcpy (CPU s) | merge s | "
+           "native share of CPU | notes |"), "|---|" + "---:|" * 14 + "---|"]
+    base_cpu = statistics.median(memcpy.cpu_s)
     out_rows = []
     for row, _ in rows:
         gbps = row.wire_bytes / row.median / 1e9
@@ -282,11 +301,17 @@ def part_decode(args, log) -> dict[str, Any]:
         grad = f"{row.grad_bytes / row.median / 1e9:.3f}" if row.grad_bytes else "–"
         split = [f"{row.med(k):.3f}" if row.split else "–" for k in ("parse", "reassemble", "assemble")]
         cpu = f"{statistics.median(row.cpu_ratio):.2f}" if row.cpu_ratio else "–"
+        cpu_s = statistics.median(row.cpu_s)
+        native = (f"{row.med('native_cpu') / row.med('cpu'):.2f}" if row.split.get("native_cpu") and row.med("cpu") > 0
+                  else "–")
+        merge = f"{row.med('merge'):.3f}" if row.split.get("merge") else "–"
         md.append(f"| {row.method} | {row.median:.3f} | {min(row.times):.3f} | {max(row.times):.3f} | {gbps:.3f} | {grad} | "
-                  f"{ratio:.3f}x | {' | '.join(split)} | {cpu} | {note} |")
+                  f"{ratio:.3f}x | {' | '.join(split)} | {cpu} | {cpu_s:.3f} | {base_cpu / cpu_s if cpu_s > 0 else float('nan'):.3f}x | "
+                  f"{merge} | {native} | {note} |")
         out_rows.append({"method": row.method, "times_s": row.times, "median_s": row.median, "wire_bytes": row.wire_bytes,
                          "grad_bytes": row.grad_bytes, "wire_gbps": gbps, "ratio_vs_memcpy": ratio,
                          "split_s": {k: row.med(k) for k in row.split}, "cpu_over_wall": row.cpu_ratio,
+                         "cpu_s": row.cpu_s, "median_cpu_s": cpu_s, "ratio_vs_memcpy_cpu": base_cpu / cpu_s if cpu_s > 0 else None,
                          "verified": status, "baseline": row.baseline})
     return {"rows": out_rows, "markdown": "\n".join(md), "elements": elements, "largest_wire_bytes": largest}
 

@@ -24,7 +24,8 @@ def _load_job(path: str):
 @click.option("--dump", "dump_dir", default=None, type=click.Path(file_okay=False),
               help="Write allreduce-<k>.npy (and .missing.npy masks) here.")
 @click.option("--workers", type=click.IntRange(1, 64), default=1, show_default=True,
-              help="Threads for the native first pass (parse + ICRC); the report does not depend on it.")
+              help="Threads for the native work: parse + ICRC, reassembly (whole streams) and the merge of final "
+                   "sends (disjoint ranges); the report does not depend on it.")
 def decode_command(job_path, pcaps, more, as_json, dump_dir, workers):
     """Print, per allreduce, what was recovered, from which stream, and what is missing.
 
