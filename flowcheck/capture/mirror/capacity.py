@@ -31,7 +31,11 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "int32": 4}
 # bytes per core-second, and the replica's AdamW update per parameter on one core
 DEFAULT_DECODE_GB_PER_CORE_S = 0.81
 DEFAULT_UPDATE_NS_PER_PARAM = 1.64
-DEFAULT_PARALLEL_EFFICIENCY = 0.9  # decode workers on separate cores (streams are independent); measure yours
+# decode workers on separate cores (streams are independent); measure yours.  An assumption for independent decoders
+# (processes or nodes per stream group): inside one decode process only the native work runs on K threads (parse,
+# reassembly, merge: 0.56-0.63 of its CPU in BENCHMARKS.md "issue 22 items 2-3"), so threads alone give at most
+# 1/(0.4 + 0.6/K) — 1.4x at K = 2 — until the per-message Python work moves out of the critical path
+DEFAULT_PARALLEL_EFFICIENCY = 0.9
 # measured (BENCHMARKS.md, "Mirror capture scaled out"): a part of K costs (s + (1 - s)/K) of the whole decode;
 # 0.83 at K = 2 and 0.74 at K = 4 on a 496 MB capture (parsing, ICRC, reassembly and matching every frame dominate;
 # merging final chunks, the part that shrinks, is the smaller share)
