@@ -51,11 +51,11 @@ def test_streaming_decode_equals_the_whole_capture_decode(tmp_path, dp, channels
     whole = [_key(a) for a in decode(job, frames, whole_info)]
     assert len(whole) >= iters
     settle = float(frames.ts_ns.max() - frames.ts_ns.min()) / 1e9 / iters  # an iteration of the capture's time
-    for size in (997, 128):
+    for size, workers in ((997, 1), (128, 1), (997, 2), (311, 4)):  # K workers: threaded parse, reassembly, merge
         info, held = Decoded(), []
-        decoder = StreamingDecoder(job, info, settle_s=settle, min_frames=size)
+        decoder = StreamingDecoder(job, info, settle_s=settle, min_frames=size, workers=workers)
         streamed = [_key(a) for a in decoder.run(_batches(frames, size, decoder, held))]
-        assert streamed == whole, size
+        assert streamed == whole, (size, workers)
         assert info.packets == whole_info.packets
         assert _lost_and_duplicated(info) == _lost_and_duplicated(whole_info)
         assert decoder.held_frames == 0 and decoder.next_index == len(whole) + 1

@@ -42,13 +42,14 @@ class StreamingDecoder:
 
     def __init__(self, job: Job, info: Decoded | None = None, *, settle_s: float = 0.1, min_frames: int = 4096,
                  max_window_bytes: int = 2 << 30, clock: Callable[[], int] | None = None,
-                 partition: Partition | None = None) -> None:
+                 partition: Partition | None = None, workers: int = 1) -> None:
         """``clock`` (live capture: ``time.time_ns``, the clock the frames are stamped with) lets time settle
         allreduces while the link is quiet: an empty batch then decodes what waits once ``settle_s`` has passed.
-        ``partition``: a scaled-out node's part (see ``decode``)."""
-        if settle_s < 0 or min_frames < 1 or max_window_bytes < 1:
-            raise ValueError(f"expected settle_s >= 0, min_frames >= 1, max_window_bytes >= 1; found {settle_s}, "
-                             f"{min_frames}, {max_window_bytes}")
+        ``partition``: a scaled-out node's part; ``workers``: threads for the native work (both: see ``decode``)."""
+        if settle_s < 0 or min_frames < 1 or max_window_bytes < 1 or workers < 1:
+            raise ValueError(f"expected settle_s >= 0, min_frames >= 1, max_window_bytes >= 1, workers >= 1; found "
+                             f"{settle_s}, {min_frames}, {max_window_bytes}, {workers}")
+        self.workers = workers
         self.job, self.info = job, info if info is not None else Decoded()
         self.settle_ns, self.min_frames, self.max_window_bytes = int(settle_s * 1e9), min_frames, max_window_bytes
         self.next_index = 1  # the next allreduce of the job's schedule
@@ -113,7 +114,7 @@ class StreamingDecoder:
             self._window = None
             return []
         local = Decoded()
-        w = decode_window(self.job, window, local, self.resume, partition=self.partition)
+        w = decode_window(self.job, window, local, self.resume, workers=self.workers, partition=self.partition)
         out, cursors = self._settled(w, window, local, final)
         cut = len(window) if final else self._advance(w, window, cursors)
         self._account(window, w, local, cut, cursors, final)
