@@ -68,7 +68,7 @@ def _print_decode(out: dict) -> None:
 
 
 def _live(job, info, interface: str, duration_s: float | None, max_frames: int | None, settle_s: float,
-          drops: list[int], ring):
+          drops: list[int], ring, decode_workers: int = 1):
     """Allreduces decoded from a live interface until the duration, the frame count or SIGINT/SIGTERM;
     ``drops[0]`` counts the frames the kernel dropped because the capture fell behind."""
     import signal
@@ -84,7 +84,7 @@ def _live(job, info, interface: str, duration_s: float | None, max_frames: int |
     batches = live_frames(interface, duration_s=duration_s, max_frames=max_frames, stop=stop, idle=True,
                           on_open=lambda: click.echo(f"capturing live on {interface}", err=True),
                           on_drops=lambda n: drops.__setitem__(0, drops[0] + n), ring=ring)
-    return StreamingDecoder(job, info, settle_s=settle_s, clock=time.time_ns).run(batches)
+    return StreamingDecoder(job, info, settle_s=settle_s, clock=time.time_ns, workers=decode_workers).run(batches)
 
 
 @click.command("capture")
@@ -107,9 +107,11 @@ def _live(job, info, interface: str, duration_s: float | None, max_frames: int |
               help="Live: PACKET_MMAP block size in KiB (a multiple of the page size).")
 @click.option("--ring-blocks", type=click.IntRange(2, 1 << 16), default=64, show_default=True,
               help="Live: PACKET_MMAP blocks per socket.")
+@click.option("--decode-workers", type=click.IntRange(1, 64), default=1, show_default=True,
+              help="Threads for the decoder's native work (parse + ICRC, reassembly, merge); the result does not depend on it.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def capture_command(config_path, job_path, pcaps, more, interface, duration_s, max_frames, settle_s, init, resync_dir,
-                    capture_workers, ring_block_kb, ring_blocks, as_json):
+                    capture_workers, ring_block_kb, ring_blocks, decode_workers, as_json):
     """Replay mirrored captures (or capture live) into a RAM replica and commit steps per the policy.
 
     An iteration that cannot be completed marks the state stale (never snapshotted) and
@@ -157,11 +159,11 @@ def capture_command(config_path, job_path, pcaps, more, interface, duration_s, m
                           resync=ResyncSource(resync_dir or job.resync))
         drops = [0]
         if interface:
-            allreduces = _live(job, info, interface, duration_s, max_frames, settle_s, drops, ring)
+            allreduces = _live(job, info, interface, duration_s, max_frames, settle_s, drops, ring, decode_workers)
         else:
             with progress.activity("read captures"):
                 frames = read_all(files)
-            allreduces = decode(job, frames, info)
+            allreduces = decode(job, frames, info, workers=decode_workers)
         result = run_pipeline(progress.bar(allreduces, desc="capture", unit="allreduce"), updater)
         with progress.activity("flush: snapshot and upload the last step"):
             runner.flush()

@@ -95,6 +95,17 @@ def test_cli_simulate_capture_diff(tmp_path):
     assert r.exit_code == 0 and "bit-exact" in r.output, r.output
     r = run(main, ["decode", "--job", str(sim / "job.yaml"), "--pcap", *pcaps, "--json"])
     assert r.exit_code in (0, 3) and '"allreduces"' in r.output
+    # the same capture on two decode workers (threaded parse, reassembly, merge): the same report, the same state
+    one = r.output
+    r = run(main, ["decode", "--job", str(sim / "job.yaml"), "--pcap", *pcaps, "--json", "--workers", "2"])
+    assert r.exit_code in (0, 3) and r.output == one
+    cfg2 = tmp_path / "c2.yaml"
+    cfg2.write_text("run: sim\ntiers: {local: {root: ./loc2}, object: {url: file://./obj2}}\n")
+    r = run(main, ["capture", "--config", str(cfg2), "--job", str(sim / "job.yaml"), "--pcap", *pcaps, "--json",
+                   "--decode-workers", "2"])
+    assert r.exit_code == 0, r.output
+    r = run(main, ["diff", "--config", str(cfg2), "--step", "latest", "--against", str(sim / "truth" / "step-4.safetensors")])
+    assert r.exit_code == 0 and "bit-exact" in r.output, r.output
 
 
 @pytest.mark.parametrize("seed,iters", [(5, 14), (2, 22)])
