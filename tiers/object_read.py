@@ -167,10 +167,41 @@ class ObjectReader:
         self._order_cache = (manifest, order)
         return order
 
+    def read_shards_into(self, manifest: Manifest, items: list[tuple[str, ShardEntry]], into: list[np.ndarray]) -> None:
+        """Whole shards read by ranged reads straight into the caller's arrays (writable, contiguous, of each
+        shard's byte size: e.g. the destination tensors of a DCP load), each shard's digest computed over its
+        destination as its last bytes land and checked against the manifest's.  A body cut short or garbled in
+        transit is read again (the tier's retry); a shard still wrong raises IntegrityError naming it, and its
+        array then holds bytes that must not be used (read it through ``read_shard``: another tier's copy)."""
+        for (name, entry), dest in zip(items, into, strict=True):
+            want = math.prod(entry.shape) * dtypes.dtype(manifest.tensors[name].dtype).itemsize
+            if dest.nbytes != want or not dest.flags.c_contiguous or not dest.flags.writeable:
+                raise ValueError(f"read_shards_into: {name} {list(entry.offsets)}: expected a writable contiguous "
+                                 f"array of {want} bytes, found {dest.nbytes} bytes")
+
+        def once() -> None:
+            digests = self._fetch_into(manifest, items, into)
+            for (name, entry), dest, got in zip(items, into, digests):
+                got = got if got is not None else data_digest(dest)
+                if got != entry.digest:
+                    raise IntegrityError(f"object tier {self.url} step {manifest.step} tensor {name} shard "
+                                         f"{list(entry.offsets)} ({entry.location[0].path if entry.location else '?'})"
+                                         f": data digest {got} != manifest {entry.digest}; this copy is damaged — "
+                                         "read the step from another tier")
+
+        self._retry.run(f"object tier {self.url}: step {manifest.step}: reading {len(items)} shards into place", once,
+                        retry_on=(TierError, IntegrityError))
+
     def _fetch_whole(self, manifest: Manifest, batch) -> list[tuple[np.ndarray, str]]:
-        wants, dests, outs, owner = [], [], [], []
-        for name, entry in batch:
-            out = np.empty(entry.shape, dtype=dtypes.dtype(manifest.tensors[name].dtype).storage)
+        outs = [np.empty(entry.shape, dtype=dtypes.dtype(manifest.tensors[name].dtype).storage) for name, entry in batch]
+        digests = self._fetch_into(manifest, batch, outs)
+        return [(out, d if d is not None else data_digest(out)) for out, d in zip(outs, digests)]
+
+    def _fetch_into(self, manifest: Manifest, batch, outs: list[np.ndarray]) -> list[str | None]:
+        """Each whole shard of ``batch`` read into its array of ``outs`` (its pieces' byte ranges straight into
+        place), and its digest (None where no piece was read: an empty shard)."""
+        wants, dests, owner = [], [], []
+        for k, ((name, entry), out) in enumerate(zip(batch, outs)):
             flat = out.reshape(-1).view(np.uint8)
             for piece in entry.location:
                 info, rows = self._piece_info(manifest, name, entry, piece)
@@ -178,8 +209,7 @@ class ObjectReader:
                 start = self._piece_header(manifest, piece).data_start + info.begin
                 wants.append(range_reads.Want(self.piece_path(manifest, piece), start, start + info.end - info.begin))
                 dests.append(flat[rows[0] * row_bytes:rows[0] * row_bytes + info.end - info.begin])
-                owner.append(len(outs))
-            outs.append(out)
+                owner.append(k)
 
         def fetch() -> list[str | None]:
             # each shard is hashed by the thread that read its last bytes, while the others still read
@@ -197,8 +227,7 @@ class ObjectReader:
             self.backend.fetch_into(wants, dests, done)
             return digests
 
-        digests = self._call("reading shards", fetch)
-        return [(out, d if d is not None else data_digest(out)) for out, d in zip(outs, digests)]
+        return self._call("reading shards", fetch)
 
     def _read_piece(self, manifest, piece, info, rows, region, shape, out, dt) -> None:
         lo = region[0].start if region else 0

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import io
+import math
 import os
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -215,21 +216,30 @@ class Reader(StorageReader):
             hit = direct.get(source[(name, entry.offsets)])
             return None if hit is None else hit[1].reshape(-1).view(torch.uint8).numpy()
 
-        def read(unit: tuple[bool, list[tuple[str, Any]]]) -> list[np.ndarray | torch.Tensor]:
-            packed, run = unit
-            if packed:
-                dests = [into(name, entry) for name, entry in run]
-                try:
+        def read(unit: tuple[str, list[tuple[str, Any]]]) -> list[np.ndarray | torch.Tensor]:
+            kind, run = unit
+            try:
+                if kind == "packed":
+                    dests = [into(name, entry) for name, entry in run]
                     arrays = self._tier.read_packed_run(m, run, threads, dests)
                     return [direct[source[(n, e.offsets)]][1] if d is not None else a
                             for (n, e), d, a in zip(run, dests, arrays)]
-                except DAMAGE:
-                    pass  # shard by shard: the error names the shard, or another tier holds an intact copy
+                if kind == "into":
+                    self._tier.read_shards_into(m, run, [into(name, entry) for name, entry in run])
+                    return [direct[source[(n, e.offsets)]][1] for n, e in run]
+            except DAMAGE:
+                pass  # shard by shard: the error names the shard, or another tier holds an intact copy
             return [self._tier.read_shard(m, name, entry) for name, entry in run]
 
-        units = [(True, run) for run in runs] + [(False, [item]) for item in rest]
+        # the object tier reads a shard DCP wants whole by ranged reads straight into its tensor, in batches of
+        # up to a run's size (a few large concurrent requests); the others through its read-ahead, one by one
+        batches = _batches([it for it in rest if source[(it[0], it[1].offsets)] in direct], RUN_ELEMENTS) \
+            if hasattr(self._tier, "read_shards_into") else []
+        batched = {(n, e.offsets) for b in batches for n, e in b}
+        units = ([("packed", run) for run in runs] + [("into", b) for b in batches]
+                 + [("single", [it]) for it in rest if (it[0], it[1].offsets) not in batched])
         # runs: one read ahead (at most two in memory, each read on `threads`); single shards: `threads` at once
-        for (_, run), arrays in _ahead(read, units, 1 if runs else threads):
+        for (_, run), arrays in _ahead(read, units, 1 if runs or batches else threads):
             for (name, entry), arr in zip(run, arrays):
                 got = arr if isinstance(arr, torch.Tensor) else _tensor(arr.reshape(entry.shape), m.tensors[name].dtype)
                 yield source[(name, entry.offsets)], got
@@ -240,6 +250,20 @@ class Reader(StorageReader):
         where = f"{self._tier.name} tier step {self._manifest.step} ({name})"
         return objects.for_planner(src.numpy().tobytes(), key, where, trust_pickle=self.trust_pickle,
                                    safe_globals=self.safe_globals)
+
+
+def _batches(items: list[tuple[str, Any]], most: int) -> list[list[tuple[str, Any]]]:
+    """``items`` (whole shards) in order, cut into batches of at most ``most`` elements (a larger shard alone)."""
+    out: list[list[tuple[str, Any]]] = []
+    size = 0
+    for item in items:
+        n = math.prod(item[1].shape)
+        if not out or size + n > most:
+            out.append([])
+            size = 0
+        out[-1].append(item)
+        size += n
+    return out
 
 
 def _tensor(arr: np.ndarray, dtype: str) -> torch.Tensor:
