@@ -49,6 +49,7 @@ log = logging.getLogger(__name__)
 
 READ_AHEAD = 256 << 20  # bytes of whole shards read ahead of a reader walking a step in storage order
 PROBES_KEPT = 4  # steps whose probe digests a tier keeps (the parent of the next step is usually the last written)
+SYNC_THREADS = 8  # fsyncs of a part's small files and folders in flight at once: the journal commits them together
 
 
 class LocalTier(Tier):
@@ -134,6 +135,31 @@ class LocalTier(Tier):
         self._publish_latest(snapshot.step)
         return manifest
 
+    def write_part(self, snapshot: Snapshot, parent: ParentRef | None, dest: str) -> Manifest:
+        """Write ``snapshot``'s files into the new folder ``dest`` (its parent exists) and make them durable,
+        committing nothing: no manifest file, no rename.  The manifest returned (paths as for a step of its own,
+        ``step-…/``; unsigned) is for a caller whose own commit lists the folder — a rank's part of a DCP step
+        (flowcheck/dcp/parts.py): that commit syncs ``dest``'s entry in its parent before its manifest exists.
+        The small files and folders are synced on threads (fsync waits on the disk, not on a core)."""
+        if self._packable(snapshot):
+            snapshot = row_blocks.split(snapshot, self.config.row_block_bytes)
+        store = DurableStore(dest)
+        try:
+            # unsigned and not parsed back: no file of it is written; the commit listing the part signs and checks
+            manifest, unsynced = self._write_tmp(snapshot, parent, dest, store, lambda n: None, sign=False)
+            if self.config.fsync:
+                if unsynced is not None:
+                    sync_paths(unsynced, SYNC_THREADS)
+                else:
+                    make_tree_durable(dest, self.config.sync_mode, SYNC_THREADS)
+        except BaseException as e:
+            store.abandon()
+            shutil.rmtree(dest, ignore_errors=True)
+            if isinstance(e, OSError) and not isinstance(e, FlowcheckError):
+                raise self._write_failed(snapshot, dest, e, False) from e
+            raise
+        return manifest
+
     def _write_failed(self, snapshot: Snapshot, tmp: str, e: OSError, renamed: bool) -> TierError:
         """A disk error while writing a step, said plainly: what was written where, what the disk said, what to do."""
         try:
@@ -154,8 +180,10 @@ class LocalTier(Tier):
         return TierError(e.errno, msg) if e.errno is not None else TierError(msg)
 
     def _write_tmp(self, snapshot: Snapshot, parent: ParentRef | None, tmp: str, store: DurableStore,
-                   on_bytes: Callable[[int], None]) -> tuple[Manifest, list[str] | None]:
-        """Write the step's files into ``tmp``; (the manifest to commit, the paths still to fsync or None: all)."""
+                   on_bytes: Callable[[int], None], sign: bool = True) -> tuple[Manifest, list[str] | None]:
+        """Write the step's files into ``tmp``; (the manifest to commit, the paths still to fsync or None: all).
+        ``sign=False``: the manifest is not signed nor checked here (a part's: the commit that lists it does both)."""
+        finish = self._sign if sign else (lambda m: m)
         def written(shard: Shard, nbytes: int) -> None:
             if snapshot.pin is not None:
                 snapshot.pin.on_shard_written(shard)  # the bytes are in the file (page cache): the source may change from now on
@@ -169,12 +197,12 @@ class LocalTier(Tier):
             digests, locations, files, unsynced = zarr_pack.write_step(self.config, snapshot, tmp, written, skip, known)
             check_digests(snapshot, digests)
             m = make_manifest(snapshot, node=self.node, parent=parent, digests=digests, locations=locations, files=files)
-            m = self._sign(replace(m, format_version=INCREMENTAL_VERSION if refs else PACKED_VERSION, refs=refs))
+            m = finish(replace(m, format_version=INCREMENTAL_VERSION if refs else PACKED_VERSION, refs=refs))
             self._remember_probes(m.digest(), probes)
             return m, unsynced
         digests, locations, files = local_zarr.write_arrays(self.config, snapshot, store, written)
         m = make_manifest(snapshot, node=self.node, parent=parent, digests=digests, locations=locations, files=files)
-        return self._sign(m), None
+        return finish(m), None
 
     def _reusable(self, snapshot: Snapshot, parent: ParentRef | None,
                   probes: dict[local_refs.Key, str] | None = None

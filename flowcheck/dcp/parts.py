@@ -2,11 +2,11 @@
 
 Every rank writes its chunks with its tier's own writer as a part named ``rank-<rank:05d>``, under the step's
 ``nodes/<node>/`` folder — the object tier through ``cluster.write_part`` (files in an attempt folder, then the
-part manifest, exclusive create), the local tier through ``LocalTier.write`` into a staging folder inside the
-step's temporary folder, whose committed zarr group then moves to ``nodes/<node>/`` (a rename: nothing is
-copied).  DCP's bytes items reach the coordinator in the write results; it stores them as one more part,
-``objects`` (their sizes are known only now, so no rank's part could list them).  The step manifest is
-``cluster.merge`` of the rank parts (they must agree, cover every tensor exactly once, name only their own
+part manifest, exclusive create), the local tier through ``LocalTier.write_part`` straight into
+``nodes/<node>/`` of the step's temporary folder (every file and folder fsync'd; no part manifest file, no
+rename: the part manifest travels in the write results).  DCP's bytes items reach the coordinator in the write
+results; it stores them as one more part, ``objects`` (their sizes are known only now, so no rank's part could
+list them).  The step manifest is ``cluster.merge`` of the rank parts (they must agree, cover every tensor exactly once, name only their own
 files) plus the objects part, committed the way each tier commits: on the object tier the exclusive create of
 ``step-…/manifest.json``, on the local tier the manifest written last into ``step-….dcp-<save>.tmp`` and the
 folder renamed into place.  A rank that fails or dies leaves parts but no step manifest: nothing is visible,
@@ -30,7 +30,7 @@ from flowcheck.state import Snapshot
 from flowcheck.store import Store
 from flowcheck.tiers import cluster
 from flowcheck.tiers.base import MANIFEST, step_dir
-from flowcheck.tiers.durable import fsync_dir, replace_file, write_file
+from flowcheck.tiers.durable import fsync_dir, replace_file, sync_paths, write_file
 
 log = logging.getLogger(__name__)
 
@@ -63,21 +63,20 @@ def _local_part(store: Store, target: SaveTarget, snapshot: Snapshot, node: str)
     from flowcheck.tiers.local import LocalTier
 
     tmp = temp_dir(store, target)
-    staging = os.path.join(tmp, "staging", node)
     cfg = store.config
     # fsync file by file: the ranks write at once, and each one's syncfs would flush all the others' data too;
-    # writer threads: this rank's share of the cores
-    local = dataclasses.replace(cfg.tiers.local, root=staging, sync_mode="fsync",
+    # writer threads: this rank's share of the cores.  The root is never written (the part goes to `dest`); it
+    # only keeps the writer from finding an earlier step to share shards with (a part holds all of its shards)
+    local = dataclasses.replace(cfg.tiers.local, root=os.path.join(tmp, "staging", node), sync_mode="fsync",
                                 workers=cores_per_rank(cfg.tiers.local.workers))
     writer = LocalTier(local, cfg.run, node=node, signing_key=store.local.signing_key,
                        require_signature=store.local.require_signature)
-    part = writer.write(snapshot, target.parent)  # zarr, CRC32C, digests, durable, manifest: the tier's own write
-    done = os.path.join(writer.root, step_dir(target.step))
-    os.remove(os.path.join(done, MANIFEST))  # travels in the write results; the step manifest lists the part
     dest = os.path.join(tmp, cluster.NODES, node)
     os.makedirs(os.path.dirname(dest), exist_ok=True)
-    os.rename(done, dest)
-    shutil.rmtree(staging, ignore_errors=True)
+    # zarr, CRC32C, digests, every file and folder durable: the tier's own write, straight into the step's
+    # temporary folder and without a manifest file of its own (the part manifest travels in the write results;
+    # the step manifest lists the part; the commit syncs `nodes/` before it writes that manifest)
+    part = writer.write_part(snapshot, target.parent, dest)
     return _relocated(part, node)
 
 
@@ -165,16 +164,20 @@ def _commit_object(tier, m: Manifest) -> Manifest:
 
 
 def _commit_local(store: Store, target: SaveTarget, tier, m: Manifest) -> Manifest:
-    """The local tier's commit, as LocalTier does it: data durable, manifest last, then the folder renamed."""
+    """The local tier's commit, as LocalTier does it: data durable, manifest last, then the folder renamed.
+
+    The parts' files and folders are durable already (each rank synced its own); what is left before the manifest
+    — the two group files, ``nodes/`` (the parts' entries) and the step folder — is synced at once, in any order
+    (none of them is visible before the manifest and the rename), so the journal commits them together."""
     tmp, final = temp_dir(store, target), os.path.join(tier.root, step_dir(m.step))
     fsync = store.config.tiers.local.fsync
     shutil.rmtree(os.path.join(tmp, "staging"), ignore_errors=True)
-    groups = [_zarr_group(tmp, rel, m, fsync) for rel in (cluster.NODES, "")]  # zarr readers open the step folder
+    groups = [_zarr_group(tmp, rel, m) for rel in (cluster.NODES, "")]  # zarr readers open the step folder
     m = dataclasses.replace(m, files=tuple(sorted(m.files + tuple(groups), key=lambda f: f.path)))
     m = tier._sign(m)  # noqa: SLF001 - the tier's own signing and validation, as cluster.py uses it
     if fsync:
-        fsync_dir(os.path.join(tmp, cluster.NODES))
-        fsync_dir(tmp)
+        sync_paths([os.path.join(tmp, cluster.NODES, "zarr.json"), os.path.join(tmp, "zarr.json"),
+                    os.path.join(tmp, cluster.NODES), tmp], workers=4)
     replace_file(os.path.join(tmp, MANIFEST), m.to_bytes(), fsync=fsync)
     if os.path.exists(os.path.join(final, MANIFEST)):
         raise StepExistsError(f"local tier {tier.root}: step {m.step} was committed by another writer meanwhile; this "
@@ -185,11 +188,11 @@ def _commit_local(store: Store, target: SaveTarget, tier, m: Manifest) -> Manife
     return m
 
 
-def _zarr_group(tmp: str, rel: str, m: Manifest, fsync: bool) -> FileEntry:
-    """A zarr v3 group's ``zarr.json`` at ``rel`` of the step folder, as a file of the manifest."""
+def _zarr_group(tmp: str, rel: str, m: Manifest) -> FileEntry:
+    """A zarr v3 group's ``zarr.json`` at ``rel`` of the step folder, as a file of the manifest (not yet synced)."""
     body = {"zarr_format": 3, "node_type": "group", "attributes": {} if rel else
             {"flowcheck": {"run": m.run, "step": m.step, "parts": [n.node for n in m.nodes]}}}
     path = os.path.join(tmp, rel, "zarr.json")
-    write_file(path, json.dumps(body, sort_keys=True).encode(), fsync=fsync)
+    write_file(path, json.dumps(body, sort_keys=True).encode(), fsync=False)
     size, digest = file_digest(path)
     return FileEntry(f"{step_dir(m.step)}/{rel + '/' if rel else ''}zarr.json", size, digest)

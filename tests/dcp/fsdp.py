@@ -312,7 +312,7 @@ def gated_writer(gate: str, die_rank: int | None = None):
 
 
 def async_save(rank: int, world: int, port: int, cfg: str, k: int, n: int, fs_dir: str, gate: str, out: str,
-               die_rank: int | None = None) -> None:
+               die_rank: int | None = None, tier: str = "object") -> None:
     """Train; at step k ``dcp.async_save`` through a gated flowcheck Writer on its own gloo group, train on while it is
     in flight (rank 0 records what the store shows meanwhile), open the gate, wait for the save."""
     import time
@@ -330,7 +330,7 @@ def async_save(rank: int, world: int, port: int, cfg: str, k: int, n: int, fs_di
             dcp.save(state(model, opt, sched, step), checkpoint_id=fs_dir)
             t0 = time.perf_counter()
             fut = dcp.async_save(state(model, opt, sched, step), process_group=ckpt_group,
-                                 storage_writer=gated_writer(gate, die_rank)(cfg, step=step, tier="object"))
+                                 storage_writer=gated_writer(gate, die_rank)(cfg, step=step, tier=tier))
             log["blocked_s"] = time.perf_counter() - t0
         elif fut is not None and rank == 0 and "in_flight" not in log:
             log["in_flight"] = {"done": fut.done(), "steps": open_store(cfg).object.steps()}

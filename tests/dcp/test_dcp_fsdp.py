@@ -167,3 +167,24 @@ def test_a_2d_fsdp_x_tp_save_round_trips_bit_for_bit_and_resumes_at_2_ranks_of_p
     got = json.loads((tmp_path / "r.json").read_text())
     for s in range(K + 1, N + 1):
         assert math.isclose(got["losses"][str(s)], losses[s], rel_tol=1e-5), (s, got, losses)
+
+
+def test_a_rank_killed_mid_save_to_the_local_tier_leaves_nothing_committed_and_gc_removes_its_part(tmp_path):
+    """Each rank writes its part straight into the save's ``step-….dcp-<id>.tmp`` folder (no part manifest, no rename):
+    a rank killed after its part is in leaves that folder, never a step; GC removes it."""
+    cfg = config(str(tmp_path))
+    with pytest.raises(torch.multiprocessing.ProcessExitedException):
+        fsdp.spawn(fsdp.async_save, 4, cfg, K, N, str(tmp_path / "fs"), str(tmp_path / "gate"),
+                   str(tmp_path / "log.json"), 1, "local")
+    store = open_store(cfg)
+    assert store.local.steps() == [] and store.object.steps() == []
+    run = tmp_path / "local" / "gpt"
+    left = [p for p in run.iterdir() if p.name.startswith(f"step-{K:09d}.dcp-") and p.name.endswith(".tmp")]
+    assert left and (left[0] / "nodes" / "rank-00001" / "zarr.json").exists()  # the killed rank had stored its part
+    done = subprocess.run([sys.executable, "-m", "flowcheck", "--config", cfg, "gc"], check=False, capture_output=True,
+                          text=True)
+    assert done.returncode == 0, done.stderr
+    assert not [p for p in run.iterdir() if p.name.endswith(".tmp")]
+    done = subprocess.run([sys.executable, "-m", "flowcheck", "--config", cfg, "audit"], check=False,
+                          capture_output=True, text=True)
+    assert "0 errors" in done.stdout, done.stdout + done.stderr

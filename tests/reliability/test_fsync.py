@@ -248,3 +248,69 @@ def test_export_syncs_the_file_before_it_takes_its_final_name(tmp_path, monkeypa
     last_write = max(rec.index("write", lambda p: p == partial))
     assert [i for i in rec.index("fsync", lambda p: p == partial) if last_write < i < placed], "export renamed before fsync"
     assert [i for i in rec.index("fsync", lambda p: p == os.path.dirname(out)) if i > placed], "the rename is not fsync'd"
+
+
+# every kind of file a DCP save through flowcheck.dcp.Writer leaves in its local step folder (flowcheck/dcp/parts.py),
+# by its path in the step folder: each rank's part is the packed layout under nodes/<node>/, written straight there
+DCP_KINDS = {
+    "step group zarr.json": lambda rel: rel == "zarr.json",
+    "nodes group zarr.json": lambda rel: rel == "nodes/zarr.json",
+    **{f"part's {kind}": (lambda rel, is_kind=is_kind: rel.startswith("nodes/") and rel.count("/") >= 2
+                          and is_kind(rel.split("/", 2)[2])) for kind, is_kind in PACKED_KINDS.items()},
+}
+
+
+def check_folders_synced(rec: Recorder, tmp: str, manifest_write: int) -> None:
+    """Every folder from a written file up to the step folder is fsync'd after its last entry appeared (a file's
+    first write follows its creation; a subfolder's creation precedes the first write beneath it) and before the
+    manifest: a power loss keeps every name the manifest lists."""
+    born = {}
+    for i, e in enumerate(rec.events[:manifest_write]):
+        if e[0] == "write" and e[1].startswith(tmp + os.sep):
+            born.setdefault(e[1], i)
+    assert born, "no file was written into the step folder before the manifest"
+    last_entry: dict[str, int] = {}
+    for path, i in born.items():
+        d = os.path.dirname(path)
+        while len(d) >= len(tmp):
+            last_entry[d] = max(last_entry.get(d, -1), i)
+            d = os.path.dirname(d)
+    for d, i in sorted(last_entry.items()):
+        assert [j for j in rec.index("fsync", lambda p, d=d: p == d) if i < j < manifest_write], \
+            f"folder {d} is not fsync'd between its last new entry and the manifest"
+
+
+def _dcp_save_recorded(tmp_path, monkeypatch) -> tuple[Recorder, str, object]:
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    import flowcheck.dcp
+
+    state = {"model": {"w": torch.randn(64, 32), "b": torch.randn(32).to(torch.bfloat16), "n": torch.arange(9)},
+             "sched": {"last_epoch": 3}, "step": 3}
+    writer = flowcheck.dcp.Writer(str(tmp_path / "local"), run="gpt", step=3)
+    rec = Recorder(monkeypatch)
+    dcp.save(state, storage_writer=writer, no_dist=True)
+    return rec, os.path.join(str(tmp_path / "local"), "gpt"), writer.committed
+
+
+def test_a_dcp_save_makes_every_file_and_folder_of_every_part_durable_before_the_step_manifest(tmp_path, monkeypatch):
+    rec, root, m = _dcp_save_recorded(tmp_path, monkeypatch)
+    check_local_order(rec, root, "step-000000003")
+    placed = rec.first("replace", lambda s, d: os.path.basename(d) == "manifest.json" and ".dcp-" in d)
+    tmp = os.path.dirname(rec.events[placed][2])
+    check_folders_synced(rec, tmp, rec.first("write", lambda p: p.startswith(tmp + os.sep + "manifest.json")))
+    listed = {f.path.split("/", 1)[1] for f in m.files}
+    for kind, is_kind in DCP_KINDS.items():
+        assert [r for r in listed if is_kind(r)], f"no {kind} among the step's files: {sorted(listed)}"
+    assert {r.split("/")[1] for r in listed if r.startswith("nodes/") and r.count("/") >= 2} == {"objects", "rank-00000"}
+
+
+def test_the_folder_check_fails_when_a_dcp_part_skips_its_folder_syncs(tmp_path, monkeypatch):
+    """The checker above catches a part whose small files and folders are not synced before the commit."""
+    monkeypatch.setattr("flowcheck.tiers.local.sync_paths", lambda paths, workers=8: None)
+    rec, root, _ = _dcp_save_recorded(tmp_path, monkeypatch)
+    placed = rec.first("replace", lambda s, d: os.path.basename(d) == "manifest.json" and ".dcp-" in d)
+    tmp = os.path.dirname(rec.events[placed][2])
+    with pytest.raises(AssertionError, match="not fsync'd"):
+        check_folders_synced(rec, tmp, rec.first("write", lambda p: p.startswith(tmp + os.sep + "manifest.json")))

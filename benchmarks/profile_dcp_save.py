@@ -1,0 +1,87 @@
+"""Where does ``dcp.save`` through ``flowcheck.dcp.Writer`` spend its time, on the coordinator and on another rank?
+(diagnostic)
+
+The state of benchmarks/bench_dcp.py (N CPU ranks, Shard(0) DTensors); each rank saves it once through
+FileSystemWriter (for the wall time next to it) and ``--saves`` times through flowcheck (steps 1, 2, ...), with rank 0
+(the coordinator: plans, gathers, commits) and rank 1 under cProfile.  Prints each profiled rank's top functions by
+cumulative and by own time for its last flowcheck save.
+
+  python benchmarks/profile_dcp_save.py --gb 0.5 --ranks 4
+"""
+from __future__ import annotations
+
+import cProfile
+import io
+import os
+import pstats
+import sys
+import time
+import warnings
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import _common as C  # noqa: E402
+from bench_dcp import _state  # noqa: E402
+
+
+def _rank(rank: int, world: int, port: int, args: dict) -> None:
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    import flowcheck.dcp
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    state = _state(world, args["gb"], seed=1)
+    root = args["dir"]
+    dist.barrier()
+    t0 = time.perf_counter()
+    dcp.save(state, checkpoint_id=f"{root}/fs")
+    dist.barrier()
+    fs = time.perf_counter() - t0
+    for step in range(1, args["saves"] + 1):
+        dist.barrier()
+        prof = cProfile.Profile()
+        t0 = time.perf_counter()
+        prof.enable()
+        dcp.save(state, storage_writer=flowcheck.dcp.Writer(f"{root}/fc", run="bench", step=step))
+        prof.disable()
+        took = time.perf_counter() - t0
+        dist.barrier()
+        if rank == 0:
+            print(f"save {step}: flowcheck {took:.3f} s (FileSystemWriter, once before: {fs:.3f} s)", flush=True)
+    for who in (0, 1):
+        if rank == who:
+            for key in ("cumulative", "tottime"):
+                out = io.StringIO()
+                pstats.Stats(prof, stream=out).sort_stats(key).print_stats(args["top"])
+                print(f"==== rank {rank}{' (coordinator)' if rank == 0 else ''}, last flowcheck save: {took:.3f} s; "
+                      f"by {key}\n{out.getvalue()}", flush=True)
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> None:
+    import torch.multiprocessing as mp
+
+    p = C.base_parser(__doc__, default_gb=0.5)
+    p.add_argument("--ranks", type=int, default=4, help="CPU ranks (gloo processes; default 4)")
+    p.add_argument("--saves", type=int, default=2, help="flowcheck saves (steps 1..N; the last is printed; default 2)")
+    p.add_argument("--top", type=int, default=30, help="functions listed per table (default 30)")
+    args = p.parse_args(argv)
+    if args.ranks < 2:
+        raise SystemExit(f"--ranks: expected at least 2 (rank 1 is profiled next to the coordinator), found {args.ranks}")
+    work = C.workdir("fc-prof-dcp-save-", args.dir)
+    try:
+        mp.start_processes(_rank, args=(args.ranks, C.free_port(), {"gb": args.gb, "dir": work, "top": args.top,
+                                                                     "saves": args.saves}),
+                           nprocs=args.ranks, join=True, start_method="spawn")
+    finally:
+        C.rmtree(work)
+
+
+if __name__ == "__main__":
+    main()
