@@ -423,9 +423,13 @@ class Tier(ABC):
 
     def _sign(self, m: Manifest) -> Manifest:
         """The manifest to commit: signed when a key is set, and checked by the readers' own parser."""
+        return self._signed_bytes(m)[0]
+
+    def _signed_bytes(self, m: Manifest) -> tuple[Manifest, bytes]:
+        """``_sign``, with the file form it checked (a large manifest is then encoded once, not twice)."""
         m = m.signed(self.signing_key) if self.signing_key else m
-        validated_bytes(m, f"{self.name} tier {self.rel}/{step_dir(m.step)}/manifest.json (about to be committed)")
-        return m
+        raw = validated_bytes(m, f"{self.name} tier {self.rel}/{step_dir(m.step)}/manifest.json (about to be committed)")
+        return m, raw
 
     def _check_signature(self, m: Manifest) -> None:
         where = f"{self.name} tier {self.rel}/{step_dir(m.step)}/manifest.json"

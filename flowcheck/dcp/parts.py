@@ -174,11 +174,11 @@ def _commit_local(store: Store, target: SaveTarget, tier, m: Manifest) -> Manife
     shutil.rmtree(os.path.join(tmp, "staging"), ignore_errors=True)
     groups = [_zarr_group(tmp, rel, m) for rel in (cluster.NODES, "")]  # zarr readers open the step folder
     m = dataclasses.replace(m, files=tuple(sorted(m.files + tuple(groups), key=lambda f: f.path)))
-    m = tier._sign(m)  # noqa: SLF001 - the tier's own signing and validation, as cluster.py uses it
+    m, raw = tier._signed_bytes(m)  # noqa: SLF001 - the tier's own signing and validation, as cluster.py uses it
     if fsync:
         sync_paths([os.path.join(tmp, cluster.NODES, "zarr.json"), os.path.join(tmp, "zarr.json"),
                     os.path.join(tmp, cluster.NODES), tmp], workers=4)
-    replace_file(os.path.join(tmp, MANIFEST), m.to_bytes(), fsync=fsync)
+    replace_file(os.path.join(tmp, MANIFEST), raw, fsync=fsync)
     if os.path.exists(os.path.join(final, MANIFEST)):
         raise StepExistsError(f"local tier {tier.root}: step {m.step} was committed by another writer meanwhile; this "
                               "save stays uncommitted (GC removes its .tmp folder) — save under another step")
