@@ -115,7 +115,7 @@ class ObjectConfig:
 
     url: str = "file://./flowcheck-data/object"
     max_file_mib: int = 2048  # safetensors files are cut at about this size
-    upload_workers: int = 8  # concurrent multipart parts per file
+    upload_workers: int = 8  # concurrent multipart parts of one write (its files share them)
     part_mib: int = 64
     staging_dir: str | None = None  # where safetensors are staged before upload (default: <local root>/.staging)
     endpoint_url: str | None = None  # overrides AWS_ENDPOINT_URL
