@@ -183,11 +183,11 @@ def main(argv: list[str] | None = None) -> dict:
             for rts in rank_rts.values():
                 for rt in rts:
                     by_name.setdefault(rt.param.name, []).append(rt)
-            n = 0
-            for p, _slot, t in _tensors(reader, Target(tp=TP, pp=PP), params, slots, args.workers, False):
-                for rt in by_name[p.name]:
-                    n += cut(t, rt).nbytes
-            sink["n"] = n
+            def cuts(p, _slot, t) -> int:  # on the reading threads, as the legacy writer's prepare
+                return sum(cut(t, rt).nbytes for rt in by_name[p.name])
+
+            sink["n"] = sum(n for _p, _slot, n in _tensors(reader, Target(tp=TP, pp=PP), params, slots, args.workers,
+                                                            False, cuts))
 
         def clean() -> None:
             sink["store"] = None

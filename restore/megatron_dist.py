@@ -107,6 +107,10 @@ class DistWriter:
             stacked = self.state[key] = torch.empty((self.arch.num_layers, *t.shape), dtype=t.dtype)
         stacked[param.layer] = t
 
+    def prepare(self, param: Param, slot: str | None, tensor: torch.Tensor) -> torch.Tensor:
+        """Nothing to do before ``add`` (the writer's interface: LegacyWriter cuts here)."""
+        return tensor
+
     def add(self, param: Param, slot: str | None, tensor: torch.Tensor) -> None:
         """One canonical tensor (``slot`` None: the weight; fp32_param: the master copy; else a moment)."""
         key = dist_key(param)

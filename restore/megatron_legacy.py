@@ -47,10 +47,15 @@ class LegacyWriter:
         self.pool = ThreadPoolExecutor(max_workers=min(workers, len(self.ranks)))
         self.futures: list[Future] = []
 
-    def add(self, param: Param, slot: str | None, tensor: torch.Tensor) -> None:
-        """One canonical tensor (``slot`` None: the weight; else an optimizer slot such as exp_avg, fp32_param)."""
-        for rank, rt in self.where[param.name]:
-            local = cut(tensor, rt)
+    def prepare(self, param: Param, slot: str | None, tensor: torch.Tensor) -> list[tuple[tuple[int, int], RankTensor, torch.Tensor]]:
+        """One canonical tensor cut into the pieces of the ranks holding it (any thread: the restore's readers
+        cut while the next tensors are read)."""
+        return [(rank, rt, cut(tensor, rt)) for rank, rt in self.where[param.name]]
+
+    def add(self, param: Param, slot: str | None, pieces: list[tuple[tuple[int, int], RankTensor, torch.Tensor]]) -> None:
+        """One canonical tensor's ``prepare``d pieces (``slot`` None: the weight; else an optimizer slot such as
+        exp_avg, fp32_param)."""
+        for rank, rt, local in pieces:
             if slot is None:
                 self.model[rank][rt.chunk, rt.key] = local
             else:

@@ -12,6 +12,7 @@ import os
 import shutil
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -80,8 +81,8 @@ def restore(
         os.makedirs(staging)
         writer_cls = DistWriter if target.fmt == "megatron-dist" else LegacyWriter
         writer = writer_cls(reader.arch, target, staging, meta, slots + (["fp32_param"] if slots else []), workers)
-        for param, slot, tensor in _tensors(reader, target, params, slots, workers, progress):
-            writer.add(param, slot, tensor)
+        for param, slot, prepared in _tensors(reader, target, params, slots, workers, progress, writer.prepare):
+            writer.add(param, slot, prepared)
         files = writer.finish()
         _write_record(staging, reader, target, meta.resume)
         with open(os.path.join(staging, TRACKER), "w", encoding="utf-8") as f:
@@ -117,9 +118,11 @@ def _failed(e: BaseException, reader: StepReader, target: Target, out: str, stuc
     return failed_write(e, out, what="the restored checkpoint", need=need, left=left)
 
 
-def _tensors(reader: StepReader, target: Target, params: list[Param], slots: list[str], workers: int, progress: bool):
+def _tensors(reader: StepReader, target: Target, params: list[Param], slots: list[str], workers: int, progress: bool,
+             prepare: Callable[[Param, str | None, torch.Tensor], Any] | None = None):
     """(param, slot, tensor) for every tensor the writer needs: slot None is the weight, ``fp32_param`` the
-    fp32 master (stored, or the weight itself), others optimizer moments.
+    fp32 master (stored, or the weight itself), others optimizer moments; with ``prepare``, (param, slot,
+    prepare(param, slot, tensor)), prepared on the reading threads (e.g. a writer's cut into rank pieces).
 
     Read on a thread pool with a bounded window; from the object tier in manifest order by one reader, so
     the tier's read-ahead fetches many shards per request.
@@ -141,11 +144,12 @@ def _tensors(reader: StepReader, target: Target, params: list[Param], slots: lis
         param, slot, name = job
         stored = reader.tensor(name)
         if slot is not None:
-            return [(param, slot, stored.float())]
-        out = [(param, None, stored if want is None else stored.to(want))]
-        if slots and not reader.has(f"{OPT}fp32_param.{param.name}"):
-            out.append((param, "fp32_param", stored.float()))  # no stored master: the weight is the master
-        return out
+            out = [(param, slot, stored.float())]
+        else:
+            out = [(param, None, stored if want is None else stored.to(want))]
+            if slots and not reader.has(f"{OPT}fp32_param.{param.name}"):
+                out.append((param, "fp32_param", stored.float()))  # no stored master: the weight is the master
+        return out if prepare is None else [(p, s, prepare(p, s, t)) for p, s, t in out]
 
     bar = _bar(len(jobs), progress, f"restore step {reader.step}")
     with ThreadPoolExecutor(max_workers=workers) as pool:
