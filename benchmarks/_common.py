@@ -117,6 +117,17 @@ def build_state(gb: float, *, run: str = "bench", step: int = 1, seed: int = 0) 
     return TrainingState(tensors, roles, snap, snap.nbytes, n_params, layers)
 
 
+def print_profile(prof, top: int, title: str) -> None:
+    """A cProfile's ``top`` functions by cumulative and by own time, under ``title``."""
+    import io
+    import pstats
+
+    for key in ("cumulative", "tottime"):
+        out = io.StringIO()
+        pstats.Stats(prof, stream=out).sort_stats(key).print_stats(top)
+        print(f"==== {title}; by {key}\n{out.getvalue()}", flush=True)
+
+
 def split_tensors(tensors: dict[str, Any], max_bytes: int) -> list[dict[str, Any]]:
     """``tensors`` in order, cut into groups of at most ``max_bytes`` each (a tensor larger than that alone);
     ``max_bytes`` <= 0: one group. The baselines' files when flowcheck's object files are bounded in size."""

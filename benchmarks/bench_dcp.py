@@ -65,17 +65,37 @@ def _empty_like(state):
     return {k: empty(v) for k, v in state.items()}
 
 
-def _rank(rank: int, world: int, port: int, args: dict) -> None:
+def join_gloo(rank: int, world: int, port: int) -> None:
+    """This process as ``rank`` of a CPU (gloo) group of ``world`` ranks on 127.0.0.1:``port``, one torch thread each
+    (the ranks share this host's cores)."""
     import torch
     import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-
-    import flowcheck.dcp
 
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
+
+
+def spawn_ranks(fn, ranks: int, args: dict, prefix: str, base_dir: str | None) -> None:
+    """``fn(rank, world, port, args)`` in ``ranks`` spawned processes, ``args["dir"]`` a fresh work folder removed after."""
+    import torch.multiprocessing as mp
+
+    work = C.workdir(prefix, base_dir)
+    try:
+        mp.start_processes(fn, args=(ranks, C.free_port(), {**args, "dir": work}), nprocs=ranks, join=True,
+                           start_method="spawn")
+    finally:
+        C.rmtree(work)
+
+
+def _rank(rank: int, world: int, port: int, args: dict) -> None:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    import flowcheck.dcp
+
+    join_gloo(rank, world, port)
     async_group = dist.new_group(backend="gloo")
     state = _state(world, args["gb"], seed=1)
     target = _empty_like(state)

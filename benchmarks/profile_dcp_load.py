@@ -10,30 +10,23 @@ Reader with ``direct=False``, reading into buffers and copying).
 from __future__ import annotations
 
 import cProfile
-import io
 import os
-import pstats
 import sys
 import time
-import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _common as C  # noqa: E402
-from bench_dcp import _empty_like, _state  # noqa: E402
+from bench_dcp import _empty_like, _state, join_gloo, spawn_ranks  # noqa: E402
 
 
 def _rank(rank: int, world: int, port: int, args: dict) -> None:
-    import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
     import flowcheck.dcp
 
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    join_gloo(rank, world, port)
     state = _state(world, args["gb"], seed=1)
     target = _empty_like(state)
     root = args["dir"]
@@ -56,16 +49,12 @@ def _rank(rank: int, world: int, port: int, args: dict) -> None:
         took = time.perf_counter() - t0
         dist.barrier()
         if rank == 0:
-            for key in ("cumulative", "tottime"):
-                out = io.StringIO()
-                pstats.Stats(prof, stream=out).sort_stats(key).print_stats(args["top"])
-                print(f"==== rank 0, {label}: {took:.3f} s; by {key}\n{out.getvalue()}", flush=True)
+            C.print_profile(prof, args["top"], f"rank 0, {label}: {took:.3f} s")
     dist.barrier()
     dist.destroy_process_group()
 
 
 def main(argv: list[str] | None = None) -> None:
-    import torch.multiprocessing as mp
 
     p = C.base_parser(__doc__, default_gb=0.5)
     p.add_argument("--ranks", type=int, default=4, help="CPU ranks (gloo processes; default 4)")
@@ -73,13 +62,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--direct", choices=["on", "both"], default="both",
                    help="profile the Reader as shipped, or also with direct=False (default both)")
     args = p.parse_args(argv)
-    work = C.workdir("fc-prof-dcp-", args.dir)
-    try:
-        mp.start_processes(_rank, args=(args.ranks, C.free_port(), {"gb": args.gb, "dir": work, "top": args.top,
-                                                                     "direct": args.direct}),
-                           nprocs=args.ranks, join=True, start_method="spawn")
-    finally:
-        C.rmtree(work)
+    spawn_ranks(_rank, args.ranks, {"gb": args.gb, "top": args.top, "direct": args.direct}, "fc-prof-dcp-", args.dir)
 
 
 if __name__ == "__main__":

@@ -11,30 +11,23 @@ cumulative and by own time for its last flowcheck save.
 from __future__ import annotations
 
 import cProfile
-import io
 import os
-import pstats
 import sys
 import time
-import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _common as C  # noqa: E402
-from bench_dcp import _state  # noqa: E402
+from bench_dcp import _state, join_gloo, spawn_ranks  # noqa: E402
 
 
 def _rank(rank: int, world: int, port: int, args: dict) -> None:
-    import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
     import flowcheck.dcp
 
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    join_gloo(rank, world, port)
     state = _state(world, args["gb"], seed=1)
     root = args["dir"]
     dist.barrier()
@@ -55,17 +48,13 @@ def _rank(rank: int, world: int, port: int, args: dict) -> None:
             print(f"save {step}: flowcheck {took:.3f} s (FileSystemWriter, once before: {fs:.3f} s)", flush=True)
     for who in (0, 1):
         if rank == who:
-            for key in ("cumulative", "tottime"):
-                out = io.StringIO()
-                pstats.Stats(prof, stream=out).sort_stats(key).print_stats(args["top"])
-                print(f"==== rank {rank}{' (coordinator)' if rank == 0 else ''}, last flowcheck save: {took:.3f} s; "
-                      f"by {key}\n{out.getvalue()}", flush=True)
+            C.print_profile(prof, args["top"], f"rank {rank}{' (coordinator)' if rank == 0 else ''}, last flowcheck "
+                            f"save: {took:.3f} s")
         dist.barrier()
     dist.destroy_process_group()
 
 
 def main(argv: list[str] | None = None) -> None:
-    import torch.multiprocessing as mp
 
     p = C.base_parser(__doc__, default_gb=0.5)
     p.add_argument("--ranks", type=int, default=4, help="CPU ranks (gloo processes; default 4)")
@@ -74,13 +63,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     if args.ranks < 2:
         raise SystemExit(f"--ranks: expected at least 2 (rank 1 is profiled next to the coordinator), found {args.ranks}")
-    work = C.workdir("fc-prof-dcp-save-", args.dir)
-    try:
-        mp.start_processes(_rank, args=(args.ranks, C.free_port(), {"gb": args.gb, "dir": work, "top": args.top,
-                                                                     "saves": args.saves}),
-                           nprocs=args.ranks, join=True, start_method="spawn")
-    finally:
-        C.rmtree(work)
+    spawn_ranks(_rank, args.ranks, {"gb": args.gb, "top": args.top, "saves": args.saves}, "fc-prof-dcp-save-", args.dir)
 
 
 if __name__ == "__main__":
