@@ -9,7 +9,6 @@ from __future__ import annotations
 import errno
 import os
 import shutil
-import sys
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -290,6 +289,7 @@ class S3Backend(Backend):
 
         managers: list = []  # made for the first file: its part size keeps every worker busy on it
         closing = threading.Event()  # the write is over (failed elsewhere): what fails now is not retried
+        retries: list[threading.Thread] = []  # joined before the write returns: nothing uploads after it
 
         def submit(local: str, remote: str, size: int, bar, what: str) -> Future:
             if not managers:
@@ -298,6 +298,8 @@ class S3Backend(Backend):
 
             def again() -> None:  # the whole file once more, through the retrying path
                 try:
+                    if closing.is_set():
+                        raise TierError(f"object tier {self.tier.url}: {what}: not retried: the write failed")
                     self.upload(local, remote, size, bar, what)
                     out.set_result(None)
                 except BaseException as e:  # noqa: BLE001 - handed to whoever waits for this file
@@ -315,19 +317,25 @@ class S3Backend(Backend):
                         if closing.is_set():
                             out.set_exception(e)
                         else:
-                            threading.Thread(target=again, name="fc-upload-retry", daemon=True).start()
+                            retries.append(threading.Thread(target=again, name="fc-upload-retry", daemon=True))
+                            retries[-1].start()
 
             bucket, key = remote.split("/", 1)
             managers[0].upload(os.fspath(local), bucket, key, subscribers=[Watch()])
             return out
 
+        failed: BaseException | None = None
         try:
             yield Uploads(submit)
+        except BaseException as e:  # the write failed: the manager cancels what is still in flight
+            failed = e
+            closing.set()
+            raise
         finally:
-            if sys.exc_info()[0] is not None:
-                closing.set()
             for m in managers:
-                m.__exit__(*sys.exc_info())
+                m.__exit__(type(failed) if failed else None, failed, None)
+            for t in list(retries):  # bounded by the tier's retry deadline
+                t.join()
 
     def _transfer_config(self, size: int):
         """``upload_workers`` requests in flight, of parts no larger than needed to keep every worker busy on a
