@@ -195,6 +195,7 @@ class ServeConfig:
     mirror_pcaps: str | None = None  # mirror capture from files: a glob of pcap/pcapng files, replayed at start
     mirror_interface: str | None = None  # mirror capture live: the mirror port's interface (needs CAP_NET_RAW)
     mirror_settle_s: float = 0.1  # live: an allreduce is decoded once this much capture time passed since its last send
+    mirror_decode_workers: int = 1  # native threads of the mirror decoder (reassembly and merge; `capture --decode-workers`)
     mirror_init: str | None = None  # the replica's initial state: a .safetensors file or a committed step (default: the job's)
     # several nodes share one mirror capture, each its part of the parameters (configs/mirror-node.yaml)
     mirror_partition: MirrorPartitionConfig = MirrorPartitionConfig()
@@ -232,6 +233,9 @@ class ServeConfig:
                               f"{self.mirror_job!r}, sources {sources or 'none'}")
         if self.mirror_settle_s < 0:
             raise ConfigError(f"serve.mirror_settle_s: expected >= 0 seconds, found {self.mirror_settle_s!r}")
+        w = self.mirror_decode_workers
+        if isinstance(w, bool) or not isinstance(w, int) or w < 1:
+            raise ConfigError(f"serve.mirror_decode_workers: expected a whole number >= 1, found {w!r}")
 
     @staticmethod
     def split(value: str) -> tuple[str, int]:

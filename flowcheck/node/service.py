@@ -229,7 +229,7 @@ class Node:
                 yield frames
 
         decoder = StreamingDecoder(job, info, settle_s=self.config.serve.mirror_settle_s, clock=time.time_ns,
-                                   partition=partition)
+                                   partition=partition, workers=self.config.serve.mirror_decode_workers)
         return decoder.run(read())
 
     def stop(self) -> None:
