@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "crc32c.hpp"
+#include "joined.hpp"
 #define XXH_INLINE_ALL
 #include "third_party/xxhash/xxhash.h"
 
@@ -258,7 +259,7 @@ inline std::string read_range_parallel(int fd, unsigned char* out, size_t n, uin
     constexpr size_t MIN_PART = size_t(16) << 20;
     size_t parts = std::min<size_t>(std::max(threads, 1), n / MIN_PART);
     if (parts <= 1) return read_range(fd, out, n, begin, chunk, true, block);
-    std::vector<std::thread> pool;
+    Joined pool;
     std::vector<int> io(parts, 0);
     std::vector<std::string> bad(parts);
     size_t at = 0;
@@ -267,7 +268,7 @@ inline std::string read_range_parallel(int fd, unsigned char* out, size_t n, uin
         uint64_t share = begin + (i + 1) * (n / parts);
         size_t end = i + 1 == parts ? n : static_cast<size_t>(std::min<uint64_t>((share + chunk - 1) / chunk * chunk, begin + n) - begin);
         if (end <= at) continue;
-        pool.emplace_back([&, i, at, end] {
+        pool.start([&, i, at, end] {
             try {
                 read_range(fd, out + at, end - at, begin + at, chunk, false, block);
             } catch (const IoError& e) {
@@ -278,7 +279,7 @@ inline std::string read_range_parallel(int fd, unsigned char* out, size_t n, uin
         });
         at = end;
     }
-    for (auto& t : pool) t.join();
+    pool.join();
     for (size_t i = 0; i < parts; i++) {
         if (io[i]) throw IoError{io[i]};
         if (!bad[i].empty()) throw DataError{bad[i]};

@@ -136,13 +136,13 @@ void copy_into(py::buffer dst, const py::buffer& src, int threads, bool stream) 
         return;
     }
     size_t step = (s.size + n - 1) / n;
-    std::vector<std::thread> pool;
+    Joined pool;
     for (size_t i = 0; i < n; ++i) {
         size_t begin = i * step, end = std::min(s.size, begin + step);
         if (begin >= end) break;
-        pool.emplace_back([=] { copy(out + begin, s.data + begin, end - begin); });
+        pool.start([=] { copy(out + begin, s.data + begin, end - begin); });
     }
-    for (auto& t : pool) t.join();
+    pool.join();
 }
 
 // Flushes every dirty page and inode of the filesystem holding fd (Linux

@@ -19,6 +19,8 @@
 #include <unordered_map>
 #include <vector>
 
+#include "joined.hpp"
+
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
@@ -913,10 +915,10 @@ void assemble_streams(std::vector<std::vector<Req>>& reqs, const PacketRow* rows
             assemble_stream(int32_t(s), out.streams[s], reqs[s], rows, pmtu_of(s), parts[s], out.message_of.data());
         }
     };
-    std::vector<std::thread> threads;
-    for (size_t t = 1; t < k; ++t) threads.emplace_back(work, t);
+    Joined threads;
+    for (size_t t = 1; t < k; ++t) threads.start(work, t);
     work(0);
-    for (auto& th : threads) th.join();
+    threads.join();
     size_t nm = 0, nseg = 0, nmiss = 0, ngap = 0;
     for (const StreamTables& p : parts) nm += p.messages.size(), nseg += p.segments.size(), nmiss += p.missing.size(), ngap += p.gaps.size();
     out.messages.reserve(nm), out.segments.reserve(nseg), out.missing.reserve(nmiss), out.gaps.reserve(ngap);
