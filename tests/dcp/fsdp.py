@@ -60,6 +60,14 @@ def init(rank: int, world: int, port: int) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
 
 
+def finish() -> None:
+    """Every rank done with its collectives before any tears the group down: a rank whose peer already destroyed
+    the group (and exited, taking the store rank 0 hosts) while it still finished its own teardown was seen to
+    abort in gloo ("terminate called without an active exception", 1 run in ~20)."""
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def build(world: int, mesh_shape: tuple[int, ...] | None = None):
     """(model, optimizer, scheduler): FSDP2 over all ranks (or a 2-D FSDP x TP mesh), AdamW, a step scheduler."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -146,7 +154,7 @@ def train_and_save(rank: int, world: int, port: int, cfg: str, k: int, n: int, f
             dcp.save(state(model, opt, sched, step), checkpoint_id=fs_dir)
     if rank == 0:
         dump(out, losses)
-    dist.destroy_process_group()
+    finish()
 
 
 def resume(rank: int, world: int, port: int, cfg: str, step: int | str, n: int, out: str) -> None:
@@ -161,7 +169,7 @@ def resume(rank: int, world: int, port: int, cfg: str, step: int | str, n: int, 
     losses = {s: train_step(model, opt, sched, s, rank, world) for s in range(start + 1, n + 1)}
     if rank == 0:
         dump(out, {"start": start, "losses": losses})
-    dist.destroy_process_group()
+    finish()
 
 
 def resume_async_save(rank: int, world: int, port: int, cfg: str, step: int, later: int, out: str) -> None:
@@ -184,7 +192,7 @@ def resume_async_save(rank: int, world: int, port: int, cfg: str, step: int, lat
     if rank == 0:
         parent = writer.committed.parent
         dump(out, {"start": start, "parent": [parent.step, parent.manifest_digest], "consumed": reader.resumed is None})
-    dist.destroy_process_group()
+    finish()
 
 
 def push_train(rank: int, world: int, port: int, node_url: str, cfg: str, k: int, n: int, out: str) -> None:
@@ -235,7 +243,7 @@ def resume_push(rank: int, world: int, port: int, cfg: str, n: int, out: str) ->
     losses = {s: train_step(model, opt, sched, s, rank, world) for s in range(start + 1, n + 1)}
     if rank == 0:
         dump(out, {"start": start, "losses": losses})
-    dist.destroy_process_group()
+    finish()
 
 
 FROZEN = ("tok.", "pos", "blocks.0.")  # a LoRA-like fine-tune: the embeddings and the first block frozen
@@ -288,7 +296,7 @@ def push_frozen(rank: int, world: int, port: int, node_url: str, n: int, pause_a
     if rank == 0:
         torch.save({k: v.detach().clone() for k, v in whole.items()}, os.path.join(gates, "state.pt"))
     ck.close()
-    dist.destroy_process_group()
+    finish()
 
 
 def gated_writer(gate: str, die_rank: int | None = None):
@@ -345,7 +353,7 @@ def async_save(rank: int, world: int, port: int, cfg: str, k: int, n: int, fs_di
     if rank == 0:
         log["after"] = open_store(cfg).object.steps()
         dump(out, log)
-    dist.destroy_process_group()
+    dist.destroy_process_group()  # not finish(): a rank may have been killed, no barrier would complete
 
 
 def spawn(fn, world: int, *args) -> None:
