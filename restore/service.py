@@ -122,7 +122,8 @@ def _tensors(reader: StepReader, target: Target, params: list[Param], slots: lis
              prepare: Callable[[Param, str | None, torch.Tensor], Any] | None = None):
     """(param, slot, tensor) for every tensor the writer needs: slot None is the weight, ``fp32_param`` the
     fp32 master (stored, or the weight itself), others optimizer moments; with ``prepare``, (param, slot,
-    prepare(param, slot, tensor)), prepared on the reading threads (e.g. a writer's cut into rank pieces).
+    prepare(param, slot, tensor)), prepared on the reading threads (e.g. a writer's cut into rank pieces; from the
+    object tier, on this thread, overlapping its one reader).
 
     Read on a thread pool with a bounded window; from the object tier in manifest order by one reader, so
     the tier's read-ahead fetches many shards per request.
@@ -135,10 +136,11 @@ def _tensors(reader: StepReader, target: Target, params: list[Param], slots: lis
         if slots and reader.has(master):
             jobs.append((p, "fp32_param", master))
         jobs.extend((p, s, f"{OPT}{s}.{p.name}") for s in slots)
+    here = prepare  # prepared on the reading threads ...
     if reader.tier.name == "object":
         position = {n: i for i, n in enumerate(reader.manifest.tensors)}
         jobs.sort(key=lambda j: position[j[2]])
-        workers = 1
+        workers, here = 1, None  # ... except behind the one object reader: there, on this thread, beside its reads
 
     def load(job):
         param, slot, name = job
@@ -149,7 +151,10 @@ def _tensors(reader: StepReader, target: Target, params: list[Param], slots: lis
             out = [(param, None, stored if want is None else stored.to(want))]
             if slots and not reader.has(f"{OPT}fp32_param.{param.name}"):
                 out.append((param, "fp32_param", stored.float()))  # no stored master: the weight is the master
-        return out if prepare is None else [(p, s, prepare(p, s, t)) for p, s, t in out]
+        return out if here is None else [(p, s, here(p, s, t)) for p, s, t in out]
+
+    def ready(items):
+        return items if prepare is None or here is not None else [(p, s, prepare(p, s, t)) for p, s, t in items]
 
     bar = _bar(len(jobs), progress, f"restore step {reader.step}")
     with ThreadPoolExecutor(max_workers=workers) as pool:
@@ -157,10 +162,10 @@ def _tensors(reader: StepReader, target: Target, params: list[Param], slots: lis
         for job in jobs:
             window.append(pool.submit(load, job))
             if len(window) >= 2 * workers:
-                yield from window.popleft().result()
+                yield from ready(window.popleft().result())
                 bar.update()
         while window:
-            yield from window.popleft().result()
+            yield from ready(window.popleft().result())
             bar.update()
     bar.close()
 

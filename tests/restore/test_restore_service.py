@@ -105,10 +105,11 @@ def test_bf16_restore_casts_weights_and_keeps_fp32_moments(tmp_path, gqa_store):
     assert all(t.dtype == torch.float32 for g in masters for t in g)
 
 
-def test_restore_reads_the_object_tier_when_asked(tmp_path, gqa_store):
+@pytest.mark.parametrize("fmt", ["megatron-dist", "megatron"])  # legacy: cut on the consuming thread, not the reader
+def test_restore_reads_the_object_tier_when_asked(tmp_path, gqa_store, fmt):
     store, state, _ = gqa_store
     store.promote(10)
-    rep = restore(store, 10, Target(2, 1, 1, "megatron-dist"), str(tmp_path / "o"), prefer="object")
+    rep = restore(store, 10, Target(2, 1, 1, fmt), str(tmp_path / "o"), prefer="object")
     assert rep.tier == "object"
     back = make_store(tmp_path, "back")
     import_into(back, rep.out, 10)
