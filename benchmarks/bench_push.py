@@ -85,12 +85,13 @@ def gpt(layers: int, seq: int):
 class NodeProc:
     """`flowcheck serve` in a child process, its control API, and an RSS sampler (every 0.1 s, tagged by phase)."""
 
-    def __init__(self, work: str) -> None:
+    def __init__(self, work: str, keep_last: int | None = None) -> None:
         self.http, self.push = f"http://127.0.0.1:{c.free_port()}", f"tcp://127.0.0.1:{c.free_port()}"
         self.cfg = os.path.join(work, "node.yaml")
         raw = {"run": "bench", "tiers": {"local": {"root": os.path.join(work, "local")},
                                          "object": {"url": "file://" + os.path.join(work, "object")}},
-               "policy": {"local": {"every_steps": 1000000}, "object": {"every_seconds": None, "every_steps": None}},
+               "policy": {"local": {"every_steps": 1000000, **({"keep_last": keep_last} if keep_last else {})},
+                          "object": {"every_seconds": None, "every_steps": None}},
                "serve": {"push": self.push[6:], "http": self.http[7:], "part_timeout_s": 60}}
         with open(self.cfg, "w") as f:
             yaml.safe_dump(raw, f)

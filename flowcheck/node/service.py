@@ -289,7 +289,8 @@ class Node:
         ps, rs = self.policy.stats, self.receiver.stats
         return {
             "run": self.config.run, "node": self.config.node, "pid": os.getpid(), "uptime_s": time.time() - self.started,
-            "memory": {"step": mem.step, "stale": mem.stale, "parent": None if mem.head is None else mem.head.step},
+            "memory": {"step": mem.step, "stale": mem.stale, "parent": None if mem.head is None else mem.head.step,
+                       "cow_copies": mem.cow_copies, "cow_waits": mem.cow_waits},
             "tiers": {name: (steps[-1] if steps else None) for name, steps in self.steps().items()},
             "lineage": self.branches(),
             "push": {"frames": rs.frames, "bytes": rs.bytes, "steps": rs.steps, "rejected": rs.rejected,

@@ -124,6 +124,7 @@ def test_a_dead_node_never_blocks_training_and_a_restarted_node_recovers(tmp_pat
     node.start()  # same config: recovers its view from the local tier
     status = node.get("/status")
     assert status["tiers"]["local"] == 1 and status["memory"]["parent"] == 1
+    assert status["memory"]["cow_copies"] == 0 and status["memory"]["cow_waits"] == 0  # nothing pinned it yet
     ck.save(6)  # reconnects
     assert ck.flush(20), ck.stats.last_error
     node.wait_step(6)
