@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
 
@@ -17,7 +18,7 @@ from flowcheck.capture.mirror.assemble import Allreduce, Assembler, RingStream
 from flowcheck.capture.mirror.job import Job
 from flowcheck.capture.mirror.partition import Partition
 from flowcheck.capture.mirror.pcap import Frames, read_capture
-from flowcheck.capture.mirror.streams import Msg, StreamInfo, first_flags, ring_streams, segment_flags
+from flowcheck.capture.mirror.streams import MessageTable, Msg, StreamInfo, first_flags, ring_streams, segment_flags
 from flowcheck.errors import CaptureError, JobError
 
 
@@ -148,6 +149,8 @@ def _stream_infos(frames: Frames, packets, buf: np.ndarray, anomalies: list[dict
     # (_msg may also close a message with missing bytes at its end: such messages count as closing here)
     gappy = np.zeros(len(m), bool)
     gappy[r.missing["message"]] = True
+    # one whole send per message (streams.MessageTable.whole_sends): its immediate known, nothing of it missing
+    cols["whole"] = (has_imm & ~merged & ~gappy).tolist()
     closing = (closes | gappy) & ((n_segs > 0) | (length == 0))
     writes = np.flatnonzero(m["kind"] == roce.KIND_WRITE)
     writes = writes[np.lexsort((m["first_psn"][writes], m["stream"][writes]))]  # by stream, then PSN
@@ -163,7 +166,8 @@ def _stream_infos(frames: Frames, packets, buf: np.ndarray, anomalies: list[dict
         name = r.stream_name(sid)
         mids = by_stream.get(sid, [])
         if closing[mids].any():
-            msgs, count = [_msg(cols, mid, r.segments, seg_flags, missing.get(mid)) for mid in mids], None
+            msgs, count = MessageTable(mids, cols, r.segments, partial(_msg, cols, segments=r.segments, seg_flags=seg_flags,
+                                                                        missing=missing)), None
         else:  # no write closes a send (flow-control posts): it cannot be a ring connection, its messages are not needed
             msgs, count = [], len(mids)
         out.append(StreamInfo(name=name, src_mac=_mac(s["src_mac"]), dst_mac=_mac(s["dst_mac"]), src_ip=_ip(s["src_ip"]),
@@ -173,9 +177,11 @@ def _stream_infos(frames: Frames, packets, buf: np.ndarray, anomalies: list[dict
 
 
 def _msg(cols: dict[str, list], mid: int, segments: np.ndarray, seg_flags: np.ndarray,
-         missing: list[tuple[int, int]] | None) -> Msg:
-    """Message ``mid`` of the reassembler's table (``cols``: its columns as lists, computed for all at once)."""
+         missing: dict[int, list[tuple[int, int]]]) -> Msg:
+    """Message ``mid`` of the reassembler's table (``cols``: its columns as lists, computed for all at once;
+    ``missing``: the byte ranges each message lacks)."""
     a, b = cols["seg_start"][mid], cols["seg_end"][mid]
+    missing = missing.get(mid)
     length, closes = cols["length"][mid], cols["closes"][mid]
     if missing:
         closes = closes or any(e < 0 or (length is not None and e >= length) for _, e in missing)

@@ -13,8 +13,9 @@ management datagrams and Simple-protocol p2p streams are counted, never decoded 
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from itertools import islice
 
 import numpy as np
 
@@ -41,6 +42,34 @@ class Msg:
     placeable: bool = True  # False: where its bytes go inside the send is unknown (see split_by_flag)
     flag: int | None = None  # the LL flag of its first captured line (None: no whole line); see first_flags
     uniform: bool = False  # True: no two consecutive segments carry different LL flags (split_by_flag: nothing to cut)
+
+
+class MessageTable(Sequence):
+    """A stream's write messages as the reassembler's columns (lists indexed by message id); ``Msg`` objects are built
+    only for the messages asked for.  Most ring connections consist of *whole sends* only — every message carries its
+    immediate, nothing of it is missing, and (LL) its lines carry one flag — and those become ``WireSend``s straight from
+    the columns (``_table_ring_stream``), which is what group_sends + _ring_stream would make of their Msg objects."""
+
+    __slots__ = ("mids", "cols", "segments", "build")
+
+    def __init__(self, mids: list[int], cols: dict[str, list], segments: np.ndarray, build: Callable[[int], Msg]) -> None:
+        self.mids, self.cols, self.segments, self.build = mids, cols, segments, build  # cols["seg_start"/"seg_end"]: rows of segments
+
+    def __len__(self) -> int:
+        return len(self.mids)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self.build(mid) for mid in self.mids[i]]
+        return self.build(self.mids[i])
+
+    def __iter__(self) -> Iterator[Msg]:
+        return map(self.build, self.mids)
+
+    def whole_sends(self, ll: bool) -> bool:
+        """Every message is one whole send (see the class docstring): group_sends would make one Send of each."""
+        whole, uniform = self.cols["whole"], self.cols["uniform"]
+        return all(whole[m] for m in self.mids) and (not ll or all(uniform[m] for m in self.mids))
 
 
 def first_flags(flags: np.ndarray, starts: np.ndarray, counts: np.ndarray) -> list[int | None]:
@@ -225,7 +254,8 @@ def ring_streams(job: Job, streams: Sequence[StreamInfo], buf: np.ndarray, anoma
         roles.append({"stream": s.name, "role": role,
                       "messages": len(s.messages) if s.message_count is None else s.message_count})
         if role == "ring":
-            links.setdefault((src, dst), []).append((s, group_sends(s.messages, buf, ll)))
+            whole = isinstance(s.messages, MessageTable) and s.messages.whole_sends(ll)
+            links.setdefault((src, dst), []).append((s, s.messages if whole else group_sends(s.messages, buf, ll)))
     if not links:
         return [], job.channels or 0, roles
     counts = {k: len(v) for k, v in links.items()}
@@ -237,8 +267,12 @@ def ring_streams(job: Job, streams: Sequence[StreamInfo], buf: np.ndarray, anoma
             anomalies.append({"type": "channel_count", "link": f"{src}->{(src + 1) % job.nranks}",
                               "data_connections": len(items), "channels": channels})
         for ch, (s, sends) in enumerate(items[:channels]):
-            if resume and s.name in resume:
-                sends = [x for x in sends if not _precedes(x.parts[0].first_psn, resume[s.name])]
+            mark = resume.get(s.name) if resume else None
+            if isinstance(sends, MessageTable):  # whole sends only: straight from the columns
+                out.append(_table_ring_stream(s, src, ch, sends, buf, ll, anomalies, mark))
+                continue
+            if mark is not None:
+                sends = [x for x in sends if not _precedes(x.parts[0].first_psn, mark)]
             out.append(_ring_stream(s, src, ch, sends, buf, ll, anomalies))
     return out, channels, roles
 
@@ -251,15 +285,16 @@ def _precedes(psn: int, mark: int) -> bool:
 def _role(job: Job, s: StreamInfo, src: int | None, dst: int | None, buf: np.ndarray, ll: bool) -> str:
     if src is None or dst is None:
         return "foreign"
-    writes = [m for m in s.messages if len(m.segments) or m.length == 0]
-    if not writes or not any(m.closes for m in writes):
+    writes = (m for m in s.messages if len(m.segments) or m.length == 0)
+    head = list(islice(writes, 8))  # the first writes decide; the others are built only while none closes a send
+    if not head or not (any(m.closes for m in head) or any(m.closes for m in writes)):
         return "control"  # flow-control posts (no immediate), ACK-only
     if dst != (src + 1) % job.nranks:
         return "p2p"
     if ll:
-        flags = [m.flag for m in writes[:8] if m.flag is not None]
-        sized = [m for m in writes[:8] if m.length and m.length % 16 == 0]
-        if not flags or not sized or any(_line_flags_vary(m, buf) for m in writes[:4]):
+        flags = [m.flag for m in head if m.flag is not None]
+        sized = [m for m in head if m.length and m.length % 16 == 0]
+        if not flags or not sized or any(_line_flags_vary(m, buf) for m in head[:4]):
             return "p2p"  # Simple-protocol p2p: raw data, no LL flags
     return "ring"
 
@@ -269,6 +304,55 @@ def _line_flags_vary(m: Msg, buf: np.ndarray) -> bool:
         _, flags = ll_lines(buf, int(m.segments["offset"][0]), min(int(m.segments["length"][0]), 256))
         return bool((flags != flags[0]).any())
     return False
+
+
+class TablePlacer(SendPlacer):
+    """``SendPlacer`` of a send that is one whole message of a ``MessageTable`` (its segments are rows a:b)."""
+
+    __slots__ = ("segments", "a", "b")
+
+    def __init__(self, segments: np.ndarray, a: int, b: int, buf: np.ndarray, ll: bool, flag: int | None,
+                 anomalies: list[dict], where: dict):
+        self.segments, self.a, self.b = segments, a, b
+        self.send, self.buf, self.ll, self.flag, self.anomalies, self.where = None, buf, ll, flag, anomalies, where
+
+    def job(self, data: np.ndarray, copies: np.ndarray) -> roce.MergeJob:
+        parts = [(self.segments[self.a:self.b], 0)] if self.b > self.a else []
+        return roce.merge_job(self.buf, parts, self.flag, self.ll, data, copies)
+
+
+def _table_ring_stream(s: StreamInfo, position: int, channel: int, t: MessageTable, buf: np.ndarray, ll: bool,
+                       anomalies: list[dict], mark: int | None) -> RingStream:
+    """``_ring_stream`` of a connection whose messages are whole sends (``MessageTable.whole_sends``): one send per
+    message, its size the immediate, its step the LL flag (or counted on), from the table's columns."""
+    c = t.cols
+    first_psn, last_psn, imm, t0, flag = c["first_psn"], c["last_psn"], c["imm"], c["t0"], c["flag"]
+    mids = t.mids if mark is None else [m for m in t.mids if not _precedes(first_psn[m], mark)]
+    flags = [flag[m] for m in mids] if ll else [None] * len(mids)
+    head = next((i for i, f in enumerate(flags) if f is not None), None)
+    counter = flags[head] - head - 1 if head is not None else 0
+    segments, seg_start, seg_end, frame, last_frame = t.segments, c["seg_start"], c["seg_end"], c["first_frame"], c["last_frame"]
+    by_step: dict[int, WireSend] = {}
+    name = s.name
+    for m, f in zip(mids, flags):
+        step = f if f is not None else counter + 1
+        counter = step
+        where = {"stream": name, "psn": [first_psn[m], last_psn[m]], "flag": step, "t0": t0[m]}
+        if step in by_step:
+            anomalies.append({**where, "type": "step_seen_twice"})
+            continue
+        placer = TablePlacer(segments, seg_start[m], seg_end[m], buf, ll, f, anomalies, where)
+        by_step[step] = WireSend(step, imm[m], placer, where, psn=first_psn[m] & 0xFFFFFF, frame=frame[m],
+                                 last_frame=last_frame[m])
+    return _ring(s, position, channel, by_step, anomalies)
+
+
+def _ring(s: StreamInfo, position: int, channel: int, by_step: dict[int, WireSend], anomalies: list[dict]) -> RingStream:
+    first = min(by_step) if by_step else 1
+    last = max(by_step) if by_step else 0
+    for gap in sorted(set(range(first, last + 1)) - set(by_step)):
+        anomalies.append({"type": "send_lost", "stream": s.name, "step": gap})
+    return RingStream(s.name, position, channel, by_step, first, last, s.ended)
 
 
 def _ring_stream(s: StreamInfo, position: int, channel: int, sends: list[Send], buf: np.ndarray, ll: bool,
@@ -296,8 +380,4 @@ def _ring_stream(s: StreamInfo, position: int, channel: int, sends: list[Send], 
             continue
         by_step[step] = WireSend(step, send.size, SendPlacer(send, buf, ll, flag, anomalies, where), where,
                                  psn=parts[0].first_psn & 0xFFFFFF, frame=frame, last_frame=last_frame)
-    first = min(by_step) if by_step else 1
-    last = max(by_step) if by_step else 0
-    for gap in sorted(set(range(first, last + 1)) - set(by_step)):
-        anomalies.append({"type": "send_lost", "stream": s.name, "step": gap})
-    return RingStream(s.name, position, channel, by_step, first, last, s.ended)
+    return _ring(s, position, channel, by_step, anomalies)
