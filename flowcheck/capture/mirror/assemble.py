@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from flowcheck.capture.mirror import roce
+from flowcheck.capture.mirror.gc_pause import gc_paused
 from flowcheck.capture.mirror.job import Job
 from flowcheck.capture.mirror.partition import Partition
 from flowcheck.capture.mirror.ring import RingParams, Send, ring_sends
@@ -175,28 +176,37 @@ class Assembler:
     def assemble(self, streams: list[RingStream], start: int = 1) -> Iterator[Allreduce]:
         """Allreduces in capture order from allreduce ``start`` (1-based: a streaming decode goes on where its last
         window stopped); each is yielded once every stream has moved past it or ended."""
-        cursors = self.cursors = {s.name: s.first_step for s in streams}
+        self.cursors = {s.name: s.first_step for s in streams}
         live = list(streams)
         for index, (iteration, bucket, elements) in enumerate(Schedule(self.job).start_at(start), start=start):
-            ar = Allreduce(index, iteration, bucket, elements, self.job.dtype,
-                           np.zeros(elements, self.dtype), np.zeros(elements, np.uint8))
-            if self.partition is not None:
-                ar.owned = self.partition.ranges(self.job, self.job.plan(iteration)[bucket])
-            ats = {s.name: at for s in live if (at := self._find(s, cursors[s.name], elements)) is not None}
-            if not ats:
+            with gc_paused():  # not across the yield: the consumer's own objects are not ours to hold back
+                ar = self._next(live, index, iteration, bucket, elements)
+            if ar is None:
                 return
-            self._causal(live, ats, elements)
-            if not ats or self._resent(live, ats, elements):
-                return
-            taken: list = []
-            for s in live:
-                if s.name in ats:
-                    pattern = self.matcher.pattern(elements, s.position, s.channel)
-                    self._take(ar, s, ats[s.name], pattern, taken)
-                    cursors[s.name] = ats[s.name] + len(pattern)
-            self._merge(ar, taken)
-            self.last = ar
             yield ar
+
+    def _next(self, live: list[RingStream], index: int, iteration: int, bucket: int, elements: int) -> Allreduce | None:
+        """Allreduce ``index`` matched on the streams and merged; None: no stream holds it (or only re-sends)."""
+        cursors = self.cursors
+        ar = Allreduce(index, iteration, bucket, elements, self.job.dtype,
+                       np.zeros(elements, self.dtype), np.zeros(elements, np.uint8))
+        if self.partition is not None:
+            ar.owned = self.partition.ranges(self.job, self.job.plan(iteration)[bucket])
+        ats = {s.name: at for s in live if (at := self._find(s, cursors[s.name], elements)) is not None}
+        if not ats:
+            return None
+        self._causal(live, ats, elements)
+        if not ats or self._resent(live, ats, elements):
+            return None
+        taken: list = []
+        for s in live:
+            if s.name in ats:
+                pattern = self.matcher.pattern(elements, s.position, s.channel)
+                self._take(ar, s, ats[s.name], pattern, taken)
+                cursors[s.name] = ats[s.name] + len(pattern)
+        self._merge(ar, taken)
+        self.last = ar
+        return ar
 
     def _resent(self, live: list[RingStream], ats: dict[str, int], elements: int) -> bool:
         """Whether the candidate is trailing sends that repeat final data of the last allreduce (an NCCL that

@@ -15,6 +15,7 @@ import numpy as np
 
 from flowcheck.capture.mirror import roce
 from flowcheck.capture.mirror.assemble import Allreduce, Assembler, RingStream
+from flowcheck.capture.mirror.gc_pause import gc_paused
 from flowcheck.capture.mirror.job import Job
 from flowcheck.capture.mirror.partition import Partition
 from flowcheck.capture.mirror.pcap import Frames, read_capture
@@ -61,7 +62,8 @@ def decode(job: Job, frames: Frames, info: Decoded | None = None, *, workers: in
     for the native first pass and for the merge of final sends (the output does not depend on it); ``partition``: place only that part's
     parameters (flowcheck.capture.mirror.partition; the others' elements stay missing and do not count)."""
     info = info if info is not None else Decoded()
-    window = decode_window(job, frames, info, workers=workers, partition=partition)
+    with gc_paused():
+        window = decode_window(job, frames, info, workers=workers, partition=partition)
     if window.assembler is None:
         return
     for ar in window.assembler.assemble(window.rings):

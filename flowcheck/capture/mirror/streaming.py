@@ -26,6 +26,7 @@ import numpy as np
 from flowcheck.capture.mirror import roce
 from flowcheck.capture.mirror.assemble import Allreduce
 from flowcheck.capture.mirror.decode import Decoded, Window, concat_frames, decode_window, packet_anomalies
+from flowcheck.capture.mirror.gc_pause import gc_paused
 from flowcheck.capture.mirror.job import Job
 from flowcheck.capture.mirror.partition import Partition
 from flowcheck.capture.mirror.pcap import Frames
@@ -114,7 +115,8 @@ class StreamingDecoder:
             self._window = None
             return []
         local = Decoded()
-        w = decode_window(self.job, window, local, self.resume, workers=self.workers, partition=self.partition)
+        with gc_paused():
+            w = decode_window(self.job, window, local, self.resume, workers=self.workers, partition=self.partition)
         out, cursors = self._settled(w, window, local, final)
         cut = len(window) if final else self._advance(w, window, cursors)
         self._account(window, w, local, cut, cursors, final)
