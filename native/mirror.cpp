@@ -403,6 +403,9 @@ const OpTable ops;
 struct PacketRow {
     int64_t payload_off;  // absolute offset of the payload in the capture buffer
     uint64_t va;
+    // the u32 at payload bytes 4..8 (an NCCL LL line's flag word), -1 unless OK with a payload of >= 16 bytes: read
+    // here, while the frame is in cache, so the decoder's segment flags need no second pass over the capture
+    int64_t ll_flag;
     uint8_t src_ip[16], dst_ip[16];  // IPv4 as ::ffff:a.b.c.d
     uint8_t src_mac[6], dst_mac[6];
     uint32_t dqpn, psn, rkey, dma_len, imm, aeth, qkey, src_qpn;
@@ -575,6 +578,7 @@ py::array_t<int64_t> parse(const py::buffer& buf, const py::buffer& offsets, con
             r[i].status = parse_frame(b.data + o[i], size_t(l[i]), r[i], check_icrc);
             if (r[i].status == OK) r[i].payload_off += o[i];
             else r[i].payload_off = -1, r[i].payload_len = 0;
+            r[i].ll_flag = r[i].payload_len >= 16 ? int64_t(le32(b.data + r[i].payload_off + 4)) : -1;
             ++cnt[r[i].status];
             if (r[i].bth_offset) ++cnt[4 + r[i].opcode];
         }
@@ -1400,7 +1404,8 @@ py::dict layouts() {
     py::dict d;
     d["packet"] = layout(
         py::list(py::make_tuple(
-            FIELD(PacketRow, payload_off, "<i8"), FIELD(PacketRow, va, "<u8"), FIELD(PacketRow, src_ip, "(16,)u1"),
+            FIELD(PacketRow, payload_off, "<i8"), FIELD(PacketRow, va, "<u8"), FIELD(PacketRow, ll_flag, "<i8"),
+            FIELD(PacketRow, src_ip, "(16,)u1"),
             FIELD(PacketRow, dst_ip, "(16,)u1"), FIELD(PacketRow, src_mac, "(6,)u1"), FIELD(PacketRow, dst_mac, "(6,)u1"),
             FIELD(PacketRow, dqpn, "<u4"), FIELD(PacketRow, psn, "<u4"), FIELD(PacketRow, rkey, "<u4"),
             FIELD(PacketRow, dma_len, "<u4"), FIELD(PacketRow, imm, "<u4"), FIELD(PacketRow, aeth, "<u4"),

@@ -73,6 +73,17 @@ def test_packet_counts_opcodes_icrc_and_ip_versions_equal_the_ground_truth(name)
     assert set(packets["bth_offset"][roce_rows]) == set(want["bth_offset"])
 
 
+@pytest.mark.parametrize("name", CAPTURES)
+def test_the_parse_reads_every_segments_ll_flag_as_a_second_pass_over_the_capture_would(name):
+    frames, _ = load(name)
+    packets, r = decode(frames)
+    flags = roce.packet_segment_flags(packets, r.segments)
+    assert len(flags) == len(r.segments) and (flags >= 0).any()
+    assert np.array_equal(flags, roce.segment_flags(np.frombuffer(frames.buf, np.uint8), r.segments))
+    with pytest.raises(ValueError, match="Reassembly.segments"):
+        roce.packet_segment_flags(packets, packets.table)
+
+
 def test_rdma32_forged_packets_are_bad_icrc_and_reach_no_stream():
     frames, truth = load("rdma32")
     packets, r = decode(frames)
@@ -586,6 +597,9 @@ def test_fuzzed_frames_never_crash_parse_or_reassembly(picks, edits, cut, noise)
     assert (ends <= frames.offsets[ok] + frames.lengths[ok]).all()
     r = roce.reassemble(frames, packets)
     assert len(r.stream_of) == len(frames)
+    assert (t["ll_flag"][~ok] == -1).all()
+    assert np.array_equal(roce.packet_segment_flags(packets, r.segments),
+                          roce.segment_flags(np.frombuffer(frames.buf, np.uint8), r.segments))
     for m in range(len(r.messages)):
         seg = r.segments_of(m)
         if len(seg) and (seg["msg_offset"] >= 0).all():

@@ -19,7 +19,7 @@ from flowcheck.capture.mirror.gc_pause import gc_paused
 from flowcheck.capture.mirror.job import Job
 from flowcheck.capture.mirror.partition import Partition
 from flowcheck.capture.mirror.pcap import Frames, read_capture
-from flowcheck.capture.mirror.streams import MessageTable, Msg, StreamInfo, first_flags, ring_streams, segment_flags
+from flowcheck.capture.mirror.streams import MessageTable, Msg, StreamInfo, first_flags, ring_streams
 from flowcheck.errors import CaptureError, JobError
 
 
@@ -119,7 +119,7 @@ def _stream_infos(frames: Frames, packets, buf: np.ndarray, anomalies: list[dict
     """The reassembler's tables (streams on ``workers`` threads) as StreamInfo/Msg objects; its PSN gaps and
     duplicates become anomalies."""
     r = roce.reassemble(frames, packets, workers=workers)
-    seg_flags = segment_flags(buf, r.segments)
+    seg_flags = roce.packet_segment_flags(packets, r.segments)  # read by the parse (segment_flags reads them again)
     m = r.messages
     seg_start, n_segs = m["seg_start"].astype(np.int64), m["n_segs"].astype(np.int64)
     dma_len, has_imm, imm, pmtu = m["dma_len"], m["has_imm"].astype(bool), m["imm"].astype(np.int64), m["pmtu"].astype(np.int64)

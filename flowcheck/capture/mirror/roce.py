@@ -16,7 +16,8 @@ absorbed; ``psn & 0xFFFFFF`` is the wire value.
   src_ip/dst_ip (16 u1, IPv4 as ::ffff:a.b.c.d), sport, hop_limit, traffic_class, bth_offset
   (0: no BTH), opcode, se, migreq, pad, pkey, dqpn, ackreq, psn, has_reth/va/rkey/dma_len,
   has_aeth/aeth, has_deth/qkey/src_qpn, has_imm/imm (the ImmDt bytes as a little-endian u32),
-  payload_off (absolute offset in ``frames.buf``, -1 unless OK), payload_len (pad and ICRC stripped).
+  payload_off (absolute offset in ``frames.buf``, -1 unless OK), payload_len (pad and ICRC stripped),
+  ll_flag (the u32 at payload bytes 4..8 — an LL line's flag — read in the same pass; -1 unless OK and >= 16 bytes).
 - ``STREAM``: src/dst ip and mac, dqpn, sport, vlan, ip_version (of its first packet),
   first_frame, last_frame, n_packets, n_writes, n_sends, n_acks, n_reads, n_ud, n_other (CNP),
   n_requests (placed SEND/WRITE packets), n_duplicates, n_messages, pmtu, psn_first, psn_last.
@@ -264,6 +265,14 @@ def merge_sends(jobs: list[MergeJob]) -> list[Merged]:
     calls over disjoint destinations may run on different threads at once (Assembler does, by send range).
     """
     return [Merged(*r) for r in _mirror.merge_sends(jobs)]
+
+
+def packet_segment_flags(packets: Packets, segments: np.ndarray) -> np.ndarray:
+    """``segment_flags`` from the parse's ``ll_flag`` column (every segment is one packet's whole payload): no second
+    read of the capture."""
+    if segments.dtype != SEGMENT:
+        raise ValueError(f"expected rows of Reassembly.segments, got dtype {segments.dtype}")
+    return packets.table["ll_flag"][segments["frame"]]
 
 
 def segment_flags(buf: np.ndarray, segments: np.ndarray) -> np.ndarray:
