@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from flowcheck.capture.mirror import roce
-from flowcheck.capture.mirror.assemble import Assembler, RingStream, WireSend, _runs, overlap_groups
+from flowcheck.capture.mirror.assemble import Assembler, RingStream, WireSend, _runs, component_order, overlap_groups
 from flowcheck.capture.mirror.job import job_from_dict
 from flowcheck.capture.mirror.ring import ring_sends
 
@@ -168,3 +168,12 @@ def test_overlap_groups_keep_overlapping_ranges_together_in_order():
         assert where[0] == where[1] and where[2] == where[3]
     assert len(overlap_groups(ranges, 8)) == 4  # {0,1}, {2,3}, {4}, {5}: [15, 20) touches but does not overlap
     assert overlap_groups([], 4) == []
+
+
+def test_component_order_puts_the_copies_of_a_chunk_together_keeping_their_order():
+    # stream-major order, as Assembler._take lists final sends: three streams' copies of chunks [0,8), [8,16), [16,24)
+    ranges = [(0, 8), (8, 16), (16, 24), (8, 16), (16, 24), (0, 8), (16, 24), (0, 8), (8, 16)]
+    assert component_order(list(range(9)), ranges) == [0, 5, 7, 1, 3, 8, 2, 4, 6]
+    # overlapping but unequal ranges form one component, kept in index order; a subset of indices stays a subset
+    assert component_order([4, 1, 0, 3], [(0, 10), (5, 15), (30, 40), (12, 20), (0, 2)]) == [0, 1, 3, 4]
+    assert component_order([], []) == []
