@@ -622,6 +622,10 @@ enum MessageFlag : uint16_t {
 
 struct MessageRow {
     int64_t first_psn, last_psn, va, dma_len, bytes_seen, first_frame, last_frame, seg_start;
+    // LL, from the parse's ll_flag of its segments (in PSN order): the first flag >= 0 (-1: none), and whether no two
+    // consecutive segments with flags carry different ones (what decode's split_by_flag would cut at)
+    int64_t ll_flag;
+    uint8_t ll_uniform;
     int32_t stream, n_packets, n_expected, n_segs, pmtu;
     uint32_t rkey, imm;
     uint16_t flags;
@@ -776,6 +780,7 @@ class Assembler {
         m_ = MessageRow{};
         m_.stream = sid_, m_.kind = op.kind, m_.first_opcode = r.opcode, m_.pmtu = pmtu_;
         m_.va = -1, m_.dma_len = -1, m_.first_frame = q.frame, m_.seg_start = int64_t(out_.segments.size());
+        m_.ll_flag = -1, m_.ll_uniform = 1, prev_flag_ = -1;
         seen_.clear();
         open_ = true, end_known_ = false;
         if (op.role == FIRST || op.role == ONLY) {
@@ -800,6 +805,9 @@ class Assembler {
         if (r.payload_len > 0) {
             out_.segments.push_back({r.payload_off, msg_off, q.frame, q.psn, int32_t(id), r.payload_len});
             ++m_.n_segs;
+            if (r.ll_flag >= 0 && m_.ll_flag < 0) m_.ll_flag = r.ll_flag;
+            if (r.ll_flag >= 0 && prev_flag_ >= 0 && r.ll_flag != prev_flag_) m_.ll_uniform = 0;
+            prev_flag_ = r.ll_flag;
         }
         if (op.imm) m_.has_imm = 1, m_.imm = r.imm;
         seen_.push_back(pos);
@@ -861,6 +869,7 @@ class Assembler {
     std::vector<int64_t> seen_;  // packet positions in the open message, increasing
     bool open_ = false, end_known_ = false, prev_known_ = false;
     int64_t end_psn_ = 0, prev_end_ = 0, last_seen_psn_ = 0, last_seen_end_ = 0;
+    int64_t prev_flag_ = -1;  // ll_flag of the open message's last segment
 };
 
 void assemble_stream(int32_t sid, StreamRow& s, std::vector<Req>& q, const PacketRow* rows, int32_t pmtu, StreamTables& out,
@@ -1432,7 +1441,8 @@ py::dict layouts() {
         py::list(py::make_tuple(
             FIELD(MessageRow, first_psn, "<i8"), FIELD(MessageRow, last_psn, "<i8"), FIELD(MessageRow, va, "<i8"),
             FIELD(MessageRow, dma_len, "<i8"), FIELD(MessageRow, bytes_seen, "<i8"), FIELD(MessageRow, first_frame, "<i8"),
-            FIELD(MessageRow, last_frame, "<i8"), FIELD(MessageRow, seg_start, "<i8"), FIELD(MessageRow, stream, "<i4"),
+            FIELD(MessageRow, last_frame, "<i8"), FIELD(MessageRow, seg_start, "<i8"), FIELD(MessageRow, ll_flag, "<i8"),
+            FIELD(MessageRow, ll_uniform, "?"), FIELD(MessageRow, stream, "<i4"),
             FIELD(MessageRow, n_packets, "<i4"), FIELD(MessageRow, n_expected, "<i4"), FIELD(MessageRow, n_segs, "<i4"),
             FIELD(MessageRow, pmtu, "<i4"), FIELD(MessageRow, rkey, "<u4"), FIELD(MessageRow, imm, "<u4"),
             FIELD(MessageRow, flags, "<u2"), FIELD(MessageRow, kind, "u1"), FIELD(MessageRow, first_opcode, "u1"),

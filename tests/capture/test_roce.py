@@ -82,6 +82,17 @@ def test_the_parse_reads_every_segments_ll_flag_as_a_second_pass_over_the_captur
     assert np.array_equal(flags, roce.segment_flags(np.frombuffer(frames.buf, np.uint8), r.segments))
     with pytest.raises(ValueError, match="Reassembly.segments"):
         roce.packet_segment_flags(packets, packets.table)
+    _assert_message_ll_summary(r, flags)
+
+
+def _assert_message_ll_summary(r: roce.Reassembly, seg_flags: np.ndarray) -> None:
+    """The reassembler's per-message ll_flag / ll_uniform equal what its segments' flags say."""
+    for mid, msg in enumerate(r.messages):
+        f = seg_flags[msg["seg_start"]:msg["seg_start"] + msg["n_segs"]]
+        flagged = f[f >= 0]
+        assert msg["ll_flag"] == (flagged[0] if len(flagged) else -1), mid
+        changes = (f[:-1] >= 0) & (f[1:] >= 0) & (f[:-1] != f[1:])
+        assert bool(msg["ll_uniform"]) == (not changes.any()), mid
 
 
 def test_rdma32_forged_packets_are_bad_icrc_and_reach_no_stream():
@@ -598,8 +609,9 @@ def test_fuzzed_frames_never_crash_parse_or_reassembly(picks, edits, cut, noise)
     r = roce.reassemble(frames, packets)
     assert len(r.stream_of) == len(frames)
     assert (t["ll_flag"][~ok] == -1).all()
-    assert np.array_equal(roce.packet_segment_flags(packets, r.segments),
-                          roce.segment_flags(np.frombuffer(frames.buf, np.uint8), r.segments))
+    seg_flags = roce.segment_flags(np.frombuffer(frames.buf, np.uint8), r.segments)
+    assert np.array_equal(roce.packet_segment_flags(packets, r.segments), seg_flags)
+    _assert_message_ll_summary(r, seg_flags)
     for m in range(len(r.messages)):
         seg = r.segments_of(m)
         if len(seg) and (seg["msg_offset"] >= 0).all():

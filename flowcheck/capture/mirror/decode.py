@@ -19,7 +19,7 @@ from flowcheck.capture.mirror.gc_pause import gc_paused
 from flowcheck.capture.mirror.job import Job
 from flowcheck.capture.mirror.partition import Partition
 from flowcheck.capture.mirror.pcap import Frames, read_capture
-from flowcheck.capture.mirror.streams import MessageTable, Msg, StreamInfo, first_flags, ring_streams
+from flowcheck.capture.mirror.streams import MessageTable, Msg, StreamInfo, ring_streams
 from flowcheck.errors import CaptureError, JobError
 
 
@@ -119,7 +119,6 @@ def _stream_infos(frames: Frames, packets, buf: np.ndarray, anomalies: list[dict
     """The reassembler's tables (streams on ``workers`` threads) as StreamInfo/Msg objects; its PSN gaps and
     duplicates become anomalies."""
     r = roce.reassemble(frames, packets, workers=workers)
-    seg_flags = roce.packet_segment_flags(packets, r.segments)  # read by the parse (segment_flags reads them again)
     m = r.messages
     seg_start, n_segs = m["seg_start"].astype(np.int64), m["n_segs"].astype(np.int64)
     dma_len, has_imm, imm, pmtu = m["dma_len"], m["has_imm"].astype(bool), m["imm"].astype(np.int64), m["pmtu"].astype(np.int64)
@@ -131,11 +130,9 @@ def _stream_infos(frames: Frames, packets, buf: np.ndarray, anomalies: list[dict
     # a message whose last packet was lost, or whose end was inferred (or cut), may have carried the
     # immediate: close the send rather than merge on
     closes = has_imm | ((m["flags"] & _OPEN_END) != 0) | merged
-    # LL flag changes between consecutive segments of one message: only such messages need split_by_flag
-    f = seg_flags
-    change = np.concatenate(([0], np.cumsum((f[:-1] >= 0) & (f[1:] >= 0) & (f[:-1] != f[1:])))) if len(f) else np.zeros(1, np.int64)
-    last_seg = np.clip(seg_start + np.maximum(n_segs, 1) - 1, 0, len(change) - 1)
-    uniform = (n_segs < 2) | (change[last_seg] == change[np.clip(seg_start, 0, len(change) - 1)])
+    # per message, from the LL flags the parse read (the reassembler summarised them): its first flag, and whether
+    # its segments' flags change (only such messages need split_by_flag)
+    uniform = m["ll_uniform"]
     cols = {
         "first_psn": m["first_psn"].tolist(), "last_psn": m["last_psn"].tolist(),
         "va": [v if v >= 0 else None for v in m["va"].tolist()],
@@ -145,7 +142,7 @@ def _stream_infos(frames: Frames, packets, buf: np.ndarray, anomalies: list[dict
         "closes": closes.tolist(), "placeable": (~merged).tolist(), "uniform": uniform.tolist(),
         "first_frame": m["first_frame"].tolist(), "last_frame": m["last_frame"].tolist(),
         "t0": frames.ts_ns[m["first_frame"]].tolist() if len(m) else [],
-        "flag": first_flags(seg_flags, seg_start, n_segs),
+        "flag": [v if v >= 0 else None for v in m["ll_flag"].tolist()],
     }
     # what streams._role asks first: a write that carries data (or is empty by its RETH) and closes a send
     # (_msg may also close a message with missing bytes at its end: such messages count as closing here)
@@ -168,8 +165,8 @@ def _stream_infos(frames: Frames, packets, buf: np.ndarray, anomalies: list[dict
         name = r.stream_name(sid)
         mids = by_stream.get(sid, [])
         if closing[mids].any():
-            msgs, count = MessageTable(mids, cols, r.segments, partial(_msg, cols, segments=r.segments, seg_flags=seg_flags,
-                                                                        missing=missing)), None
+            msgs, count = MessageTable(mids, cols, r.segments, partial(_msg, cols, segments=r.segments,
+                                                                        ll_flags=packets.table["ll_flag"], missing=missing)), None
         else:  # no write closes a send (flow-control posts): it cannot be a ring connection, its messages are not needed
             msgs, count = [], len(mids)
         out.append(StreamInfo(name=name, src_mac=_mac(s["src_mac"]), dst_mac=_mac(s["dst_mac"]), src_ip=_ip(s["src_ip"]),
@@ -178,11 +175,12 @@ def _stream_infos(frames: Frames, packets, buf: np.ndarray, anomalies: list[dict
     return out
 
 
-def _msg(cols: dict[str, list], mid: int, segments: np.ndarray, seg_flags: np.ndarray,
+def _msg(cols: dict[str, list], mid: int, segments: np.ndarray, ll_flags: np.ndarray,
          missing: dict[int, list[tuple[int, int]]]) -> Msg:
     """Message ``mid`` of the reassembler's table (``cols``: its columns as lists, computed for all at once;
-    ``missing``: the byte ranges each message lacks)."""
+    ``ll_flags``: the packet table's ll_flag column; ``missing``: the byte ranges each message lacks)."""
     a, b = cols["seg_start"][mid], cols["seg_end"][mid]
+    segs = segments[a:b]
     missing = missing.get(mid)
     length, closes = cols["length"][mid], cols["closes"][mid]
     if missing:
@@ -190,7 +188,7 @@ def _msg(cols: dict[str, list], mid: int, segments: np.ndarray, seg_flags: np.nd
         missing = [(s, e if e >= 0 else (length if length is not None else -1)) for s, e in missing]
     return Msg(
         first_psn=cols["first_psn"][mid], last_psn=cols["last_psn"][mid], va=cols["va"][mid], length=length,
-        imm=cols["imm"][mid], segments=segments[a:b], flags=seg_flags[a:b], missing=missing or (),
+        imm=cols["imm"][mid], segments=segs, flags=ll_flags[segs["frame"]], missing=missing or (),
         complete=cols["complete"][mid], closes=closes,
         info={"frames": [cols["first_frame"][mid], cols["last_frame"][mid]], "t0": cols["t0"][mid]},
         placeable=cols["placeable"][mid], flag=cols["flag"][mid], uniform=cols["uniform"][mid],
