@@ -46,6 +46,12 @@ def merge_sends(jobs: list[tuple[Buffer, list[tuple[Buffer, int]], int, bool, Bu
     """merge_send over (buf, parts, flag, ll, data, copies) jobs in list order, the GIL released once for all;
     every job checked before any is merged; one (seen, differing, unplaced) per job."""
 
+def merge_rows(buf: Buffer, segments: Buffer, rows: np.ndarray, ll: bool, data: Buffer, copies: Buffer
+               ) -> tuple[np.ndarray, np.ndarray, list[tuple[int, int, int]]]:
+    """merge_send of each (seg_start, seg_end, shift, flag, lo, hi) int64 row: segments[seg_start:seg_end] into
+    data[lo:hi] / copies[lo:hi], in row order, the GIL released once; every row checked first.
+    (seen int64[n], differing int64[n], [(row, status, bytes)] of the LL segments not placed)."""
+
 def segment_flags(buf: Buffer, segments: Buffer) -> np.ndarray:
     """int64 per segment: the LL flag of its first line (bytes 4..8), -1 under 16 bytes."""
 

@@ -1408,6 +1408,71 @@ py::list merge_sends(const py::list& jobs) {
     return out;
 }
 
+// merge_sends for sends that are each one run of a Reassembly.segments table, described by rows instead of Python
+// objects: `rows` is an int64 (n, 6) array of (seg_start, seg_end, shift, flag, lo, hi): segments[seg_start:seg_end]
+// shifted by `shift`, checked against `flag` (-1: none valid), merged into data[lo:hi] / copies[lo:hi] of the whole
+// allreduce.  Each row is what merge_send(buf, [(segments[seg_start:seg_end], shift)], flag, ll, data[lo:hi],
+// copies[lo:hi]) does, in row order, the GIL released once.  Every row is checked before any is merged.  Returns
+// (seen int64[n], differing int64[n], [(row, status, bytes)] of the LL segments not placed, as merge_send's).
+py::tuple merge_rows(const py::buffer& buf, const py::buffer& segments, const py::buffer& rows, bool ll, py::buffer& data,
+                     py::buffer& copies) {
+    Bytes b = readable(buf);
+    Bytes sb = readable(segments, sizeof(SegmentRow));
+    const SegmentRow* seg = reinterpret_cast<const SegmentRow*>(sb.data);
+    const int64_t nseg = int64_t(sb.size / sizeof(SegmentRow));
+    py::buffer_info ri = rows.request(false);
+    if (ri.ndim != 2 || ri.shape[1] != 6 || ri.itemsize != 8 || (ri.format != "l" && ri.format != "q") ||
+        ri.strides[1] != 8 || ri.strides[0] != 48)
+        throw py::value_error("rows must be a C-contiguous int64 array of shape (n, 6)");
+    const int64_t* row = static_cast<const int64_t*>(ri.ptr);
+    const int64_t n = ri.shape[0];
+    py::buffer_info di, ci;
+    try {
+        di = data.request(true), ci = copies.request(true);
+    } catch (py::error_already_set& e) {
+        throw py::value_error("data and copies must be writable arrays (" + std::string(e.what()) + ")");
+    }
+    const int64_t isz = di.itemsize;
+    if (di.ndim != 1 || (isz != 1 && isz != 2 && isz != 4 && isz != 8) || (di.size > 1 && di.strides[0] != isz))
+        throw py::value_error("data must be a writable contiguous 1-d array of 1-, 2-, 4- or 8-byte items");
+    if (ci.ndim != 1 || ci.itemsize != 1 || (ci.size > 1 && ci.strides[0] != 1) || ci.size != di.size)
+        throw py::value_error("copies must be a writable contiguous 1-d uint8 array as long as data");
+    std::vector<MergeJob> js(size_t(std::max<int64_t>(n, 0)));
+    for (int64_t k = 0; k < n; ++k) {
+        const int64_t* r = row + 6 * k;
+        const std::string what = "row " + std::to_string(k) + ": ";
+        if (r[0] < 0 || r[0] > r[1] || r[1] > nseg)
+            throw py::value_error(what + "segments [" + std::to_string(r[0]) + ", " + std::to_string(r[1]) + ") outside the " +
+                                  std::to_string(nseg) + " rows of the table");
+        if (r[4] < 0 || r[4] > r[5] || r[5] > di.size)
+            throw py::value_error(what + "elements [" + std::to_string(r[4]) + ", " + std::to_string(r[5]) + ") outside data of " +
+                                  std::to_string(di.size));
+        if (r[3] < -1) throw py::value_error(what + "flag must be -1 (none) or a non-negative integer");
+        for (int64_t i = r[0]; i < r[1]; ++i)
+            if (seg[i].offset < 0 || seg[i].length < 0 || uint64_t(seg[i].offset) + uint64_t(seg[i].length) > b.size)
+                throw py::value_error(what + "segment " + std::to_string(i) + " lies outside the capture buffer");
+        MergeJob& j = js[size_t(k)];
+        j.b = b;
+        j.parts.push_back({seg + r[0], size_t(r[1] - r[0]), r[2]});
+        j.flag = r[3], j.ll = ll, j.isz = isz;
+        j.out = static_cast<uint8_t*>(di.ptr) + r[4] * isz, j.cnt = static_cast<uint8_t*>(ci.ptr) + r[4], j.n = r[5] - r[4];
+    }
+    {
+        py::gil_scoped_release nogil;
+        for (MergeJob& j : js) run_merge(j);
+    }
+    py::array_t<int64_t> seen{py::ssize_t(n)}, differing{py::ssize_t(n)};
+    int64_t* sp = seen.mutable_data();
+    int64_t* dp = differing.mutable_data();
+    py::list unplaced;
+    for (int64_t k = 0; k < n; ++k) {
+        const MergeJob& j = js[size_t(k)];
+        sp[k] = j.seen, dp[k] = j.differing;
+        for (const auto& [status, bytes] : j.unplaced) unplaced.append(py::make_tuple(k, status, bytes));
+    }
+    return py::make_tuple(seen, differing, unplaced);
+}
+
 // The LL flag of every segment's first line (u32 at bytes 4..8), -1 for segments under 16 bytes.
 py::array_t<int64_t> segment_flags(const py::buffer& buf, const py::buffer& segments) {
     Bytes b = readable(buf);
@@ -1572,6 +1637,10 @@ PYBIND11_MODULE(_mirror, m) {
     m.def("merge_sends", &merge_sends, py::arg("jobs"),
           "merge_send over a list of (buf, parts, flag, ll, data, copies) jobs in order, the GIL released once; "
           "one (seen, differing, unplaced) per job.");
+    m.def("merge_rows", &merge_rows, py::arg("buf"), py::arg("segments"), py::arg("rows"), py::arg("ll"), py::arg("data"),
+          py::arg("copies"),
+          "merge_send of sends given as (seg_start, seg_end, shift, flag, lo, hi) rows over one segments table and one "
+          "allreduce's data/copies; (seen, differing, [(row, status, bytes)]).");
     m.def("segment_flags", &segment_flags, py::arg("buf"), py::arg("segments"),
           "The LL flag of every segment's first line, -1 for segments under 16 bytes.");
     m.def("ring_block", &ring_block, py::arg("block"), py::arg("out"), py::arg("at"), py::arg("offsets"),

@@ -652,6 +652,55 @@ def test_merge_sends_equals_merge_send_one_call_at_a_time():
     assert roce.merge_sends([]) == []
 
 
+@pytest.mark.parametrize("ll", [True, False])
+def test_merge_rows_equals_merge_sends_row_by_row(ll):
+    """Rows over one segments table merge what merge_sends merges with the same runs, shifts, flags and destination
+    slices, in order: copies counted and compared, bad lines and misaligned segments reported per row."""
+    rng = np.random.default_rng(7)
+    words = rng.integers(0, 2**32, 4 * 96, dtype=np.uint32)
+    words[1::2] = 7
+    words[4 * 40:4 * 48] += np.uint32(1)  # the same data again at 40..48, differing: a conflicting copy
+    words[4 * 70 + 1] = 9  # one bad flag
+    buf = words.view(np.uint8)
+    segs = _rows((0, 0, 256), (256, 256, 256), (512, 0, 256), (640, 8, 256), (1024, 0, 512), (1528, 0, 8))
+    plan = [(0, 2, 0, 7, 0, 32), (2, 3, 0, 7, 0, 16), (0, 2, 64, 7, 8, 48), (3, 4, 0, 7, 16, 40),
+            (4, 5, 0, 7, 40, 72), (4, 5, 0, -1, 40, 72), (5, 6, 0, 7, 72, 80), (1, 1, 0, 7, 80, 80), (0, 1, 0, 8, 0, 16)]
+
+    def run(rows: bool):
+        data, copies = np.zeros(96, np.uint32), np.zeros(96, np.uint8)
+        if rows:
+            got = roce.merge_rows(buf, segs, np.array(plan, np.int64), ll, data, copies)
+        else:
+            got = roce.merge_sends([roce.merge_job(buf, [(segs[a:b], shift)], None if flag < 0 else flag, ll,
+                                                   data[lo:hi], copies[lo:hi]) for a, b, shift, flag, lo, hi in plan])
+        return [tuple(g) for g in got], data.tobytes(), copies.tobytes()
+
+    by_rows, by_jobs = run(True), run(False)
+    assert by_rows == by_jobs
+    assert any(g[1] for g in by_rows[0]) and max(by_rows[2]) >= 2  # conflicts and repeated copies were exercised
+    if ll:
+        assert any(g[2] for g in by_rows[0])  # and unplaced LL segments
+    assert roce.merge_rows(buf, segs, np.zeros((0, 6), np.int64), ll, np.zeros(4, np.uint32), np.zeros(4, np.uint8)) == []
+
+
+def test_merge_rows_rejects_bad_rows_before_merging_any():
+    buf = np.zeros(64, np.uint8)
+    segs = _rows((0, 0, 16), (60, 16, 16))  # the second lies outside the 64-byte capture
+    data, copies = np.zeros(8, np.float32), np.zeros(8, np.uint8)
+    good = (0, 1, 0, 0, 0, 2)
+    for bad, match in (((0, 3, 0, 0, 0, 2), "segments"), ((1, 0, 0, 0, 0, 2), "segments"), ((0, 1, 0, 0, 4, 9), "elements"),
+                       ((0, 1, 0, 0, 3, 2), "elements"), ((0, 1, 0, -2, 0, 2), "flag"), ((1, 2, 0, 0, 0, 2), "outside the capture")):
+        with pytest.raises(ValueError, match=match):
+            roce.merge_rows(buf, segs, np.array([good, bad], np.int64), True, data, copies)
+        assert not copies.any()
+    with pytest.raises(ValueError, match=r"shape \(n, 6\)"):
+        roce.merge_rows(buf, segs, np.array([good[:5]], np.int64), True, data, copies)
+    with pytest.raises(ValueError, match="as long as data"):
+        roce.merge_rows(buf, segs, np.array([good], np.int64), True, data, np.zeros(7, np.uint8))
+    with pytest.raises(ValueError, match="Reassembly.segments"):
+        roce.merge_rows(buf, np.zeros(2, np.int64), np.array([good], np.int64), True, data, copies)
+
+
 def test_merge_sends_rejects_a_bad_job_before_merging_any():
     buf = np.zeros(64, np.uint8)
     buf[4:8] = 1

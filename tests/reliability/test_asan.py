@@ -117,6 +117,22 @@ CHILD = textwrap.dedent('''
                     roce.merge_sends(jobs + [(wire, [(segs, 0)], 0, True, data, copies[:-1])])
                 except (ValueError, FlowcheckError):
                     pass
+                # the same merges as rows over the whole segments table (merge_rows), on two threads, then with a
+                # row out of range last (nothing merged)
+                a0 = int(ra.messages[m]["seg_start"])
+                b0 = a0 + int(ra.messages[m]["n_segs"])
+                fl = -1 if flag is None else flag
+                rows = np.array([(a0, b0, 0, fl, 0, 1024), (a0, b0, 16, fl, 512, 1536), (a0, b0, -8, -1, 1536, 2048),
+                                 (a0, b0, (1 << 63) - 1, fl, 1536, 2047)], np.int64)
+                for ll in (True, False):
+                    try:
+                        with ThreadPoolExecutor(2) as pool:
+                            list(pool.map(lambda r: roce.merge_rows(wire, ra.segments, r, ll, data, copies), [rows[:2], rows[2:]]))
+                        counts["merges"] += 4
+                        roce.merge_rows(wire, ra.segments, np.concatenate([rows, [(a0, len(ra.segments) + 1, 0, 0, 0, 1)]]),
+                                        ll, data, copies)
+                    except (ValueError, FlowcheckError):
+                        pass
                 for fn in (roce.ll_unpack, roce.ll128_unpack):
                     try:
                         fn(frames, segs, out)

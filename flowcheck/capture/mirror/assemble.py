@@ -344,14 +344,24 @@ class Assembler:
         against a destination still in cache (bench_mirror (a): the merges' CPU -23%)."""
         if not all(hasattr(p, "job") for p, _, _ in places):  # a place that is not a SendPlacer: one at a time
             return [p(ar.data[a:b], ar.copies[a:b]) for p, a, b in places]
-        jobs = [p.job(ar.data[a:b], ar.copies[a:b]) for p, a, b in places]
         ranges = [(a, b) for _, a, b in places]
         groups = [component_order(g, ranges) for g in overlap_groups(ranges, self.workers)]
-        merged: list = [None] * len(jobs)
+        merged: list = [None] * len(places)
+        first = places[0][0] if places else None
+        if first is not None and all(hasattr(p, "row") and p.segments is first.segments and p.buf is first.buf
+                                     and p.ll == first.ll for p, _, _ in places):
+            # whole sends of one reassembly (streams.TablePlacer): rows, not a Python job per send
+            rows = np.array([p.row(a, b) for p, a, b in places], dtype=np.int64).reshape(-1, 6)
 
-        def run(group: list[int]) -> None:
-            for i, m in zip(group, roce.merge_sends([jobs[i] for i in group])):
-                merged[i] = m
+            def run(group: list[int]) -> None:
+                for i, m in zip(group, roce.merge_rows(first.buf, first.segments, rows[group], first.ll, ar.data, ar.copies)):
+                    merged[i] = m
+        else:
+            jobs = [p.job(ar.data[a:b], ar.copies[a:b]) for p, a, b in places]
+
+            def run(group: list[int]) -> None:
+                for i, m in zip(group, roce.merge_sends([jobs[i] for i in group])):
+                    merged[i] = m
 
         if len(groups) <= 1:
             for g in groups:

@@ -272,6 +272,19 @@ def merge_sends(jobs: list[MergeJob]) -> list[Merged]:
     return [Merged(*r) for r in _mirror.merge_sends(jobs)]
 
 
+def merge_rows(buf: np.ndarray, segments: np.ndarray, rows: np.ndarray, ll: bool, data: np.ndarray,
+               copies: np.ndarray) -> list[Merged]:
+    """``merge_sends`` for sends that are each a run of one ``Reassembly.segments`` table, given as int64 rows
+    (seg_start, seg_end, shift, flag, lo, hi) — flag -1: no line valid — merged into ``data[lo:hi]`` /
+    ``copies[lo:hi]`` of one allreduce, in row order, in one native call (no Python object per send)."""
+    seen, differing, unplaced = _mirror.merge_rows(buf, _segments(segments), np.ascontiguousarray(rows, dtype=np.int64),
+                                                   ll, data, copies)
+    bad: dict[int, list[tuple[int, int]]] = {}
+    for k, status, nbytes in unplaced:
+        bad.setdefault(k, []).append((status, nbytes))
+    return [Merged(a, b, bad.get(k, [])) for k, (a, b) in enumerate(zip(seen.tolist(), differing.tolist()))]
+
+
 def packet_segment_flags(packets: Packets, segments: np.ndarray) -> np.ndarray:
     """``segment_flags`` from the parse's ``ll_flag`` column (every segment is one packet's whole payload): no second
     read of the capture."""

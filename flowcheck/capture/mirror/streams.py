@@ -320,6 +320,10 @@ class TablePlacer(SendPlacer):
         parts = [(self.segments[self.a:self.b], 0)] if self.b > self.a else []
         return roce.merge_job(self.buf, parts, self.flag, self.ll, data, copies)
 
+    def row(self, lo: int, hi: int) -> tuple[int, int, int, int, int, int]:
+        """This send's merge into elements [lo, hi) of its allreduce as a ``roce.merge_rows`` row (what ``job`` does)."""
+        return (self.a, self.b, 0, -1 if self.flag is None else self.flag, lo, hi)
+
 
 def _table_ring_stream(s: StreamInfo, position: int, channel: int, t: MessageTable, buf: np.ndarray, ll: bool,
                        anomalies: list[dict], mark: int | None) -> RingStream:
