@@ -27,6 +27,7 @@ node receives the same frames, shards and bytes per push as from a trainer on an
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 import sys
@@ -88,7 +89,8 @@ def main(argv: list[str] | None = None) -> dict:
             names[key] = f"{name}:{slot}"
     state_bytes = sum(t.nbytes for t in model.parameters())
     description = (f"{len(names)} fp32 tensors (GPT-like shapes: params + 2 Adam moments) = {state_bytes / 1e9:.3f} GB; "
-                   f"{args.iters} pushes ({args.transport}, on_busy={args.on_busy}), local snapshots back to back" +
+                   f"{args.iters} pushes ({args.transport}, on_busy={args.on_busy}), local snapshots "
+                   f"{'as each push starts sending' if args.snapshot_with_push else 'back to back'}" +
                    (f"; lean trainer (tensors: views of one {args.pool_mib} MiB pool; push buffer: a file on disk)"
                     if args.lean_trainer else ""))
     print(f"node RSS: {description}", flush=True)
@@ -163,7 +165,7 @@ def main(argv: list[str] | None = None) -> dict:
     finally:
         node.stop()
         if not verified:  # what the node said is the first thing to read
-            with open(os.path.join(work, "node.log"), errors="replace") as f:
+            with contextlib.suppress(OSError), open(os.path.join(work, "node.log"), errors="replace") as f:
                 print("node log (last 40 lines):\n" + "".join(f.readlines()[-40:]), flush=True)
         c.rmtree(work)
     wall = time.perf_counter() - t0
