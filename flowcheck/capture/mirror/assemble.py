@@ -376,31 +376,27 @@ def component_order(group: list[int], ranges: list[tuple[int, int]]) -> list[int
     """The indices of ``group`` component by component (a component: ranges that overlap, transitively), components
     by their start, each in index order.  Merging in this order gives what index order gives — disjoint components
     touch different elements, and overlapping ranges keep their order — but the m copies of a chunk merge together."""
+    return [i for c in _components(group, ranges) for i in sorted(c)]
+
+
+def _components(indices, ranges: list[tuple[int, int]]) -> list[list[int]]:
+    """``indices`` in components of transitively overlapping ranges, by start (ties by index)."""
     comps: list[list[int]] = []
     reach = None
-    for i in sorted(group, key=lambda i: (ranges[i][0], i)):
+    for i in sorted(indices, key=lambda i: (ranges[i][0], i)):
         a, b = ranges[i]
         if reach is None or a >= reach:
             comps.append([])
             reach = b
         comps[-1].append(i)
         reach = max(reach, b)
-    return [i for c in comps for i in sorted(c)]
+    return comps
 
 
 def overlap_groups(ranges: list[tuple[int, int]], k: int) -> list[list[int]]:
     """Indices of ``ranges`` in at most ``k`` groups such that overlapping ranges share a group; each group in index
     order, groups balanced by their elements (largest component first onto the lightest group)."""
-    order = sorted(range(len(ranges)), key=lambda i: ranges[i][0])
-    components: list[list[int]] = []
-    reach = None
-    for i in order:
-        a, b = ranges[i]
-        if reach is None or a >= reach:
-            components.append([])
-            reach = b
-        components[-1].append(i)
-        reach = max(reach, b)
+    components = _components(range(len(ranges)), ranges)
     k = max(1, min(k, len(components)))
     bins: list[list[int]] = [[] for _ in range(k)]
     load = [0] * k
