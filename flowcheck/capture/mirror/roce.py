@@ -285,14 +285,6 @@ def merge_rows(buf: np.ndarray, segments: np.ndarray, rows: np.ndarray, ll: bool
     return [Merged(a, b, bad.get(k, [])) for k, (a, b) in enumerate(zip(seen.tolist(), differing.tolist()))]
 
 
-def packet_segment_flags(packets: Packets, segments: np.ndarray) -> np.ndarray:
-    """``segment_flags`` from the parse's ``ll_flag`` column (every segment is one packet's whole payload): no second
-    read of the capture."""
-    if segments.dtype != SEGMENT:
-        raise ValueError(f"expected rows of Reassembly.segments, got dtype {segments.dtype}")
-    return packets.table["ll_flag"][segments["frame"]]
-
-
 def segment_flags(buf: np.ndarray, segments: np.ndarray) -> np.ndarray:
     """The LL flag of every segment's first line (bytes 4..8, little-endian; int64), -1 for segments under 16 bytes."""
     return _mirror.segment_flags(buf, _segments(segments))
