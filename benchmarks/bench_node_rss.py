@@ -28,6 +28,7 @@ node receives the same frames, shards and bytes per push as from a trainer on an
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import statistics
 import sys
@@ -220,7 +221,7 @@ def _pooled(shapes, pool_bytes: int):
     largest = max(math.prod(shape) for _, shape, _ in shapes)
     pool = torch.randn(max(pool_bytes // 4, largest + (1 << 20))).mul_(0.02)
     room = pool.numel() - largest
-    count = iter(range(1 << 30))
+    count = itertools.count()
 
     def tensor(shape):
         start = (next(count) * 7_919_993) % room  # spread over the pool: tensors overlap, no two start alike
