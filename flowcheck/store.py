@@ -168,7 +168,12 @@ class Store:
         ``commit``, flowcheck/branches.py), that branch's fork record written first when the state starts one.
         For writers that store a state in pieces instead of through ``commit`` (flowcheck/dcp: a part per rank)."""
         with self._locks[tier]:
-            branch, record = self.history(live={tier}).place(step, parent)
+            listed = self._unbranched()
+            if listed is not None and not any(parent is None or n > parent.step or n == step
+                                              for _, steps in listed for n in steps):
+                return self.tier(tier)  # main holds nothing after the parent: the state continues main
+            live = {tier} | {t.name for t, _ in listed or ()}  # every tier just listed counts as it is now
+            branch, record = self.history(live=live).place(step, parent)
             target = self.tier(tier, branch)
             if record is not None:
                 target.put_branch_record(record)
@@ -260,6 +265,16 @@ class Store:
 
     def _current_head_before(self, step: int) -> ParentRef | None:
         """The current branch's newest state before ``step`` (a plain write continues it)."""
+        listed = self._unbranched()
+        if listed is not None:  # main is the current branch: its newest listed step before this one
+            n = max((n for _, steps in listed for n in steps if n < step), default=None)
+            if n is None:
+                return None
+            try:
+                holder = next(t for t, steps in listed if n in steps)
+                return ParentRef(n, holder.manifest(n, check_signature=False).digest())
+            except FlowcheckError:
+                pass  # unreadable: the history decides, and says why
         hist = self.history()
         path = hist.path(hist.current())
         earlier = [s for s in path if s < step]
@@ -339,17 +354,27 @@ class Store:
         history decides which to vouch for).  None: ask the history (RAM holds a state, a branch exists, the step
         is not listed, an error)."""
         number = isinstance(step, int) and not isinstance(step, bool)
-        if not (number or step == "latest") or branch not in (None, MAIN) or self.memory.step is not None:
+        listed = self._unbranched() if (number or step == "latest") and branch in (None, MAIN) else None
+        if listed is None:
+            return None
+        n = step if number else max((n for _, steps in listed for n in steps), default=None)
+        if n is None or not number and not self._vouched([t for t, steps in listed if n in steps], n):
+            return None
+        holders = {t.name for t, steps in listed if n in steps}
+        return next(((t, n) for t in tiers if t is not self.memory and t.name in holders), None)
+
+    def _unbranched(self) -> list[tuple[Tier, list[int]]] | None:
+        """Each persistent tier and its listed steps, when the run never branched (no tier holds a branch) and RAM
+        holds no state: every stored state is then main's, and the listings answer what the history would without
+        parsing every stored manifest (a DCP save plans, and a DCP load resolves, on every call).  None: ask the
+        history (a branch exists, RAM holds a state, a listing failed)."""
+        if self.memory.step is not None:
             return None
         try:
             stored = self.tiers(include_memory=False)
             if any(t.branch_names() for t in stored):
                 return None
-            listed = {t.name: t.steps() for t in stored}
-            n = step if number else max((n for steps in listed.values() for n in steps), default=None)
-            if n is None or not number and not self._vouched([t for t in stored if n in listed[t.name]], n):
-                return None
-            return next(((t, n) for t in tiers if t is not self.memory and n in listed[t.name]), None)
+            return [(t, t.steps()) for t in stored]
         except FlowcheckError:
             return None
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
@@ -445,3 +446,42 @@ def test_a_step_number_pruned_twice_on_one_branch_keeps_both_records(tmp_path):
     m2 = store.local.write(second)
     store.local.delete(3)
     assert sorted(d for s, d in store.local.pruned_records() if s == 3) == sorted([m1.digest(), m2.digest()])
+
+
+# ---- a run that never branched: the parent and branch come from the tiers' listings ---------------------------
+def _as_the_history_says(store: Store, step: int, parent: ParentRef | None) -> tuple[ParentRef | None, str]:
+    """``head_before`` and the branch ``placement`` picks, from every stored manifest (the listings' shortcut off)."""
+    with mock.patch.object(Store, "_unbranched", lambda self: None):
+        fresh = Store(store.config)
+        return fresh.head_before(step), fresh.history(live={"local"}).place(step, parent)[0]
+
+
+@pytest.mark.parametrize("local_keep", [2, 10])
+def test_an_unbranched_run_finds_parent_and_branch_from_its_listings_as_the_history_does(tmp_path, local_keep):
+    store = make_store(str(tmp_path), local_keep=local_keep, object_keep=10)
+    assert store.head_before(5) is None and store.placement(5, "local", None).branch == MAIN  # an empty run
+    committed = {}
+    for step in (10, 20, 30, 40):
+        committed[step] = store.write(make_snapshot(step=step, seed=step))
+        store.promote(step)
+        store.gc()  # local_keep=2: the object tier alone holds the oldest steps
+    assert not store.local.branch_names() and store.history().current() == MAIN
+    parents = [None] + [m.parent_ref() for m in committed.values()]
+    for step in (0, 5, 10, 15, 20, 30, 35, 40, 45):
+        want_parent, _ = _as_the_history_says(store, step, None)
+        assert store.head_before(step) == want_parent, step
+        for parent in parents:
+            _, want_branch = _as_the_history_says(store, step, parent)
+            if want_branch == MAIN:
+                assert store.placement(step, "local", parent).branch == MAIN, (step, parent)
+            else:  # a fork writes its branch record: asked of a copy of the store
+                copy = tmp_path / "copy"
+                shutil.rmtree(copy, ignore_errors=True)
+                shutil.copytree(tmp_path / "local", copy / "local")
+                shutil.copytree(tmp_path / "object", copy / "object")
+                twin = make_store(str(copy), local_keep=local_keep, object_keep=10)
+                assert twin.placement(step, "local", parent).branch == want_branch, (step, parent)
+    # writing an earlier step again (a rollback by step number) forks a branch, as the history rules
+    forked = store.placement(25, "local", committed[20].parent_ref())
+    assert forked.branch == "b20-25" and store.local.branch_names() == ["b20-25"]
+    assert store.write(make_snapshot(step=50, seed=50)).parent == committed[40].parent_ref()
