@@ -10,7 +10,8 @@ Measured per round, alternatives interleaved (rotated each round), times on rank
   CPU memory) and the time until the future is done;
 * ``dcp.load`` into preallocated DTensors of the same mesh, page cache dropped first — FileSystemReader vs
   ``flowcheck.dcp.Reader`` (each stored shard read once, digest-checked, straight into the destination tensors) vs
-  ``flowcheck.dcp.Reader(direct=False)`` (read into a buffer, then copied); the loaded state is checked bit for bit.
+  ``flowcheck.dcp.Reader(prefetch=False)`` (no read started before DCP's ``read_data``: what the prefetch while
+  the ranks plan gains); the loaded state is checked bit for bit.
 
 Ratio = FileSystemWriter's (or Reader's) median / flowcheck's: >= 1.0 means flowcheck is as fast or faster.
 
@@ -32,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _common as C  # noqa: E402
 
-METHODS = ("fs_save", "fc_save", "fs_async", "fc_async", "fs_load", "fc_load", "fc_load_copy")
+METHODS = ("fs_save", "fc_save", "fs_async", "fc_async", "fs_load", "fc_load", "fc_load_nopf")
 
 
 def _state(world: int, gb: float, seed: int):
@@ -144,12 +145,12 @@ def _rank(rank: int, world: int, port: int, args: dict) -> None:
                 times[m].append(got[1])
             else:
                 times[m].append(got)
-        loads = ["fs_load", "fc_load", "fc_load_copy"]
+        loads = ["fs_load", "fc_load", "fc_load_nopf"]
         for m in loads[r % 3:] + loads[:r % 3]:
             if rank == 0 and not args["warm"]:
                 dropped = C.drop_caches() and dropped
             reader = dcp.FileSystemReader(fs) if m == "fs_load" else flowcheck.dcp.Reader(
-                f"{root}/fc", run="bench", step=step, direct=m == "fc_load")
+                f"{root}/fc", run="bench", step=step, prefetch=m == "fc_load")
             for t in target["model"].values():
                 t.to_local().zero_()  # what the previous load left must not pass the check
             times[m].append(timed(lambda reader=reader: dcp.load(target, storage_reader=reader))[0])
@@ -226,11 +227,11 @@ def _report(raw: dict, nbytes: int, args) -> dict:
              row("dcp.async_save blocking, flowcheck", "fc_block", "fs_block"),
              row("dcp.load, FileSystemReader", "fs_load", None),
              row("dcp.load, flowcheck.dcp.Reader", "fc_load", "fs_load"),
-             row("dcp.load, flowcheck.dcp.Reader(direct=False) (read into a buffer, then copied)", "fc_load_copy",
+             row("dcp.load, flowcheck.dcp.Reader(prefetch=False) (reads start at read_data)", "fc_load_nopf",
                  "fs_load")]
     pairs = {"save": ("fs_save", "fc_save"), "async_total": ("fs_async", "fc_async"),
              "async_blocking": ("fs_block", "fc_block"), "load": ("fs_load", "fc_load"),
-             "load_copy": ("fs_load", "fc_load_copy"), "direct_vs_copy": ("fc_load_copy", "fc_load")}
+             "load_nopf": ("fs_load", "fc_load_nopf"), "prefetch_gain": ("fc_load_nopf", "fc_load")}
     pairs = {k: (a, b) for k, (a, b) in pairs.items() if a in med and b in med}
     ratios = {k: med[a] / med[b] for k, (a, b) in pairs.items()}
     # the same round's two runs side by side: what drifted during the run (other work on the machine) cancels
@@ -240,9 +241,9 @@ def _report(raw: dict, nbytes: int, args) -> dict:
     if "load" in pairs:
         lines.append("Load, each round (FileSystem / flowcheck): " +
                      ", ".join(f"{x / y:.2f}x" for x, y in zip(t["fs_load"], t["fc_load"])))
-    if "load_copy" in pairs:
-        lines.append("Load, each round (FileSystem / flowcheck direct=False): " +
-                     ", ".join(f"{x / y:.2f}x" for x, y in zip(t["fs_load"], t["fc_load_copy"])))
+    if "load_nopf" in pairs:
+        lines.append("Load, each round (FileSystem / flowcheck prefetch=False): " +
+                     ", ".join(f"{x / y:.2f}x" for x, y in zip(t["fs_load"], t["fc_load_nopf"])))
     return {"text": "\n".join(lines), "median_s": med, "times_s": t, "ratios": ratios, "paired_ratios": paired,
             "bytes": nbytes}
 

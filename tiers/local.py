@@ -335,6 +335,21 @@ class LocalTier(Tier):
                 out.append(dest.reshape(-1).view(pack.info.storage))
         return out
 
+    def will_need(self, manifest: Manifest, items: list[tuple[str, ShardEntry]], most: int) -> None:
+        """Start the kernel reading the first ``most`` bytes of these shards of this step, in the order
+        ``packed_runs`` reads them, into the page cache: for a reader that knows what it will read before it may
+        read it (a DCP rank while the ranks plan).  Nothing is checked here; the reads that follow check."""
+        runs, _ = packed_runs(items, 1 << 62)  # whole stretches of one pack each
+        for run in runs:
+            if most <= 0:
+                return
+            first, last = run[0][1].location[0], run[-1][1]
+            pack = self._pack(manifest, first.path)
+            itemsize = np.dtype(pack.info.storage).itemsize
+            count = min(last.location[0].start + math.prod(last.shape) - first.start, -(-most // itemsize))
+            zarr_pack.will_need(pack, first.start, count)
+            most -= count * itemsize
+
     def _read_in(self, pack: zarr_pack.PackFile, manifest: Manifest, tensor: str, entry: ShardEntry, region
                  ) -> tuple[np.ndarray, str]:
         piece = entry.location[0]

@@ -13,14 +13,17 @@ from __future__ import annotations
 
 import collections
 import io
+import logging
 import math
 import os
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
@@ -39,13 +42,15 @@ from flowcheck import dtypes
 from flowcheck.config import Config
 from flowcheck.dcp import objects
 from flowcheck.dcp.index import PUSH_KEYS, PushKeys, View, view_of
-from flowcheck.dcp.target import cores_per_rank, open_config
+from flowcheck.dcp.target import cores_per_rank, node_name, open_config
 from flowcheck.errors import ConfigError, FlowcheckError
 from flowcheck.manifest import Manifest, ParentRef
 from flowcheck.store import Store
 from flowcheck.tiers.fallback import DAMAGE
 from flowcheck.tiers.local import packed_runs
 
+log = logging.getLogger(__name__)
+PREFETCH_BYTES = 256 << 20  # what a rank asks the disk to start reading while the ranks plan (its part's first runs)
 READERS = 4  # at most this many threads read a run (native, in parts of >= 16 MiB) per rank
 RUN_ELEMENTS = 64 << 20  # the most one read spans (256 MiB of fp32; a pack holds at most 512 MB): few long reads
 # keep the kernel's readahead going (BENCHMARKS.md: 16 MiB runs were clearly slower, 64 vs 256 MiB within noise)
@@ -62,7 +67,9 @@ class Reader(StorageReader):
     ``object``; ``trust_pickle`` / ``safe_globals``: see flowcheck/dcp/objects.py; ``push_keys``: the top-level keys
     a step pushed by a ``Checkpointer`` is loaded under (flowcheck/dcp/index.py); ``direct``: read a stored shard
     that DCP wants whole, into a CPU tensor of its dtype, straight into that tensor (False: always through a buffer,
-    then copied — the benchmark's before/after).  After ``dcp.load``,
+    then copied — the benchmark's before/after); ``prefetch``: on the local tier, ask the disk for the first
+    ``PREFETCH_BYTES`` of the part this rank saved as soon as the step is known, so it reads while DCP plans
+    (False: reads start with ``read_data``).  After ``dcp.load``,
     ``resumed`` is the loaded state (``ParentRef``): pass the Reader as a ``Writer``'s ``parent`` so the next save
     descends from it.  Example::
 
@@ -72,13 +79,14 @@ class Reader(StorageReader):
 
     def __init__(self, where: Config | str | None = None, *, step: int | str = "latest", run: str | None = None,
                  branch: str | None = None, prefer: str = "auto", trust_pickle: bool = False,
-                 safe_globals: Sequence[Any] = (), push_keys: PushKeys = PUSH_KEYS, direct: bool = True) -> None:
+                 safe_globals: Sequence[Any] = (), push_keys: PushKeys = PUSH_KEYS, direct: bool = True,
+                 prefetch: bool = True) -> None:
         if prefer not in ("auto", "local", "object"):
             raise ConfigError(f"flowcheck.dcp.Reader: prefer: expected 'auto', 'local' or 'object', found {prefer!r}")
         self.config, _ = open_config(where, run)
         self.step, self.branch, self.prefer = step, branch, prefer
         self.trust_pickle, self.safe_globals = trust_pickle, tuple(safe_globals)
-        self.push_keys, self.direct = push_keys, direct
+        self.push_keys, self.direct, self.prefetch = push_keys, direct, prefetch
         self._resumed: ParentRef | Manifest | None = None  # the loaded manifest; its digest once asked for
         self._tier: Any = None
         self._manifest: Manifest | None = None
@@ -105,6 +113,8 @@ class Reader(StorageReader):
             entries[key] = BytesStorageMetadata()
             self._where[MetadataIndex(key)] = key
         self._tier, self._manifest, self._view = tier, m, view
+        if self.prefetch and hasattr(tier, "will_need"):
+            _prefetch(tier, m)
         self._resumed = m
         meta = StorageMeta(checkpoint_id=f"flowcheck:{m.run}/step-{m.step}")
         return Metadata(entries, planner_data=dict(view.planner_data) or None, storage_data=None, storage_meta=meta)
@@ -250,6 +260,22 @@ class Reader(StorageReader):
         where = f"{self._tier.name} tier step {self._manifest.step} ({name})"
         return objects.for_planner(src.numpy().tobytes(), key, where, trust_pickle=self.trust_pickle,
                                    safe_globals=self.safe_globals)
+
+
+def _prefetch(tier: Any, m: Manifest) -> None:
+    """Let the disk start, on a thread, on what this rank most likely reads while DCP plans the load: the part it
+    saved (``nodes/rank-<rank>``: a load at the layout it saved), or every shard in a process of its own."""
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else None
+    mine = "" if rank is None else f"/nodes/{node_name(rank)}/"
+    items = [(name, e) for name, t in m.tensors.items() for e in t.shards if e.location and mine in e.location[0].path]
+
+    def run() -> None:
+        try:
+            tier.will_need(m, items, PREFETCH_BYTES)
+        except (OSError, FlowcheckError) as e:  # only a head start: the reads find and report what is wrong
+            log.debug("flowcheck.dcp.Reader: prefetch of step %d stopped: %s", m.step, e)
+
+    threading.Thread(target=run, name="flowcheck-dcp-prefetch", daemon=True).start()
 
 
 def _batches(items: list[tuple[str, Any]], most: int) -> list[list[tuple[str, Any]]]:

@@ -14,6 +14,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 import flowcheck.dcp
+from flowcheck import dtypes
 from flowcheck.errors import ConfigError
 from flowcheck.manifest import ParentRef
 from flowcheck.store import open_store
@@ -182,7 +183,6 @@ def test_a_rank_reads_its_shards_from_a_pack_in_one_pass_and_a_damaged_pack_is_r
     # into a caller's buffers (dcp.Reader: DCP's destination tensors): the same bytes, in those buffers, still checked
     import numpy as np
 
-    from flowcheck import dtypes
     into = [np.zeros(math.prod(e.shape), dtypes.dtype(m.tensors[n].dtype).storage).view(np.uint8) for n, e in run]
     got = store.local.read_packed_run(m, run, 1, into)
     assert all(np.shares_memory(g, d) for g, d in zip(got, into))
@@ -201,6 +201,53 @@ def test_a_rank_reads_its_shards_from_a_pack_in_one_pass_and_a_damaged_pack_is_r
     assert same(load(cfg, zeros_like(state(3)), step=3), state(3))  # auto: the object tier's intact copy
     with pytest.raises(CheckpointException, match="CRC32C|digest"):
         load(cfg, zeros_like(state(3)), step=3, prefer="local")
+
+
+def test_the_prefetch_asks_the_kernel_for_the_chunks_the_reads_will_take_in_their_order_up_to_its_budget(tmp_path):
+    """``LocalTier.will_need`` (what a ``dcp.Reader`` rank starts while DCP plans): every byte the reads of those
+    shards touch — each whole 64 KiB chunk and its CRC32C — in ``packed_runs`` order, stopping at the budget."""
+    from unittest import mock
+
+    from flowcheck.tiers.local import packed_runs
+
+    g = torch.Generator().manual_seed(5)
+    big = {"model": {"a": torch.randn(40_000, generator=g), "c": torch.randn(30_000, generator=g),
+                     "b": torch.randn(3_000, generator=g).to(torch.bfloat16)}}  # two packs; "c" starts at byte 160,000
+    cfg = config(str(tmp_path))
+    save(cfg, big, 3)
+    store = open_store(cfg)
+    m = store.local.manifest(3)
+    items = [(n, e) for n, t in m.tensors.items() for e in t.shards]
+    asked: list[tuple[str, int, int]] = []
+
+    def fadvise(fd, offset, length, advice):
+        assert advice == os.POSIX_FADV_WILLNEED
+        asked.append((os.readlink(f"/proc/self/fd/{fd}"), offset, length))
+
+    def chunks(e, nbytes=None):  # the file bytes a read of shard e takes: whole chunks of C data bytes + 4 of CRC
+        c, size = 64 << 10, dtypes.dtype(m.tensors[e[0]].dtype).itemsize
+        begin = e[1].location[0].start * size
+        end = begin + (math.prod(e[1].shape) * size if nbytes is None else nbytes)
+        return begin // c * (c + 4), -(-end // c) * (c + 4)
+
+    with mock.patch.object(os, "posix_fadvise", fadvise):
+        store.local.will_need(m, items, 1 << 40)
+    runs, _ = packed_runs(items, 1 << 62)
+    assert len(asked) == len(runs) >= 2
+    for (path, lo, n), run in zip(asked, runs):
+        assert path.endswith(run[0][1].location[0].path + "/c/0")
+        assert (lo, lo + n) == (chunks(run[0])[0], chunks(run[-1])[1])
+    asked.clear()
+    with mock.patch.object(os, "posix_fadvise", fadvise):
+        store.local.will_need(m, items, 1000)  # the budget: the first 1000 bytes of the first run only
+    assert [(lo, lo + n) for _, lo, n in asked] == [chunks(runs[0][0], 1000)]
+    asked.clear()
+    inner = max(items, key=lambda e: e[1].location[0].start)  # from the chunk holding its first byte, not byte 0
+    with mock.patch.object(os, "posix_fadvise", fadvise):
+        store.local.will_need(m, [inner], 1 << 40)
+    assert chunks(inner)[0] > 0 and [(lo, lo + n) for _, lo, n in asked] == [chunks(inner)]
+    # and a load with the prefetch on reads the same state, bit for bit
+    assert same(load(cfg, zeros_like(big), step=3), big)
 
 
 def async_save(cfg: str, s: dict, step: int, **kw) -> flowcheck.dcp.Writer:
