@@ -18,7 +18,8 @@ Ratio = FileSystemWriter's (or Reader's) median / flowcheck's: >= 1.0 means flow
     python benchmarks/bench_dcp.py --gb 1.0 --ranks 4 --repeats 3
 
 ``--load-only``: save once with each writer, then measure only ``dcp.load`` for ``--repeats`` paired rounds (more
-load pairs for the same time; the save and async_save rows are left out).
+load pairs for the same time; the save and async_save rows are left out).  ``--tier object``: flowcheck saves to
+and loads from the object tier (safetensors files through fsspec) at a ``file://`` URL on the same disk instead.
 """
 from __future__ import annotations
 
@@ -103,6 +104,7 @@ def _rank(rank: int, world: int, port: int, args: dict) -> None:
     times: dict[str, list[float]] = {m: [] for m in METHODS}
     times["fs_block"], times["fc_block"] = [], []
     root, dropped = args["dir"], True
+    store = f"file://{root}/fc" if args.get("tier") == "object" else f"{root}/fc"  # a URL: the object tier there
 
     def timed(fn):
         dist.barrier()
@@ -128,11 +130,11 @@ def _rank(rank: int, world: int, port: int, args: dict) -> None:
         runs = {
             "fs_save": lambda fs=fs: timed(lambda: dcp.save(state, checkpoint_id=fs))[0],
             "fc_save": lambda step=step: timed(lambda: dcp.save(state, storage_writer=flowcheck.dcp.Writer(
-                f"{root}/fc", run="bench", step=step)))[0],
+                store, run="bench", step=step)))[0],
             "fs_async": lambda fs_async=fs_async: async_timed(lambda: dcp.async_save(
                 state, checkpoint_id=fs_async, process_group=async_group)),
             "fc_async": lambda step=step: async_timed(lambda: dcp.async_save(
-                state, process_group=async_group, storage_writer=flowcheck.dcp.Writer(f"{root}/fc", run="bench",
+                state, process_group=async_group, storage_writer=flowcheck.dcp.Writer(store, run="bench",
                                                                                      step=step + 1))),
         }
         order = list(runs)[r % 4:] + list(runs)[:r % 4]
@@ -150,7 +152,7 @@ def _rank(rank: int, world: int, port: int, args: dict) -> None:
             if rank == 0 and not args["warm"]:
                 dropped = C.drop_caches() and dropped
             reader = dcp.FileSystemReader(fs) if m == "fs_load" else flowcheck.dcp.Reader(
-                f"{root}/fc", run="bench", step=step, prefetch=m == "fc_load")
+                store, run="bench", step=step, prefetch=m == "fc_load")
             for t in target["model"].values():
                 t.to_local().zero_()  # what the previous load left must not pass the check
             times[m].append(timed(lambda reader=reader: dcp.load(target, storage_reader=reader))[0])
@@ -183,6 +185,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--ranks", type=int, default=4, help="CPU ranks (gloo processes; default 4)")
     p.add_argument("--load-only", action="store_true",
                    help="save once with each writer, then time only dcp.load for --repeats paired rounds")
+    p.add_argument("--tier", choices=("local", "object"), default="local",
+                   help="flowcheck's tier: local (zarr packs; default) or object (safetensors through fsspec, a "
+                        "file:// URL on the same disk)")
     args = p.parse_args(argv)
     nbytes = int(sum(4 * len(C.SLOTS) * __import__("math").prod(s) for _, s, _ in C.gpt_param_shapes(args.gb)))
     work = C.workdir("fc-bench-dcp-", args.dir)
@@ -191,7 +196,7 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         mp.start_processes(_rank, args=(args.ranks, C.free_port(), {
             "gb": args.gb, "repeats": args.repeats, "dir": work, "warm": args.warm, "result": result_path,
-            "load_only": args.load_only}),
+            "load_only": args.load_only, "tier": args.tier}),
             nprocs=args.ranks, join=True, start_method="spawn")
         with open(result_path) as f:
             raw = json.load(f)
@@ -220,7 +225,7 @@ def _report(raw: dict, nbytes: int, args) -> dict:
                       f"5 non-tensor items; page cache {'dropped before loads' if raw['dropped'] else 'warm (drop failed)'}"),
              "", "| method | seconds, median (min–max) | GB/s | ratio (FileSystem / flowcheck) |", "|---|---|---|---|",
              row("dcp.save, FileSystemWriter", "fs_save", None),
-             row("dcp.save, flowcheck.dcp.Writer (local tier)", "fc_save", "fs_save"),
+             row(f"dcp.save, flowcheck.dcp.Writer ({args.tier} tier)", "fc_save", "fs_save"),
              row("dcp.async_save until done, FileSystemWriter", "fs_async", None),
              row("dcp.async_save until done, flowcheck", "fc_async", "fs_async"),
              row("dcp.async_save blocking, FileSystemWriter", "fs_block", None),
