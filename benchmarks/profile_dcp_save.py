@@ -40,7 +40,8 @@ def _rank(rank: int, world: int, port: int, args: dict) -> None:
         prof = cProfile.Profile()
         t0 = time.perf_counter()
         prof.enable()
-        dcp.save(state, storage_writer=flowcheck.dcp.Writer(f"{root}/fc", run="bench", step=step))
+        where = f"file://{root}/fc" if args["tier"] == "object" else f"{root}/fc"  # a URL: the object tier there
+        dcp.save(state, storage_writer=flowcheck.dcp.Writer(where, run="bench", step=step))
         prof.disable()
         took = time.perf_counter() - t0
         dist.barrier()
@@ -60,10 +61,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--ranks", type=int, default=4, help="CPU ranks (gloo processes; default 4)")
     p.add_argument("--saves", type=int, default=2, help="flowcheck saves (steps 1..N; the last is printed; default 2)")
     p.add_argument("--top", type=int, default=30, help="functions listed per table (default 30)")
+    p.add_argument("--tier", choices=("local", "object"), default="local",
+                   help="flowcheck's tier: local (default) or object (a file:// URL on the same disk)")
     args = p.parse_args(argv)
     if args.ranks < 2:
         raise SystemExit(f"--ranks: expected at least 2 (rank 1 is profiled next to the coordinator), found {args.ranks}")
-    spawn_ranks(_rank, args.ranks, {"gb": args.gb, "top": args.top, "saves": args.saves}, "fc-prof-dcp-save-", args.dir)
+    spawn_ranks(_rank, args.ranks, {"gb": args.gb, "top": args.top, "saves": args.saves, "tier": args.tier}, "fc-prof-dcp-save-", args.dir)
 
 
 if __name__ == "__main__":
