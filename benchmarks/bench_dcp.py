@@ -20,6 +20,8 @@ Ratio = FileSystemWriter's (or Reader's) median / flowcheck's: >= 1.0 means flow
 ``--load-only``: save once with each writer, then measure only ``dcp.load`` for ``--repeats`` paired rounds (more
 load pairs for the same time; the save and async_save rows are left out).  ``--tier object``: flowcheck saves to
 and loads from the object tier (safetensors files through fsspec) at a ``file://`` URL on the same disk instead.
+``--pool A.json B.json ...``: measure nothing; pool the rounds of earlier runs' ``--out`` files (per comparison: the
+median per-round ratio, the rounds flowcheck was at least as fast, the quartiles).
 """
 from __future__ import annotations
 
@@ -185,10 +187,14 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--ranks", type=int, default=4, help="CPU ranks (gloo processes; default 4)")
     p.add_argument("--load-only", action="store_true",
                    help="save once with each writer, then time only dcp.load for --repeats paired rounds")
+    p.add_argument("--pool", nargs="+", metavar="JSON",
+                   help="measure nothing: pool the per-round ratios of earlier runs' --out files and print them")
     p.add_argument("--tier", choices=("local", "object"), default="local",
                    help="flowcheck's tier: local (zarr packs; default) or object (safetensors through fsspec, a "
                         "file:// URL on the same disk)")
     args = p.parse_args(argv)
+    if args.pool:
+        return _pooled(args.pool)
     nbytes = int(sum(4 * len(C.SLOTS) * __import__("math").prod(s) for _, s, _ in C.gpt_param_shapes(args.gb)))
     work = C.workdir("fc-bench-dcp-", args.dir)
     C.check_disk(work, 4 * nbytes)
@@ -206,6 +212,34 @@ def main(argv: list[str] | None = None) -> dict:
     print(report["text"])
     C.save_json(args.out, report)
     return report
+
+
+PAIRS = {"save": ("fs_save", "fc_save"), "async_total": ("fs_async", "fc_async"),
+         "async_blocking": ("fs_block", "fc_block"), "load": ("fs_load", "fc_load"),
+         "load_nopf": ("fs_load", "fc_load_nopf"), "prefetch_gain": ("fc_load_nopf", "fc_load")}
+
+
+def _pooled(paths: list[str]) -> dict:
+    """Every round of several runs (their --out files), per comparison: the median per-round ratio, how many rounds
+    had flowcheck at least as fast, and the quartiles; more rounds than one run gives, on a machine this noisy."""
+    ratios: dict[str, list[float]] = {}
+    for path in paths:
+        with open(path) as f:
+            t = json.load(f)["times_s"]
+        for k, (a, b) in PAIRS.items():
+            ratios.setdefault(k, []).extend(x / y for x, y in zip(t.get(a, []), t.get(b, [])))
+    lines = [f"Pooled over {len(paths)} runs ({', '.join(os.path.basename(p) for p in paths)}):", "",
+             "| comparison | rounds | median per-round ratio | rounds >= 1.0 | quartiles |", "|---|---|---|---|---|"]
+    out = {}
+    for k, v in ratios.items():
+        if not v:
+            continue
+        v = sorted(v)
+        q1, q3 = v[len(v) // 4], v[3 * len(v) // 4]
+        out[k] = {"rounds": len(v), "median": statistics.median(v), "at_least_1": sum(x >= 1.0 for x in v)}
+        lines.append(f"| {k} | {len(v)} | **{out[k]['median']:.2f}x** | {out[k]['at_least_1']} | {q1:.2f}–{q3:.2f}x |")
+    print("\n".join(lines))
+    return out
 
 
 def _report(raw: dict, nbytes: int, args) -> dict:
@@ -234,10 +268,7 @@ def _report(raw: dict, nbytes: int, args) -> dict:
              row("dcp.load, flowcheck.dcp.Reader", "fc_load", "fs_load"),
              row("dcp.load, flowcheck.dcp.Reader(prefetch=False) (reads start at read_data)", "fc_load_nopf",
                  "fs_load")]
-    pairs = {"save": ("fs_save", "fc_save"), "async_total": ("fs_async", "fc_async"),
-             "async_blocking": ("fs_block", "fc_block"), "load": ("fs_load", "fc_load"),
-             "load_nopf": ("fs_load", "fc_load_nopf"), "prefetch_gain": ("fc_load_nopf", "fc_load")}
-    pairs = {k: (a, b) for k, (a, b) in pairs.items() if a in med and b in med}
+    pairs = {k: (a, b) for k, (a, b) in PAIRS.items() if a in med and b in med}
     ratios = {k: med[a] / med[b] for k, (a, b) in pairs.items()}
     # the same round's two runs side by side: what drifted during the run (other work on the machine) cancels
     paired = {k: statistics.median(x / y for x, y in zip(t[a], t[b])) for k, (a, b) in pairs.items()}
