@@ -568,6 +568,15 @@ Status parse_frame(const uint8_t* f, size_t n, PacketRow& r, bool check_icrc) {
     return s == OK ? parse_bth(f, l3, r, check_icrc) : s;
 }
 
+// A pass that reads whole frames in capture order (the ICRC check) fetches this many frames ahead, every line of them:
+// with the hardware prefetcher alone the checking parse waited on memory about as long as it computed (bench_mirror
+// (a): parse with ICRC -26%, 6 frames ahead as good as 3 or 12).
+constexpr size_t PREFETCH_FRAMES = 6;
+
+inline void prefetch_frame(const uint8_t* f, int32_t n) {
+    for (int32_t k = 0; k < n; k += 64) __builtin_prefetch(f + k);
+}
+
 // Returns the counts the caller reports: frames per Status (4), then frames with a BTH per opcode (256).
 py::array_t<int64_t> parse(const py::buffer& buf, const py::buffer& offsets, const py::buffer& lengths, py::buffer& out,
                            bool check_icrc) {
@@ -588,7 +597,8 @@ py::array_t<int64_t> parse(const py::buffer& buf, const py::buffer& offsets, con
         py::gil_scoped_release nogil;
         PacketRow* r = reinterpret_cast<PacketRow*>(rows.data);
         for (size_t i = 0; i < n; ++i) {
-            if (i + 4 < n) __builtin_prefetch(b.data + o[i + 4]), __builtin_prefetch(b.data + o[i + 4] + 64);  // headers
+            if (check_icrc && i + PREFETCH_FRAMES < n) prefetch_frame(b.data + o[i + PREFETCH_FRAMES], l[i + PREFETCH_FRAMES]);
+            else if (i + 4 < n) __builtin_prefetch(b.data + o[i + 4]), __builtin_prefetch(b.data + o[i + 4] + 64);  // headers
             std::memset(&r[i], 0, sizeof(PacketRow));
             r[i].vlan = -1;
             r[i].status = parse_frame(b.data + o[i], size_t(l[i]), r[i], check_icrc);
