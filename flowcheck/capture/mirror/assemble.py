@@ -12,7 +12,7 @@ recorded as missing.  A gradient with holes is never handed out.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -22,7 +22,7 @@ from flowcheck.capture.mirror import roce
 from flowcheck.capture.mirror.gc_pause import gc_paused
 from flowcheck.capture.mirror.job import Job
 from flowcheck.capture.mirror.partition import Partition
-from flowcheck.capture.mirror.ring import RingParams, Send, ring_sends
+from flowcheck.capture.mirror.ring import RingParams, Send, ring_pattern
 
 NUMPY = {"float32": np.float32, "bfloat16": np.uint16, "int32": np.int32}
 
@@ -134,15 +134,11 @@ class Matcher:
 
     def __init__(self, job: Job, params: RingParams) -> None:
         self.job, self.params = job, params
-        self._patterns: dict[tuple[int, int, int], list[Send]] = {}
 
-    def pattern(self, elements: int, position: int, channel: int) -> list[Send]:
-        key = (elements, position, channel)
-        if key not in self._patterns:
-            self._patterns[key] = ring_sends(elements, self.params, position, channel)
-        return self._patterns[key]
+    def pattern(self, elements: int, position: int, channel: int) -> Sequence[Send]:
+        return ring_pattern(elements, self.params, position, channel)
 
-    def fits(self, stream: RingStream, at: int, pattern: list[Send]) -> bool | None:
+    def fits(self, stream: RingStream, at: int, pattern: Sequence[Send]) -> bool | None:
         """True/False when the sends from step ``at`` do/don't have the pattern's sizes; None: cannot tell yet."""
         seen = 0
         for j, send in enumerate(pattern):
@@ -299,7 +295,7 @@ class Assembler:
             at += 1
         return None
 
-    def _take(self, ar: Allreduce, s: RingStream, at: int, pattern: list[Send], taken: list) -> None:
+    def _take(self, ar: Allreduce, s: RingStream, at: int, pattern: Sequence[Send], taken: list) -> None:
         """The final sends of the allreduce found at step ``at`` onto ``taken``, in order: a source entry (a dict) for
         those with nothing to merge, (source, send, start, end) for those ``_merge`` merges."""
         for j, send in enumerate(pattern):
