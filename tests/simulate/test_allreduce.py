@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from flowcheck.capture.mirror.ring import RingParams, reduce_order, ring_sends
+from flowcheck.capture.mirror.ring import RingParams, reduce_order, ring_pattern, ring_sends
 from flowcheck.simulate.allreduce import chunks, ring_allreduce
 
 # small steps so that a few hundred elements already need several loops and leave empty chunks
@@ -123,3 +123,13 @@ def test_chunks_tile_the_buffer_exactly():
         for _, start, elems in chunks(1234, p):
             cover[start:start + elems] += 1
         assert (cover == 1).all()
+
+
+def test_ring_pattern_is_ring_sends_remembered_and_unchangeable():
+    p = RingParams(4, 2, "ll", 4, **SMALL)
+    first = ring_pattern(700, p, 1, 1)
+    assert first == tuple(ring_sends(700, p, 1, 1))
+    assert ring_pattern(700, RingParams(4, 2, "ll", 4, **SMALL), 1, 1) is first  # equal params: the same pattern
+    assert ring_pattern(700, p, 2, 1) == tuple(ring_sends(700, p, 2, 1)) != first
+    with pytest.raises(AttributeError):
+        first[0].count = 1  # shared between decoders: frozen
