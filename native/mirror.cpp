@@ -72,18 +72,16 @@ MutBytes writable(py::buffer& b, size_t itemsize = 0) {
     return {static_cast<uint8_t*>(info.ptr), size_t(info.size * info.itemsize)};
 }
 
-template <class T>
-py::array_t<T> to_array(const std::vector<T>& v) {
-    py::array_t<T> a(v.size());
-    if (!v.empty()) std::memcpy(a.mutable_data(), v.data(), v.size() * sizeof(T));
-    return a;
-}
-
-template <class Row>
-py::array_t<uint8_t> rows_to_bytes(const std::vector<Row>& v) {
-    py::array_t<uint8_t> a(v.size() * sizeof(Row));
-    if (!v.empty()) std::memcpy(a.mutable_data(), v.data(), v.size() * sizeof(Row));
-    return a;
+// A numpy array of T over the items of `v`, which it takes over: no copy (the reassembly's tables are tens of MB, and
+// copying them into fresh pages was ~5% of reassembly).  T is the item itself, or uint8_t for raw rows.
+template <class T, class Item>
+py::array_t<T> adopt(std::vector<Item>&& v) {
+    static_assert(sizeof(Item) % sizeof(T) == 0, "rows must be whole items of the array");
+    if (v.empty()) return py::array_t<T>(0);
+    auto* owner = new std::vector<Item>(std::move(v));
+    py::capsule release(owner, [](void* p) { delete static_cast<std::vector<Item>*>(p); });
+    const py::ssize_t n = py::ssize_t(owner->size() * (sizeof(Item) / sizeof(T)));
+    return py::array_t<T>({n}, {py::ssize_t(sizeof(T))}, reinterpret_cast<T*>(owner->data()), release);
 }
 
 // ---------------------------------------------------------------- CRC32 (IEEE, zlib's)
@@ -376,7 +374,8 @@ py::tuple index_capture(const py::buffer& file) {
         }
     }
     if (!ix.error.empty()) throw py::value_error(ix.error);
-    return py::make_tuple(to_array(ix.offsets), to_array(ix.lengths), to_array(ix.ts_ns), to_array(ix.linktypes), format);
+    return py::make_tuple(adopt<int64_t>(std::move(ix.offsets)), adopt<int32_t>(std::move(ix.lengths)),
+                          adopt<int64_t>(std::move(ix.ts_ns)), adopt<int32_t>(std::move(ix.linktypes)), format);
 }
 
 // ---------------------------------------------------------------- RoCEv2 parsing
@@ -989,10 +988,10 @@ py::dict reassemble(const py::buffer& packets, int32_t pmtu, int workers) {
         assemble_streams(reqs, rows, pmtu, out, workers);
     }
     py::dict d;
-    d["streams"] = rows_to_bytes(out.streams), d["messages"] = rows_to_bytes(out.messages);
-    d["segments"] = rows_to_bytes(out.segments), d["missing"] = rows_to_bytes(out.missing);
-    d["gaps"] = rows_to_bytes(out.gaps);
-    d["stream_of"] = to_array(out.stream_of), d["message_of"] = to_array(out.message_of);
+    d["streams"] = adopt<uint8_t>(std::move(out.streams)), d["messages"] = adopt<uint8_t>(std::move(out.messages));
+    d["segments"] = adopt<uint8_t>(std::move(out.segments)), d["missing"] = adopt<uint8_t>(std::move(out.missing));
+    d["gaps"] = adopt<uint8_t>(std::move(out.gaps));
+    d["stream_of"] = adopt<int32_t>(std::move(out.stream_of)), d["message_of"] = adopt<int32_t>(std::move(out.message_of));
     return d;
 }
 
