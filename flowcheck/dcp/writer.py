@@ -17,11 +17,12 @@ import numpy as np
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from flowcheck.config import Config
-from flowcheck.dcp import parts
+from flowcheck.dcp import parts, staging
 from flowcheck.dcp.index import object_name, tensor_name
 from flowcheck.dcp.target import SaveTarget, check_tier, open_config, plan_save
 from flowcheck.errors import ConfigError, FlowcheckError
@@ -47,28 +48,49 @@ class Stored:
     part: Manifest | None = None
 
 
-class Writer(StorageWriter):
+class Writer(StorageWriter, AsyncStager):
     """Save a DCP checkpoint as step ``step`` of ``run``, in the local tier (zarr) or the object tier (safetensors).
 
     ``where``: a ``Config``, a config file, an fsspec URL (the object tier there) or a folder (a local tier root).
     ``parent``: ``"auto"`` (the current branch's newest step before this one), None (a new lineage), a
     ``ParentRef``, or the ``Reader`` the trainer resumed with (its step, once: a save after a resume is a branch
-    of the resumed step, see README "Branches").  Example::
+    of the resumed step, see README "Branches").  ``reuse_staging``: ``dcp.async_save`` stages the state into the
+    CPU copy the previous async save of this run and tier used, once that save has stored it (flowcheck/dcp/staging.py;
+    False: a fresh copy each time).  Example::
 
         dcp.save(state, storage_writer=flowcheck.dcp.Writer("flowcheck.yaml", run="gpt", step=step))
     """
 
+    _synchronize_after_execute = False  # staging is done when ``stage`` returns
+
     def __init__(self, where: Config | str | None = None, *, step: int, run: str | None = None,
-                 tier: str | None = None, parent: Any = "auto") -> None:
+                 tier: str | None = None, parent: Any = "auto", reuse_staging: bool = True) -> None:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ConfigError(f"flowcheck.dcp.Writer: step: expected a non-negative integer, found {step!r}")
         self.config, default_tier = open_config(where, run)
         self.tier = check_tier(tier or default_tier, self.config)
-        self.step, self.parent = step, parent
+        self.step, self.parent, self.reuse_staging = step, parent, reuse_staging
         self.committed: Manifest | None = None
+        self._staged: staging.Staged | None = None
         self.reset()
 
     # ---- DCP's calls ------------------------------------------------------------------
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """``dcp.async_save``'s copy of the state into CPU memory (what it blocks on)."""
+        staged, self._staged = staging.stage(state_dict, (self.config.run, self.tier) if self.reuse_staging else None)
+        return staged
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_staged"] = None  # a process-based async save: the staged copy stays this process's (never reused)
+        return state
+
+    def synchronize_staging(self) -> None:
+        pass  # ``stage`` returns once the copy is made
+
+    def close(self) -> None:
+        pass
+
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id is not None:
             log.debug("flowcheck.dcp.Writer: ignoring checkpoint_id %r (the step is step=%d)", checkpoint_id, self.step)
@@ -94,6 +116,14 @@ class Writer(StorageWriter):
                          parent=parent)
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        try:
+            return self._write_data(plan, planner)
+        finally:
+            if self._staged is not None:  # this rank's staged bytes are stored (or the save failed): free for reuse
+                self._staged.release()
+                self._staged = None
+
+    def _write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         target: SaveTarget = plan.storage_data
         self._target = target
         results, data = [], {}

@@ -256,6 +256,51 @@ def async_save(cfg: str, s: dict, step: int, **kw) -> flowcheck.dcp.Writer:
     return w
 
 
+def test_async_saves_stage_into_the_last_copy_once_it_is_stored_and_never_while_a_save_still_writes_it(tmp_path):
+    """``dcp.async_save`` blocks on the copy into CPU memory: the Writer stages into the copy the previous save used
+    (no fresh pages to fault in), but only once that save stored it; an async save started while the previous one
+    still writes gets a copy of its own, and every step holds exactly the state it was given."""
+    import threading
+    from unittest import mock
+
+    from flowcheck.dcp import parts, staging
+
+    cfg = config(str(tmp_path))
+    key = (flowcheck.dcp.Writer(cfg, step=0).config.run, "local")
+    staging.forget(key)
+    async_save(cfg, state(1), 1)
+    first = staging._LATEST[key]
+    assert not first.busy
+    async_save(cfg, state(2), 2)
+    assert staging._LATEST[key] is first and not first.busy  # reused, and free again once stored
+
+    gate, real = threading.Event(), parts.write_part
+
+    def slow(store, target, snap, node):  # step 3's upload waits until step 4 has been staged
+        if target.step == 3:
+            assert gate.wait(30)
+        return real(store, target, snap, node)
+
+    with mock.patch.object(parts, "write_part", slow):
+        w3 = flowcheck.dcp.Writer(cfg, step=3)
+        f3 = dcp.async_save(state(3), storage_writer=w3, no_dist=True)  # returns once staged; the write waits
+        assert staging._LATEST[key] is first and first.busy
+        f4 = dcp.async_save(state(4), storage_writer=flowcheck.dcp.Writer(cfg, step=4), no_dist=True)
+        second = staging._LATEST[key]
+        assert second is not first  # step 3 still writes from `first`: step 4 got a copy of its own
+        gate.set()
+        f3.result(), f4.result()
+    for step in (1, 2, 3, 4):
+        assert same(load(cfg, zeros_like(state(step)), step=step), state(step)), step
+    other = {**state(5), "model": {**state(5)["model"], "w": torch.randn(3, 4)}}  # a shape changed: a new copy
+    async_save(cfg, other, 5)
+    assert staging._LATEST[key] not in (first, second)
+    assert same(load(cfg, zeros_like(other), step=5), other)
+    staging.forget(key)
+    async_save(cfg, state(6), 6, reuse_staging=False)
+    assert key not in staging._LATEST
+
+
 def test_async_saves_after_a_resume_descend_from_the_step_the_reader_loaded(tmp_path):
     """The resume lineage through ``dcp.async_save`` (the save runs on DCP's thread, from its staged copy): the
     first save after loading step 5 names step 5 as its parent even at step 11, where "the newest smaller step"
