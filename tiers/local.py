@@ -11,6 +11,7 @@ in the attributes).
 from __future__ import annotations
 
 import errno
+import glob
 import logging
 import math
 import os
@@ -335,20 +336,24 @@ class LocalTier(Tier):
                 out.append(dest.reshape(-1).view(pack.info.storage))
         return out
 
-    def will_need(self, manifest: Manifest, items: list[tuple[str, ShardEntry]], most: int) -> None:
-        """Start the kernel reading the first ``most`` bytes of these shards of this step, in the order
-        ``packed_runs`` reads them, into the page cache: for a reader that knows what it will read before it may
-        read it (a DCP rank while the ranks plan).  Nothing is checked here; the reads that follow check."""
-        runs, _ = packed_runs(items, 1 << 62)  # whole stretches of one pack each
-        for run in runs:
+    def will_need(self, step: int, folder: str, most: int) -> None:
+        """Start the kernel reading the packs under ``folder`` of the step's folder (``nodes/rank-00001``, or "" for
+        all) into the page cache, in the order ``packed_runs`` reads them, up to ``most`` bytes: for a reader that
+        knows what it will read before it may read it, and before it has parsed the manifest (a DCP rank: its reads
+        start only after DCP plans the load).  Only the kernel reads here; nothing is trusted: the reads check."""
+        base = os.path.join(self.root, step_dir(step))
+        found = glob.glob(os.path.join(glob.escape(os.path.join(base, folder)), "**", zarr_pack.PACKS, "*", "c", "0"),
+                          recursive=True)
+        for path in sorted(found, key=lambda p: os.path.relpath(p, base)):  # a pack's piece path, as packed_runs sorts
             if most <= 0:
                 return
-            first, last = run[0][1].location[0], run[-1][1]
-            pack = self._pack(manifest, first.path)
-            itemsize = np.dtype(pack.info.storage).itemsize
-            count = min(last.location[0].start + math.prod(last.shape) - first.start, -(-most // itemsize))
-            zarr_pack.will_need(pack, first.start, count)
-            most -= count * itemsize
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                n = min(os.fstat(fd).st_size, most)
+                os.posix_fadvise(fd, 0, n, os.POSIX_FADV_WILLNEED)  # queues the reads and returns
+            finally:
+                os.close(fd)
+            most -= n
 
     def _read_in(self, pack: zarr_pack.PackFile, manifest: Manifest, tensor: str, entry: ShardEntry, region
                  ) -> tuple[np.ndarray, str]:

@@ -310,19 +310,6 @@ def read_elements(pack: PackFile, start: int, count: int, shape: tuple[int, ...]
     return out.reshape(shape), f"{DATA_ALG}:{digest}"
 
 
-def will_need(pack: PackFile, start: int, count: int) -> None:
-    """Ask the kernel to read elements [start, start + count) of a pack's shard file into the page cache now
-    (posix_fadvise WILLNEED queues the reads and returns); nothing is checked here: the read that follows checks."""
-    itemsize = np.dtype(pack.info.storage).itemsize
-    c = pack.info.chunk_bytes
-    lo, hi = start * itemsize // c * (c + 4), -(-(start + count) * itemsize // c) * (c + 4)  # each chunk + its CRC32C
-    fd = os.open(pack.path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, lo, hi - lo, os.POSIX_FADV_WILLNEED)
-    finally:
-        os.close(fd)
-
-
 def read_ranges(pack: PackFile, ranges: list[tuple[int, int]], threads: int = 1,
                 into: list[np.ndarray | None] | None = None) -> tuple[np.ndarray, list[str]]:
     """Element ranges ``(start, count)`` of a checked pack through one open file: each range read in its own native

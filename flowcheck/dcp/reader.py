@@ -46,6 +46,7 @@ from flowcheck.dcp.target import cores_per_rank, node_name, open_config
 from flowcheck.errors import ConfigError, FlowcheckError
 from flowcheck.manifest import Manifest, ParentRef
 from flowcheck.store import Store
+from flowcheck.tiers.cluster import NODES
 from flowcheck.tiers.fallback import DAMAGE
 from flowcheck.tiers.local import packed_runs
 
@@ -68,8 +69,8 @@ class Reader(StorageReader):
     a step pushed by a ``Checkpointer`` is loaded under (flowcheck/dcp/index.py); ``direct``: read a stored shard
     that DCP wants whole, into a CPU tensor of its dtype, straight into that tensor (False: always through a buffer,
     then copied — the benchmark's before/after); ``prefetch``: on the local tier, ask the disk for the first
-    ``PREFETCH_BYTES`` of the part this rank saved as soon as the step is known, so it reads while DCP plans
-    (False: reads start with ``read_data``).  After ``dcp.load``,
+    ``PREFETCH_BYTES`` of the part this rank saved as soon as the step is located, so it reads while the rank parses
+    the manifest and DCP plans (False: reads start with ``read_data``).  After ``dcp.load``,
     ``resumed`` is the loaded state (``ParentRef``): pass the Reader as a ``Writer``'s ``parent`` so the next save
     descends from it.  Example::
 
@@ -98,7 +99,10 @@ class Reader(StorageReader):
         self._where = {}
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        tier, m = Store(self.config).open_step(self.step, self.prefer, self.branch)
+        store = Store(self.config)
+        if self.prefetch:
+            _prefetch(store, self.step, self.prefer, self.branch)
+        tier, m = store.open_step(self.step, self.prefer, self.branch)
         where = f"{tier.name} tier step {m.step} of run {m.run}"
         view = view_of(list(m.tensors), m.scalars, where, self.push_keys)
         entries: dict[str, Any] = {}
@@ -113,8 +117,6 @@ class Reader(StorageReader):
             entries[key] = BytesStorageMetadata()
             self._where[MetadataIndex(key)] = key
         self._tier, self._manifest, self._view = tier, m, view
-        if self.prefetch and hasattr(tier, "will_need"):
-            _prefetch(tier, m)
         self._resumed = m
         meta = StorageMeta(checkpoint_id=f"flowcheck:{m.run}/step-{m.step}")
         return Metadata(entries, planner_data=dict(view.planner_data) or None, storage_data=None, storage_meta=meta)
@@ -262,18 +264,24 @@ class Reader(StorageReader):
                                    safe_globals=self.safe_globals)
 
 
-def _prefetch(tier: Any, m: Manifest) -> None:
-    """Let the disk start, on a thread, on what this rank most likely reads while DCP plans the load: the part it
-    saved (``nodes/rank-<rank>``: a load at the layout it saved), or every shard in a process of its own."""
+def _prefetch(store: Store, step: int | str, prefer: str, branch: str | None) -> None:
+    """Let the disk start, on a thread, on what this rank most likely reads, while it parses the step's manifest and
+    DCP plans the load: the local tier's part this rank saved (``nodes/rank-<rank>``: a load at the layout it saved),
+    or every part in a process of its own."""
+    try:
+        tier, n = store.locate(step, prefer, branch)
+    except FlowcheckError:
+        return  # open_step says what is wrong
+    if not hasattr(tier, "will_need"):
+        return
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else None
-    mine = "" if rank is None else f"/nodes/{node_name(rank)}/"
-    items = [(name, e) for name, t in m.tensors.items() for e in t.shards if e.location and mine in e.location[0].path]
+    folder = "" if rank is None else f"{NODES}/{node_name(rank)}"
 
     def run() -> None:
         try:
-            tier.will_need(m, items, PREFETCH_BYTES)
-        except (OSError, FlowcheckError) as e:  # only a head start: the reads find and report what is wrong
-            log.debug("flowcheck.dcp.Reader: prefetch of step %d stopped: %s", m.step, e)
+            tier.will_need(n, folder, PREFETCH_BYTES)
+        except OSError as e:  # only a head start: the reads find and report what is wrong
+            log.debug("flowcheck.dcp.Reader: prefetch of step %d stopped: %s", n, e)
 
     threading.Thread(target=run, name="flowcheck-dcp-prefetch", daemon=True).start()
 

@@ -203,50 +203,45 @@ def test_a_rank_reads_its_shards_from_a_pack_in_one_pass_and_a_damaged_pack_is_r
         load(cfg, zeros_like(state(3)), step=3, prefer="local")
 
 
-def test_the_prefetch_asks_the_kernel_for_the_chunks_the_reads_will_take_in_their_order_up_to_its_budget(tmp_path):
-    """``LocalTier.will_need`` (what a ``dcp.Reader`` rank starts while DCP plans): every byte the reads of those
-    shards touch — each whole 64 KiB chunk and its CRC32C — in ``packed_runs`` order, stopping at the budget."""
+def test_the_prefetch_asks_the_kernel_for_a_parts_packs_in_the_order_the_reads_take_them_up_to_its_budget(tmp_path):
+    """``LocalTier.will_need`` (what a ``dcp.Reader`` rank starts before it parses the manifest): the pack files under
+    the folder asked for, in ``packed_runs`` order, from their first byte, stopping at the budget; a load with it on
+    reads the same state."""
     from unittest import mock
 
     from flowcheck.tiers.local import packed_runs
 
     g = torch.Generator().manual_seed(5)
     big = {"model": {"a": torch.randn(40_000, generator=g), "c": torch.randn(30_000, generator=g),
-                     "b": torch.randn(3_000, generator=g).to(torch.bfloat16)}}  # two packs; "c" starts at byte 160,000
+                     "b": torch.randn(3_000, generator=g).to(torch.bfloat16)}}  # two packs
     cfg = config(str(tmp_path))
     save(cfg, big, 3)
     store = open_store(cfg)
     m = store.local.manifest(3)
-    items = [(n, e) for n, t in m.tensors.items() for e in t.shards]
+    runs, _ = packed_runs([(n, e) for n, t in m.tensors.items() for e in t.shards], 1 << 62)
+    packs = [run[0][1].location[0].path + "/c/0" for run in runs]  # the order the reads take
     asked: list[tuple[str, int, int]] = []
 
     def fadvise(fd, offset, length, advice):
         assert advice == os.POSIX_FADV_WILLNEED
         asked.append((os.readlink(f"/proc/self/fd/{fd}"), offset, length))
 
-    def chunks(e, nbytes=None):  # the file bytes a read of shard e takes: whole chunks of C data bytes + 4 of CRC
-        c, size = 64 << 10, dtypes.dtype(m.tensors[e[0]].dtype).itemsize
-        begin = e[1].location[0].start * size
-        end = begin + (math.prod(e[1].shape) * size if nbytes is None else nbytes)
-        return begin // c * (c + 4), -(-end // c) * (c + 4)
+    def size(rel: str) -> int:
+        return os.path.getsize(os.path.join(store.local.root, rel))
 
     with mock.patch.object(os, "posix_fadvise", fadvise):
-        store.local.will_need(m, items, 1 << 40)
-    runs, _ = packed_runs(items, 1 << 62)
-    assert len(asked) == len(runs) >= 2
-    for (path, lo, n), run in zip(asked, runs):
-        assert path.endswith(run[0][1].location[0].path + "/c/0")
-        assert (lo, lo + n) == (chunks(run[0])[0], chunks(run[-1])[1])
+        store.local.will_need(3, "", 1 << 40)
+    assert len(packs) >= 2 and [(p.removeprefix(store.local.root + "/"), o, n) for p, o, n in asked] == \
+        [(rel, 0, size(rel)) for rel in packs]
     asked.clear()
     with mock.patch.object(os, "posix_fadvise", fadvise):
-        store.local.will_need(m, items, 1000)  # the budget: the first 1000 bytes of the first run only
-    assert [(lo, lo + n) for _, lo, n in asked] == [chunks(runs[0][0], 1000)]
+        store.local.will_need(3, "", size(packs[0]) + 1000)  # the budget ends 1000 bytes into the second pack
+    assert [(o, n) for _, o, n in asked] == [(0, size(packs[0])), (0, 1000)]
     asked.clear()
-    inner = max(items, key=lambda e: e[1].location[0].start)  # from the chunk holding its first byte, not byte 0
     with mock.patch.object(os, "posix_fadvise", fadvise):
-        store.local.will_need(m, [inner], 1 << 40)
-    assert chunks(inner)[0] > 0 and [(lo, lo + n) for _, lo, n in asked] == [chunks(inner)]
-    # and a load with the prefetch on reads the same state, bit for bit
+        store.local.will_need(3, "nodes/rank-00009", 1 << 40)  # a rank with no part of its own: nothing
+        store.local.will_need(99, "", 1 << 40)  # no such step: nothing (the read says what is wrong)
+    assert asked == []
     assert same(load(cfg, zeros_like(big), step=3), big)
 
 
