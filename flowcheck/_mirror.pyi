@@ -13,6 +13,9 @@ def layouts() -> dict[str, tuple[list[tuple[str, str, int]], int]]:
 def crc32(data: Buffer, value: int = 0) -> int:
     """zlib-compatible CRC32 of data, continuing from value."""
 
+def crc_path() -> str:
+    """The CRC32 folding in use: "vpclmul", "pclmul" or "table" (the CPU's widest, capped by $FLOWCHECK_CRC)."""
+
 def index_capture(file: Buffer) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, str]:
     """(offsets int64, lengths int32, ts_ns int64, linktypes int32, "pcap" | "pcapng"); ValueError when malformed."""
 

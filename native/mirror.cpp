@@ -12,6 +12,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -87,7 +88,11 @@ py::array_t<T> adopt(std::vector<Item>&& v) {
 // ---------------------------------------------------------------- CRC32 (IEEE, zlib's)
 
 uint32_t crc_table[8][256];
-bool have_clmul = false;
+// The widest folding this CPU has, chosen once at import; FLOWCHECK_CRC=table|pclmul|vpclmul caps it so that the
+// tests run every path on one machine (a path the CPU lacks falls back to the next narrower one).
+enum CrcPath { CRC_TABLE, CRC_PCLMUL, CRC_VPCLMUL };
+CrcPath crc_path = CRC_TABLE;
+const char* const crc_path_names[] = {"table", "pclmul", "vpclmul"};
 // zero_lead[k]: the raw CRC state that k zero bytes take to 0xFFFFFFFF (the usual start).  The ICRC's folded path
 // puts k zeros before its header block so that the payload after the block is a whole number of 16-byte lanes and
 // no byte-wise tail is left (the table tail was ~4% of decode CPU).
@@ -112,8 +117,18 @@ void crc_init() {
     }
 #if defined(__x86_64__)
     __builtin_cpu_init();
-    have_clmul = __builtin_cpu_supports("pclmul") && __builtin_cpu_supports("sse4.1");
+    if (__builtin_cpu_supports("pclmul") && __builtin_cpu_supports("sse4.1")) crc_path = CRC_PCLMUL;
+    if (crc_path == CRC_PCLMUL && __builtin_cpu_supports("vpclmulqdq") && __builtin_cpu_supports("avx512f"))
+        crc_path = CRC_VPCLMUL;
 #endif
+    const char* cap = std::getenv("FLOWCHECK_CRC");
+    if (cap == nullptr || *cap == '\0') return;
+    for (int p = CRC_TABLE; p <= CRC_VPCLMUL; ++p)
+        if (std::strcmp(cap, crc_path_names[p]) == 0) {
+            crc_path = std::min(crc_path, CrcPath(p));
+            return;
+        }
+    throw py::value_error(std::string("FLOWCHECK_CRC=") + cap + ": expected table, pclmul or vpclmul (or unset)");
 }
 
 // Slicing-by-8 on the raw (un-inverted) CRC state: the fallback and the tail of the folded path.
@@ -131,6 +146,9 @@ uint32_t crc_update_table(uint32_t c, const uint8_t* p, size_t n) {
 }
 
 #if defined(__x86_64__)
+// Folding 64 bytes ahead: x^(512+32) and x^(512-32) mod P, bit-reflected and shifted left one (both foldings' main step).
+alignas(16) const uint64_t k1k2[] = {0x0154442bd4, 0x01c6e41596};
+
 // One folding step: x times the constant pair k (its high and low halves), plus the next 16 bytes at p.
 __attribute__((target("pclmul,sse4.1"))) inline __m128i fold16(__m128i x, __m128i k, const uint8_t* p) {
     return _mm_xor_si128(_mm_xor_si128(_mm_clmulepi64_si128(x, k, 0x11), _mm_clmulepi64_si128(x, k, 0x00)),
@@ -143,30 +161,14 @@ __attribute__((target("pclmul,sse4.1"))) inline void fold64(__m128i& x1, __m128i
     x1 = fold16(x1, k, p), x2 = fold16(x2, k, p + 16), x3 = fold16(x3, k, p + 32), x4 = fold16(x4, k, p + 48);
 }
 
-// Carry-less-multiply folding (Intel "Fast CRC Computation for Generic Polynomials
-// Using PCLMULQDQ", the bit-reflected constants zlib/Chromium use).  A 1 KiB RoCE
-// payload is the hot path: the table loop would cap parsing near 1 GB/s.
-// Takes and returns the raw state.  `pre` (pre_len bytes, a multiple of 64, may be 0) is folded first,
-// then buf: the ICRC's masked header goes through the same folding as its payload, without a reduction
-// in between.  Needs pre_len + len >= 64 and len a multiple of 16 (and len >= 64 when pre_len is 0).
-__attribute__((target("pclmul,sse4.1"))) uint32_t crc_update_clmul(uint32_t crc, const uint8_t* pre, size_t pre_len,
-                                                                   const uint8_t* buf, size_t len) {
-    alignas(16) static const uint64_t k1k2[] = {0x0154442bd4, 0x01c6e41596};
+// The end of both foldings: four 128-bit lanes folded into one, 16-byte steps over the rest of buf (len a multiple
+// of 16), then 128 -> 64 -> 32 bits (Barrett reduction).
+__attribute__((target("pclmul,sse4.1"))) inline uint32_t fold_finish(__m128i x1, __m128i x2, __m128i x3, __m128i x4,
+                                                                     const uint8_t* buf, size_t len) {
     alignas(16) static const uint64_t k3k4[] = {0x01751997d0, 0x00ccaa009e};
     alignas(16) static const uint64_t k5k0[] = {0x0163cd6124, 0x0000000000};
     alignas(16) static const uint64_t poly[] = {0x01db710641, 0x01f7011641};
-    __m128i x0, x1, x2, x3, x4, x5;
-    const uint8_t* first = pre_len ? pre : buf;
-    x1 = _mm_loadu_si128((const __m128i*)(first + 0x00));
-    x2 = _mm_loadu_si128((const __m128i*)(first + 0x10));
-    x3 = _mm_loadu_si128((const __m128i*)(first + 0x20));
-    x4 = _mm_loadu_si128((const __m128i*)(first + 0x30));
-    x1 = _mm_xor_si128(x1, _mm_cvtsi32_si128(int(crc)));
-    x0 = _mm_load_si128((const __m128i*)k1k2);
-    if (pre_len) pre += 64, pre_len -= 64;
-    else buf += 64, len -= 64;
-    for (; pre_len >= 64; pre += 64, pre_len -= 64) fold64(x1, x2, x3, x4, x0, pre);
-    for (; len >= 64; buf += 64, len -= 64) fold64(x1, x2, x3, x4, x0, buf);  // four lanes in parallel
+    __m128i x0, x5;
     x0 = _mm_load_si128((const __m128i*)k3k4);  // fold the four lanes into one
     for (__m128i next : {x2, x3, x4}) {
         x5 = _mm_clmulepi64_si128(x1, x0, 0x00);
@@ -189,13 +191,85 @@ __attribute__((target("pclmul,sse4.1"))) uint32_t crc_update_clmul(uint32_t crc,
     x1 = _mm_xor_si128(x1, x2);
     return uint32_t(_mm_extract_epi32(x1, 1));
 }
+
+// Carry-less-multiply folding (Intel "Fast CRC Computation for Generic Polynomials
+// Using PCLMULQDQ", the bit-reflected constants zlib/Chromium use).  A 1 KiB RoCE
+// payload is the hot path: the table loop would cap parsing near 1 GB/s.
+// Takes and returns the raw state.  `pre` (pre_len bytes, a multiple of 64, may be 0) is folded first,
+// then buf: the ICRC's masked header goes through the same folding as its payload, without a reduction
+// in between.  Needs pre_len + len >= 64 and len a multiple of 16 (and len >= 64 when pre_len is 0).
+__attribute__((target("pclmul,sse4.1"))) uint32_t crc_update_clmul(uint32_t crc, const uint8_t* pre, size_t pre_len,
+                                                                   const uint8_t* buf, size_t len) {
+    __m128i x0, x1, x2, x3, x4;
+    const uint8_t* first = pre_len ? pre : buf;
+    x1 = _mm_loadu_si128((const __m128i*)(first + 0x00));
+    x2 = _mm_loadu_si128((const __m128i*)(first + 0x10));
+    x3 = _mm_loadu_si128((const __m128i*)(first + 0x20));
+    x4 = _mm_loadu_si128((const __m128i*)(first + 0x30));
+    x1 = _mm_xor_si128(x1, _mm_cvtsi32_si128(int(crc)));
+    x0 = _mm_load_si128((const __m128i*)k1k2);
+    if (pre_len) pre += 64, pre_len -= 64;
+    else buf += 64, len -= 64;
+    for (; pre_len >= 64; pre += 64, pre_len -= 64) fold64(x1, x2, x3, x4, x0, pre);
+    for (; len >= 64; buf += 64, len -= 64) fold64(x1, x2, x3, x4, x0, buf);  // four lanes in parallel
+    return fold_finish(x1, x2, x3, x4, buf, len);
+}
+
+#define CRC_VPCLMUL_TARGET __attribute__((target("avx512f,vpclmulqdq,pclmul,sse4.1")))
+// The four lanes of fold64 in one zmm register: x times the pair k in every 128-bit lane, plus the 64 bytes at p.
+CRC_VPCLMUL_TARGET inline __m512i fold512(__m512i x, __m512i k, const uint8_t* p) {
+    return _mm512_ternarylogic_epi64(_mm512_clmulepi64_epi128(x, k, 0x11), _mm512_clmulepi64_epi128(x, k, 0x00),
+                                     _mm512_loadu_si512(p), 0x96);  // 0x96: a ^ b ^ c
+}
+
+// A 128-bit constant pair in all four lanes.
+CRC_VPCLMUL_TARGET inline __m512i lanes(const uint64_t* k) { return _mm512_broadcast_i32x4(_mm_load_si128((const __m128i*)k)); }
+
+// crc_update_clmul with 512-bit VPCLMULQDQ (same contract, bit-identical): the 128-bit path's four lanes are one
+// zmm register, and from 256 bytes on four registers fold a 256-byte window each step, so no step waits on the
+// multiply before it (one register alone is latency-bound at 64 bytes per multiply-and-xor).
+CRC_VPCLMUL_TARGET uint32_t crc_update_vclmul(uint32_t crc, const uint8_t* pre, size_t pre_len, const uint8_t* buf,
+                                              size_t len) {
+    // as k1k2, for folding 128, 192 and 256 bytes ahead (D = 1024, 1536, 2048 bits)
+    alignas(16) static const uint64_t k128B[] = {0x01e88ef372, 0x014a7fe880}, k192B[] = {0x01821d8bc0, 0x012e958ac4},
+                                      k256B[] = {0x011542778a, 0x01322d1430};
+    const __m512i k64 = lanes(k1k2);
+    const uint8_t* first = pre_len ? pre : buf;
+    __m512i a = _mm512_xor_si512(_mm512_loadu_si512(first), _mm512_zextsi128_si512(_mm_cvtsi32_si128(int(crc))));
+    if (pre_len) pre += 64, pre_len -= 64;
+    else buf += 64, len -= 64;
+    for (; pre_len >= 64; pre += 64, pre_len -= 64) a = fold512(a, k64, pre);
+    if (len >= 256) {  // a and the next 192 bytes are the window's four 64-byte quarters, oldest first
+        __m512i b = _mm512_loadu_si512(buf), c = _mm512_loadu_si512(buf + 64), d = _mm512_loadu_si512(buf + 128);
+        buf += 192, len -= 192;
+        const __m512i k256 = lanes(k256B);
+        for (; len >= 256; buf += 256, len -= 256)
+            a = fold512(a, k256, buf), b = fold512(b, k256, buf + 64), c = fold512(c, k256, buf + 128),
+            d = fold512(d, k256, buf + 192);
+        const __m512i k192 = lanes(k192B), k128 = lanes(k128B);  // each quarter folded onto the newest at once
+        a = _mm512_ternarylogic_epi64(_mm512_clmulepi64_epi128(a, k192, 0x11), _mm512_clmulepi64_epi128(a, k192, 0x00),
+                                      _mm512_clmulepi64_epi128(b, k128, 0x11), 0x96);
+        a = _mm512_ternarylogic_epi64(a, _mm512_clmulepi64_epi128(b, k128, 0x00), _mm512_clmulepi64_epi128(c, k64, 0x11),
+                                      0x96);
+        a = _mm512_ternarylogic_epi64(a, _mm512_clmulepi64_epi128(c, k64, 0x00), d, 0x96);
+    }
+    for (; len >= 64; buf += 64, len -= 64) a = fold512(a, k64, buf);
+    return fold_finish(_mm512_extracti32x4_epi32(a, 0), _mm512_extracti32x4_epi32(a, 1), _mm512_extracti32x4_epi32(a, 2),
+                       _mm512_extracti32x4_epi32(a, 3), buf, len);
+}
+
+// The folding this CPU has (crc_path is not CRC_TABLE); the contract of crc_update_clmul.
+inline uint32_t crc_update_folded(uint32_t crc, const uint8_t* pre, size_t pre_len, const uint8_t* buf, size_t len) {
+    return crc_path == CRC_VPCLMUL ? crc_update_vclmul(crc, pre, pre_len, buf, len)
+                                   : crc_update_clmul(crc, pre, pre_len, buf, len);
+}
 #endif
 
 uint32_t crc_update(uint32_t c, const uint8_t* p, size_t n) {
 #if defined(__x86_64__)
-    if (have_clmul && n >= 64) {
+    if (crc_path != CRC_TABLE && n >= 64) {
         size_t m = n & ~size_t(15);
-        c = crc_update_clmul(c, nullptr, 0, p, m);
+        c = crc_update_folded(c, nullptr, 0, p, m);
         p += m;
         n -= m;
     }
@@ -502,7 +576,7 @@ uint32_t roce_icrc(const uint8_t* f, const L3& l3, size_t icrc_at) {
     // whole 16-byte lanes (lead makes the total a multiple of 16; zero_lead[lead] starts the state so they count for nothing)
     const size_t lead = (16 - (8 + len + body) % 16) % 16;
     const size_t block_len = lead + len + 8 <= 64 ? 64 : 128, borrow = block_len - lead - 8 - len;
-    const bool fold = have_clmul && body >= borrow;
+    const bool fold = crc_path != CRC_TABLE && body >= borrow;
     uint8_t* hdr = fold ? block + lead + 8 : block;
     std::memcpy(hdr, f + l3.ip, len);
     if (l3.v6) {
@@ -520,7 +594,7 @@ uint32_t roce_icrc(const uint8_t* f, const L3& l3, size_t icrc_at) {
         std::memcpy(hdr + len, f + rest, borrow);
         const uint8_t* p = f + rest + borrow;
         const size_t n = body - borrow;  // a multiple of 16 by the choice of lead
-        return ~crc_update_clmul(zero_lead[lead], block, block_len, p, n);
+        return ~crc_update_folded(zero_lead[lead], block, block_len, p, n);
     }
 #endif
     uint32_t c = crc_update_table(seed, hdr, len);
@@ -1628,6 +1702,8 @@ PYBIND11_MODULE(_mirror, m) {
     m.doc() = "flowcheck's mirror-capture packet path: capture index, RoCEv2 parse, reassembly, NCCL unpacking.";
     m.def("layouts", &layouts, "Record layouts: {name: ([(field, numpy format, offset)], itemsize)}.");
     m.def("crc32", &crc32, py::arg("data"), py::arg("value") = 0, "zlib-compatible CRC32 of data, continuing from value.");
+    m.def("crc_path", [] { return std::string(crc_path_names[crc_path]); },
+          "The CRC32 folding in use: vpclmul, pclmul or table (the CPU's widest, capped by $FLOWCHECK_CRC).");
     m.def("index_capture", &index_capture, py::arg("file"),
           "Index a pcap/pcapng image: (offsets, lengths, ts_ns, linktypes, format). ValueError when malformed.");
     m.def("parse", &parse, py::arg("buf"), py::arg("offsets"), py::arg("lengths"), py::arg("out"),
