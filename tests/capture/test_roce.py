@@ -551,18 +551,53 @@ def test_merge_send_equals_the_reference_merge_on_random_sends(seed):
             assert data.tobytes() == ref_data.tobytes() and copies.tobytes() == ref_copies.tobytes(), (seed, case)
 
 
-def test_crc32_equals_zlib_at_every_length_and_start():
-    """The ICRC's CRC32: table-driven below 64 bytes, carry-less-multiply folding above (with a table tail)."""
-    import zlib
+# Run with $FLOWCHECK_CRC capping the folding (read once, at import): every length and misaligned start against
+# zlib, then the ICRC of simulated frames of every payload length (IPv4 + VLAN and IPv6, with and without extension
+# headers) and the status counts of the real captures, printed for the parent to compare across paths.
+CRC_CHILD = """
+import json, sys, zlib
+import numpy as np
+from flowcheck import _mirror
+from flowcheck.capture.mirror import roce
+from flowcheck.capture.mirror.frames import Endpoint, Opcode, roce_frame
+from flowcheck.capture.mirror.pcap import Frames, read_capture
 
-    from flowcheck import _mirror
+rng = np.random.default_rng(5)
+data = rng.integers(0, 256, (1 << 20) + 64, dtype=np.uint8)
+for n in [*range(0, 601), 1024, 4096, 9000, 1 << 20]:
+    for start in (0, 1, 3, 13):
+        chunk, value = data[start:start + n], int(rng.integers(0, 2**32))
+        assert _mirror.crc32(chunk, value) == zlib.crc32(chunk, value), (n, start)
+ends = [(Endpoint("02:00:00:00:00:01", "10.0.0.1", vlan=7), Endpoint("02:00:00:00:00:02", "10.0.0.2", vlan=7)),
+        (Endpoint("0c:42:a1:9f:58:f8", "fe80::e42:a1ff:fe9f:58f8"), Endpoint("08:c0:eb:8c:28:2c", "fe80::ac0:ebff:fe8c:282c"))]
+frames = [roce_frame(src, dst, sport=7, opcode=op, dqpn=5, psn=n, payload=data[:n].tobytes(), va=64, imm=n)
+          for src, dst in ends for n in range(0, 1101) for op in (Opcode.WRITE_ONLY, Opcode.WRITE_MIDDLE, Opcode.WRITE_LAST_IMM)]
+status = roce.parse(Frames.from_list(frames))["status"]
+counts = {p: roce.parse(read_capture(p)).status_counts for p in sys.argv[1:]}
+print(json.dumps({"path": _mirror.crc_path(), "icrc": [_mirror.frame_icrc(f) for f in frames],
+                  "trailer": [int.from_bytes(f[-4:], "little") for f in frames], "bad_icrc": int((status == roce.Status.BAD_ICRC).sum()),
+                  "captures": counts}))
+"""
 
-    rng = np.random.default_rng(5)
-    data = rng.integers(0, 256, 5000, dtype=np.uint8).tobytes()
-    for n in [*range(0, 300), 511, 512, 513, 1023, 1024, 1040, 1060, 1088, 4099, 4996]:
-        for start in (0, 3):
-            chunk, value = data[start:start + n], int(rng.integers(0, 2**32))
-            assert _mirror.crc32(chunk, value) == zlib.crc32(chunk, value), (n, start)
+
+@pytest.mark.parametrize("path", ["table", "pclmul", "vpclmul"])
+def test_every_crc32_path_equals_zlib_and_gives_the_same_icrcs(path):
+    """The three CRC32 paths (table, 128-bit PCLMULQDQ folding, 512-bit VPCLMULQDQ folding) are bit-identical."""
+    import os
+    import subprocess
+    import sys
+
+    captures = [str(PCAPS / f"{name}.pcapng") for name in CAPTURES if (PCAPS / f"{name}.pcapng").exists()]
+    env = {**os.environ, "FLOWCHECK_CRC": path}
+    proc = subprocess.run([sys.executable, "-c", CRC_CHILD, *captures], env=env, capture_output=True, text=True,
+                          timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout)
+    if got["path"] != path:
+        pytest.skip(f"this CPU lacks {path} (the CRC fell back to {got['path']})")
+    assert got["icrc"] == got["trailer"] and got["bad_icrc"] == 0
+    for capture, counts in got["captures"].items():
+        assert counts == roce.parse(read_capture(capture)).status_counts, capture
 
 
 def test_ll128_unpack_and_simple_copy():

@@ -55,10 +55,9 @@ def asan_build(tmp_path_factory):
     return out, libasan
 
 
-CHILD = textwrap.dedent('''
+LOAD = textwrap.dedent('''
     import importlib.util, random, sys, glob, os
     build = sys.argv[1]
-    n_inputs = int(sys.argv[2])
     for name in ("_mirror", "_native"):  # the sanitized builds stand in for the installed extensions
         path = glob.glob(os.path.join(build, name + ".*so"))[0]
         spec = importlib.util.spec_from_file_location("flowcheck." + name, path)
@@ -70,6 +69,10 @@ CHILD = textwrap.dedent('''
     import numpy as np
     from flowcheck import _mirror, _native
     assert "asan" in open("/proc/self/maps").read() and _mirror.__file__.startswith(build)
+''')
+
+CHILD = LOAD + textwrap.dedent('''
+    n_inputs = int(sys.argv[2])
     from flowcheck.capture.mirror import roce
     from flowcheck.errors import FlowcheckError
     from tests.reliability import test_fuzz as tf
@@ -226,11 +229,36 @@ CHILD = textwrap.dedent('''
 ''')
 
 
-def test_native_packet_path_is_clean_under_address_and_ub_sanitizers(asan_build):
-    from tests.reliability import test_fuzz as tf
+# Every CRC32 path ($FLOWCHECK_CRC, read at import) over exact-size heap buffers, so that a fold reading past the end
+# is an ASan report: every length to 600 and larger ones at misaligned starts, then the ICRC of exact-size frames of
+# every payload length and of their truncations (lengths that lie about the frame).
+CRC_CHILD = LOAD + textwrap.dedent('''
+    import zlib
+    from flowcheck.capture.mirror.frames import Endpoint, Opcode, roce_frame
+    if _mirror.crc_path() != sys.argv[2]:
+        print("ASAN-CRC path=" + _mirror.crc_path()); sys.exit(0)
+    rng = random.Random(5)
+    exact = lambda b: np.frombuffer(b, np.uint8).copy()  # a heap buffer of exactly len(b) bytes
+    for n in [*range(0, 601), 1024, 4096, 9000, 1 << 20]:
+        for start in (0, 1, 3):
+            data = exact(rng.randbytes(n + start))[start:]
+            assert _mirror.crc32(data, n) == zlib.crc32(data, n), (n, start)
+    ends = [(Endpoint("02:00:00:00:00:01", "10.0.0.1", vlan=7), Endpoint("02:00:00:00:00:02", "10.0.0.2", vlan=7)),
+            (Endpoint("0c:42:a1:9f:58:f8", "fe80::e42:a1ff:fe9f:58f8"), Endpoint("08:c0:eb:8c:28:2c", "fe80::ac0:ebff:fe8c:282c"))]
+    frames = 0
+    for src, dst in ends:
+        for n in range(0, 1101, 3):
+            for op in (Opcode.WRITE_ONLY, Opcode.WRITE_MIDDLE, Opcode.WRITE_LAST_IMM):
+                f = roce_frame(src, dst, sport=7, opcode=op, dqpn=5, psn=n, payload=rng.randbytes(n), va=64, imm=n)
+                assert _mirror.frame_icrc(exact(f)) == int.from_bytes(f[-4:], "little")
+                _mirror.frame_icrc(exact(f[:rng.randrange(len(f))]))
+                frames += 1
+    print(f"ASAN-CRC path={_mirror.crc_path()} frames={frames}")
+''')
 
-    if not tf.SEED_CAPTURES:  # a checkout without ../shared beside it (CI has it): no seeds to mutate
-        pytest.skip(f"the shared real captures are missing ({tf.PCAPS}): the fuzz corpus needs them")
+
+def _sanitized(asan_build, code: str, *args: str, **env_vars: str) -> str:
+    """Run code in a child Python on the sanitized build; its stdout, after failing on any sanitizer report."""
     build, libasan = asan_build
     env = dict(os.environ)
     env.update(
@@ -238,14 +266,34 @@ def test_native_packet_path_is_clean_under_address_and_ub_sanitizers(asan_build)
         ASAN_OPTIONS="detect_leaks=0:abort_on_error=0:exitcode=86:allocator_may_return_null=1",
         UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:exitcode=87",
         PYTHONPATH=str(ROOT),
+        **env_vars,
     )
-    proc = subprocess.run([sys.executable, "-c", CHILD, str(build), str(INPUTS)], cwd=ROOT, env=env,
+    proc = subprocess.run([sys.executable, "-c", code, str(build), *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600, check=False)
     report = proc.stderr[-6000:]
     assert "AddressSanitizer" not in proc.stderr and "runtime error:" not in proc.stderr, report
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-2000:]}\n{report}"
-    line = [x for x in proc.stdout.splitlines() if x.startswith("ASAN-FUZZ")]
-    assert line, proc.stdout[-2000:]
+    return proc.stdout
+
+
+def test_native_packet_path_is_clean_under_address_and_ub_sanitizers(asan_build):
+    from tests.reliability import test_fuzz as tf
+
+    if not tf.SEED_CAPTURES:  # a checkout without ../shared beside it (CI has it): no seeds to mutate
+        pytest.skip(f"the shared real captures are missing ({tf.PCAPS}): the fuzz corpus needs them")
+    stdout = _sanitized(asan_build, CHILD, str(INPUTS))
+    line = [x for x in stdout.splitlines() if x.startswith("ASAN-FUZZ")]
+    assert line, stdout[-2000:]
     assert int(line[0].split("merges=")[1].split()[0]) > 0, line[0]  # the decoder's native merge ran too
     assert int(line[0].split("ring_blocks=")[1].split()[0]) > 0, line[0]  # and the live ring's block copy
+    print("\n" + line[0])
+
+
+@pytest.mark.parametrize("path", ["table", "pclmul", "vpclmul"])
+def test_every_crc32_path_reads_only_its_buffer_under_sanitizers(asan_build, path):
+    stdout = _sanitized(asan_build, CRC_CHILD, path, FLOWCHECK_CRC=path)
+    line = [x for x in stdout.splitlines() if x.startswith("ASAN-CRC")]
+    assert line, stdout[-2000:]
+    if f"path={path} " not in line[0] + " ":
+        pytest.skip(f"this CPU lacks {path}: {line[0]}")
     print("\n" + line[0])
