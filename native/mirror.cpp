@@ -146,7 +146,7 @@ uint32_t crc_update_table(uint32_t c, const uint8_t* p, size_t n) {
 }
 
 #if defined(__x86_64__)
-// Folding 64 bytes ahead: x^(512+32) and x^(512-32) mod P, bit-reflected and shifted left one (both foldings' main step).
+// Folding 64 bytes ahead (both foldings' main step): x^(512+32) and x^(512-32) mod P, bit-reflected, shifted left one.
 alignas(16) const uint64_t k1k2[] = {0x0154442bd4, 0x01c6e41596};
 
 // One folding step: x times the constant pair k (its high and low halves), plus the next 16 bytes at p.
@@ -223,7 +223,9 @@ CRC_VPCLMUL_TARGET inline __m512i fold512(__m512i x, __m512i k, const uint8_t* p
 }
 
 // A 128-bit constant pair in all four lanes.
-CRC_VPCLMUL_TARGET inline __m512i lanes(const uint64_t* k) { return _mm512_broadcast_i32x4(_mm_load_si128((const __m128i*)k)); }
+CRC_VPCLMUL_TARGET inline __m512i lanes(const uint64_t* k) {
+    return _mm512_broadcast_i32x4(_mm_load_si128((const __m128i*)k));
+}
 
 // crc_update_clmul with 512-bit VPCLMULQDQ (same contract, bit-identical): the 128-bit path's four lanes are one
 // zmm register, and from 256 bytes on four registers fold a 256-byte window each step, so no step waits on the
@@ -249,13 +251,13 @@ CRC_VPCLMUL_TARGET uint32_t crc_update_vclmul(uint32_t crc, const uint8_t* pre, 
         const __m512i k192 = lanes(k192B), k128 = lanes(k128B);  // each quarter folded onto the newest at once
         a = _mm512_ternarylogic_epi64(_mm512_clmulepi64_epi128(a, k192, 0x11), _mm512_clmulepi64_epi128(a, k192, 0x00),
                                       _mm512_clmulepi64_epi128(b, k128, 0x11), 0x96);
-        a = _mm512_ternarylogic_epi64(a, _mm512_clmulepi64_epi128(b, k128, 0x00), _mm512_clmulepi64_epi128(c, k64, 0x11),
-                                      0x96);
+        a = _mm512_ternarylogic_epi64(a, _mm512_clmulepi64_epi128(b, k128, 0x00),
+                                      _mm512_clmulepi64_epi128(c, k64, 0x11), 0x96);
         a = _mm512_ternarylogic_epi64(a, _mm512_clmulepi64_epi128(c, k64, 0x00), d, 0x96);
     }
     for (; len >= 64; buf += 64, len -= 64) a = fold512(a, k64, buf);
-    return fold_finish(_mm512_extracti32x4_epi32(a, 0), _mm512_extracti32x4_epi32(a, 1), _mm512_extracti32x4_epi32(a, 2),
-                       _mm512_extracti32x4_epi32(a, 3), buf, len);
+    return fold_finish(_mm512_extracti32x4_epi32(a, 0), _mm512_extracti32x4_epi32(a, 1),
+                       _mm512_extracti32x4_epi32(a, 2), _mm512_extracti32x4_epi32(a, 3), buf, len);
 }
 
 // The folding this CPU has (crc_path is not CRC_TABLE); the contract of crc_update_clmul.

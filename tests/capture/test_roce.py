@@ -568,15 +568,17 @@ for n in [*range(0, 601), 1024, 4096, 9000, 1 << 20]:
     for start in (0, 1, 3, 13):
         chunk, value = data[start:start + n], int(rng.integers(0, 2**32))
         assert _mirror.crc32(chunk, value) == zlib.crc32(chunk, value), (n, start)
-ends = [(Endpoint("02:00:00:00:00:01", "10.0.0.1", vlan=7), Endpoint("02:00:00:00:00:02", "10.0.0.2", vlan=7)),
-        (Endpoint("0c:42:a1:9f:58:f8", "fe80::e42:a1ff:fe9f:58f8"), Endpoint("08:c0:eb:8c:28:2c", "fe80::ac0:ebff:fe8c:282c"))]
+v4 = (Endpoint("02:00:00:00:00:01", "10.0.0.1", vlan=7), Endpoint("02:00:00:00:00:02", "10.0.0.2", vlan=7))
+v6 = (Endpoint("0c:42:a1:9f:58:f8", "fe80::e42:a1ff:fe9f:58f8"),
+      Endpoint("08:c0:eb:8c:28:2c", "fe80::ac0:ebff:fe8c:282c"))
+ops = (Opcode.WRITE_ONLY, Opcode.WRITE_MIDDLE, Opcode.WRITE_LAST_IMM)
 frames = [roce_frame(src, dst, sport=7, opcode=op, dqpn=5, psn=n, payload=data[:n].tobytes(), va=64, imm=n)
-          for src, dst in ends for n in range(0, 1101) for op in (Opcode.WRITE_ONLY, Opcode.WRITE_MIDDLE, Opcode.WRITE_LAST_IMM)]
+          for src, dst in (v4, v6) for n in range(0, 1101) for op in ops]
 status = roce.parse(Frames.from_list(frames))["status"]
 counts = {p: roce.parse(read_capture(p)).status_counts for p in sys.argv[1:]}
 print(json.dumps({"path": _mirror.crc_path(), "icrc": [_mirror.frame_icrc(f) for f in frames],
-                  "trailer": [int.from_bytes(f[-4:], "little") for f in frames], "bad_icrc": int((status == roce.Status.BAD_ICRC).sum()),
-                  "captures": counts}))
+                  "trailer": [int.from_bytes(f[-4:], "little") for f in frames],
+                  "bad_icrc": int((status == roce.Status.BAD_ICRC).sum()), "captures": counts}))
 """
 
 

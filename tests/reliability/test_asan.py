@@ -5,7 +5,8 @@ into a temporary folder, then runs the capture fuzz corpus (the shared captures,
 of them, random bytes) through index_capture, parse, reassemble, the unpackers, the merges of final sends
 (one and batched, on two threads) and whole decodes of the real captures with their jobs in a child Python
 with ``LD_PRELOAD`` of gcc's libasan.  Any sanitizer report (out-of-bounds read, overflow, shift or
-signed-overflow UB) fails the test with the report.  Skipped, saying why, without g++ or libasan.
+signed-overflow UB) fails the test with the report.  Each CRC32 path (table, PCLMULQDQ, VPCLMULQDQ folding, capped
+by ``FLOWCHECK_CRC``) runs in a child of its own over exact-size buffers.  Skipped, saying why, without g++ or libasan.
 
 Run alone: ``pytest tests/reliability/test_asan.py -s`` (``FLOWCHECK_ASAN_INPUTS`` sets the corpus size).
 """
@@ -243,10 +244,11 @@ CRC_CHILD = LOAD + textwrap.dedent('''
         for start in (0, 1, 3):
             data = exact(rng.randbytes(n + start))[start:]
             assert _mirror.crc32(data, n) == zlib.crc32(data, n), (n, start)
-    ends = [(Endpoint("02:00:00:00:00:01", "10.0.0.1", vlan=7), Endpoint("02:00:00:00:00:02", "10.0.0.2", vlan=7)),
-            (Endpoint("0c:42:a1:9f:58:f8", "fe80::e42:a1ff:fe9f:58f8"), Endpoint("08:c0:eb:8c:28:2c", "fe80::ac0:ebff:fe8c:282c"))]
+    v4 = (Endpoint("02:00:00:00:00:01", "10.0.0.1", vlan=7), Endpoint("02:00:00:00:00:02", "10.0.0.2", vlan=7))
+    v6 = (Endpoint("0c:42:a1:9f:58:f8", "fe80::e42:a1ff:fe9f:58f8"),
+          Endpoint("08:c0:eb:8c:28:2c", "fe80::ac0:ebff:fe8c:282c"))
     frames = 0
-    for src, dst in ends:
+    for src, dst in (v4, v6):
         for n in range(0, 1101, 3):
             for op in (Opcode.WRITE_ONLY, Opcode.WRITE_MIDDLE, Opcode.WRITE_LAST_IMM):
                 f = roce_frame(src, dst, sport=7, opcode=op, dqpn=5, psn=n, payload=rng.randbytes(n), va=64, imm=n)
