@@ -16,6 +16,7 @@ import logging
 import math
 import os
 import shutil
+import stat
 import threading
 import time
 import uuid
@@ -40,7 +41,7 @@ from flowcheck.errors import (
 from flowcheck.manifest import INCREMENTAL_VERSION, PACKED_VERSION, Manifest, ParentRef, ShardEntry, StepRef
 from flowcheck.progress import Progress, counter
 from flowcheck.state import Shard, Snapshot
-from flowcheck.tiers import local_refs, local_zarr, row_blocks, zarr_pack
+from flowcheck.tiers import cluster, local_refs, local_zarr, row_blocks, zarr_pack
 from flowcheck.tiers.base import MANIFEST, Problem, Tier, full_region, make_manifest, parse_step_dir, step_dir
 from flowcheck.tiers.durable import DurableStore, fsync_dir, make_tree_durable, replace_file, sync_paths
 from flowcheck.tiers.read_ahead import ReadAhead
@@ -342,14 +343,19 @@ class LocalTier(Tier):
         knows what it will read before it may read it, and before it has parsed the manifest (a DCP rank: its reads
         start only after DCP plans the load).  Only the kernel reads here; nothing is trusted: the reads check."""
         base = os.path.join(self.root, step_dir(step))
-        found = glob.glob(os.path.join(glob.escape(os.path.join(base, folder)), "**", zarr_pack.PACKS, "*", "c", "0"),
-                          recursive=True)
+        pack = os.path.join(zarr_pack.PACKS, "*", "c", "0")  # the layout's own places: no recursive walk
+        wheres = [os.path.join(glob.escape(os.path.join(base, folder)), pack)] if folder else \
+            [os.path.join(glob.escape(base), pack), os.path.join(glob.escape(base), cluster.NODES, "*", pack)]
+        found = [p for where in wheres for p in glob.glob(where)]
         for path in sorted(found, key=lambda p: os.path.relpath(p, base)):  # a pack's piece path, as packed_runs sorts
             if most <= 0:
                 return
-            fd = os.open(path, os.O_RDONLY)
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # never waits on something that is not a file
             try:
-                n = min(os.fstat(fd).st_size, most)
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode):
+                    continue
+                n = min(st.st_size, most)
                 os.posix_fadvise(fd, 0, n, os.POSIX_FADV_WILLNEED)  # queues the reads and returns
             finally:
                 os.close(fd)
