@@ -410,17 +410,18 @@ class Store:
             raise type(e)(f"{e}; run{'s' if len(elsewhere) > 1 else ''} {', '.join(elsewhere)} of this store "
                           f"hold{'s' if len(elsewhere) == 1 else ''} a step {step}: add --run {elsewhere[0]}") from None
 
-    def open_step(self, step: int | str, prefer: str = "auto", branch: str | None = None) -> tuple[Tier, Manifest]:
+    def open_step(self, step: int | str, prefer: str = "auto", branch: str | None = None, *,
+                  at: tuple[Tier, int] | None = None) -> tuple[Tier, Manifest]:
         """The persistent tier to read a state from (opened at its branch; RAM is read through its stored copy)
-        and its manifest.
+        and its manifest.  ``at``: where ``stored`` found the state, for a caller that needed the place first.
 
         With ``prefer="auto"`` the tier is a FallbackTier (tiers/fallback.py): a shard, region or manifest
         found damaged there is read from the next tier holding the same manifest digest, with a WARNING naming
         the damaged tier, step and file. An explicit tier is that tier alone: its errors stand."""
-        t, n = self._stored(step, prefer, branch)
+        t, n = at or self.stored(step, prefer, branch)
         return self._checked(t, n, prefer)
 
-    def _stored(self, step: int | str, prefer: str, branch: str | None) -> tuple[Tier, int]:
+    def stored(self, step: int | str, prefer: str, branch: str | None) -> tuple[Tier, int]:
         """``locate``, with RAM replaced by a stored copy of its state (a digest names it: a bare step number
         may name another branch's state)."""
         t, n = self.locate(step, prefer, branch)

@@ -100,9 +100,10 @@ class Reader(StorageReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         store = Store(self.config)
-        if self.prefetch:
-            _prefetch(store, self.step, self.prefer, self.branch)
-        tier, m = store.open_step(self.step, self.prefer, self.branch)
+        at = store.stored(self.step, self.prefer, self.branch)
+        if self.prefetch and hasattr(at[0], "will_need"):
+            _prefetch(*at)
+        tier, m = store.open_step(self.step, self.prefer, self.branch, at=at)
         where = f"{tier.name} tier step {m.step} of run {m.run}"
         view = view_of(list(m.tensors), m.scalars, where, self.push_keys)
         entries: dict[str, Any] = {}
@@ -264,16 +265,10 @@ class Reader(StorageReader):
                                    safe_globals=self.safe_globals)
 
 
-def _prefetch(store: Store, step: int | str, prefer: str, branch: str | None) -> None:
-    """Let the disk start, on a thread, on what this rank most likely reads, while it parses the step's manifest and
-    DCP plans the load: the local tier's part this rank saved (``nodes/rank-<rank>``: a load at the layout it saved),
-    or every part in a process of its own."""
-    try:
-        tier, n = store.locate(step, prefer, branch)
-    except FlowcheckError:
-        return  # open_step says what is wrong
-    if not hasattr(tier, "will_need"):
-        return
+def _prefetch(tier: Any, n: int) -> None:
+    """Let the disk start, on a thread, on what this rank most likely reads of step ``n``, while it parses the step's
+    manifest and DCP plans the load: the local tier's part this rank saved (``nodes/rank-<rank>``: a load at the
+    layout it saved), or every part in a process of its own."""
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else None
     folder = "" if rank is None else f"{NODES}/{node_name(rank)}"
 
