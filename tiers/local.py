@@ -424,6 +424,7 @@ class LocalTier(Tier):
         if not real.startswith(root + os.sep):
             raise IntegrityError(f"local tier: {os.path.join(self._run_root(), rel)} resolves outside the run folder "
                                  f"{root} (to {real}); refusing to read it")
+        _check_regular(real)
 
     def _pack_at(self, base: str, rel: str, listed: bool, check: Callable[[str], None]) -> zarr_pack.PackFile:
         data_rel = f"{rel}/c/0"
@@ -474,6 +475,7 @@ class LocalTier(Tier):
                 f"local tier: {os.path.join(self.root, rel)} is a symlink out of the store root {self.root} (to {real}); "
                 "refusing to read it — replace the link with the file (or read the step from another tier)"
             )
+        _check_regular(os.path.join(self.root, rel))
 
     # ---- delete / verify / clean -------------------------------------------
     def _delete(self, step: int) -> None:
@@ -506,9 +508,13 @@ class LocalTier(Tier):
                 problems.append(Problem(self.name, manifest.step, f"symlink out of the store root (to {real})", path))
                 continue
             try:
+                _check_regular(path)
                 size, digest = file_digest(path)
             except FileNotFoundError:
                 problems.append(Problem(self.name, manifest.step, "file listed in the manifest is missing", path))
+                continue
+            except IntegrityError as e:
+                problems.append(Problem(self.name, manifest.step, str(e), path))
                 continue
             if size != f.bytes:
                 problems.append(Problem(self.name, manifest.step, f"size {size} != manifest {f.bytes}", path))
@@ -619,6 +625,19 @@ def _holds_packs(folder: str) -> bool:
 
 def _packed(entry: ShardEntry) -> bool:
     return len(entry.location) == 1 and entry.location[0].start is not None
+
+
+def _check_regular(path: str) -> None:
+    """A step file the tier reads must be a regular file: a FIFO or a device where one belongs (a damaged or hostile
+    store) would block the reader or stream without end.  A missing file is left to the read, which names it."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISREG(mode):
+        kind = "a FIFO" if stat.S_ISFIFO(mode) else "a directory" if stat.S_ISDIR(mode) else "a device or socket"
+        raise IntegrityError(f"local tier: {path} is {kind}, not a regular file; refusing to read it (a step's files "
+                             "are regular files: restore it from another tier)")
 
 
 def packed_runs(items: list[tuple[str, ShardEntry]], most: int

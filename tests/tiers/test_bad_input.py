@@ -103,6 +103,38 @@ def test_a_missing_zarr_chunk_is_not_read_as_zeros(tier, two_steps):
         tier.read(10, W)
 
 
+@LOCAL
+@pytest.mark.parametrize("what", ["zarr.json", "c/0"])
+def test_a_fifo_where_a_step_file_belongs_is_refused_at_once_never_waited_on(tier, two_steps, what):
+    """A FIFO would block the reader forever (open waits for a writer): reads and verify name it instead."""
+    import os
+    import threading
+
+    m = tier.manifest(20)
+    data = chunk_file(tier, 20, BIG)
+    path = f"{tier.root}/{data.rsplit('/c/', 1)[0] + '/zarr.json' if what == 'zarr.json' else data}"
+    os.replace(path, path + ".kept")
+    os.mkfifo(path)
+    got: list[BaseException] = []
+
+    def read():
+        try:
+            tier.read_shard(m, BIG, m.tensors[BIG].shards[0])
+        except BaseException as e:  # noqa: BLE001 - handed to the test thread
+            got.append(e)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(60)
+    assert not reader.is_alive() and len(got) == 1 and isinstance(got[0], IntegrityError), got
+    assert "is a FIFO, not a regular file" in str(got[0]) and path in str(got[0])
+    problems = tier.verify(20)
+    assert any("is a FIFO" in p.what for p in problems)
+    os.remove(path)
+    os.replace(path + ".kept", path)
+    assert tier.verify(20) == [] and tier.verify(10) == []
+
+
 # ---- object tier: safetensors files ------------------------------------------------------------
 @OBJECT
 @pytest.mark.parametrize("keep", ["4-bytes", "header-only", "all-but-one"])
