@@ -764,8 +764,14 @@ struct Out : StreamTables {
     std::vector<int32_t> stream_of, message_of;
 };
 
+// A SEND/WRITE packet of a stream, with what placing it reads of its row in every packet (demux reads the row anyway,
+// in capture order; placing it later, stream by stream, would read the 128-byte rows again, strided: placing waited
+// on those loads more than it computed).  The rest (RETH, immediate) is read from the row where the opcode has it.
 struct Req {
     int64_t psn, frame;
+    int64_t payload_off, ll_flag;
+    int32_t payload_len;
+    uint8_t opcode;
     bool operator<(const Req& o) const { return psn != o.psn ? psn < o.psn : frame < o.frame; }
 };
 
@@ -827,7 +833,8 @@ std::vector<std::vector<Req>> demux(const PacketRow* rows, size_t n, Out& out, s
         out.stream_of[i] = last_id;
         if (kind == SEND || kind == WRITE) {
             std::vector<Req>& q = reqs[size_t(last_id)];
-            q.push_back({q.empty() ? int64_t(r.psn) : unwrap(q.back().psn, r.psn), int64_t(i)});
+            q.push_back({q.empty() ? int64_t(r.psn) : unwrap(q.back().psn, r.psn), int64_t(i), r.payload_off, r.ll_flag,
+                         r.payload_len, r.opcode});
             const Role role = ops.op[r.opcode].role;
             if (role == FIRST || role == MIDDLE) pmtus[size_t(last_id)] = std::max(pmtus[size_t(last_id)], r.payload_len);
         }
@@ -847,12 +854,11 @@ class Assembler {
         : sid_(sid), pmtu_(pmtu), rows_(rows), out_(out), message_of_(message_of) {}
 
     void place(const Req& q) {
-        const PacketRow& r = rows_[q.frame];
-        const OpInfo& op = ops.op[r.opcode];
+        const OpInfo& op = ops.op[q.opcode];
         bool starts = op.role == FIRST || op.role == ONLY;
         if (open_ && (starts || op.kind != m_.kind || (end_known_ && q.psn > end_psn_))) close(false, true, q.psn);
-        if (!open_) begin(r, op, q);
-        append(r, op, q);
+        if (!open_) begin(op, q);
+        append(op, q);
         if (op.role == LAST || op.role == ONLY) close(true, false, 0);
     }
 
@@ -871,9 +877,9 @@ class Assembler {
         return std::max<int64_t>(k, first ? 2 : 1);  // a FIRST always has a LAST after it
     }
 
-    void begin(const PacketRow& r, const OpInfo& op, const Req& q) {
+    void begin(const OpInfo& op, const Req& q) {
         m_ = MessageRow{};
-        m_.stream = sid_, m_.kind = op.kind, m_.first_opcode = r.opcode, m_.pmtu = pmtu_;
+        m_.stream = sid_, m_.kind = op.kind, m_.first_opcode = q.opcode, m_.pmtu = pmtu_;
         m_.va = -1, m_.dma_len = -1, m_.first_frame = q.frame, m_.seg_start = int64_t(out_.segments.size());
         m_.ll_flag = -1, m_.ll_uniform = 1, prev_flag_ = -1;
         seen_.clear();
@@ -881,6 +887,7 @@ class Assembler {
         if (op.role == FIRST || op.role == ONLY) {
             m_.first_psn = q.psn;
             if (op.reth) {
+                const PacketRow& r = rows_[q.frame];
                 m_.va = int64_t(r.va), m_.rkey = r.rkey, m_.dma_len = r.dma_len;
                 end_known_ = true, end_psn_ = q.psn + (op.role == ONLY ? 1 : packets_for(r.dma_len, true)) - 1;
             }
@@ -891,24 +898,24 @@ class Assembler {
         }
     }
 
-    void append(const PacketRow& r, const OpInfo& op, const Req& q) {
+    void append(const OpInfo& op, const Req& q) {
         int64_t pos = q.psn - m_.first_psn, id = int64_t(out_.messages.size());
         bool full = op.role == FIRST || op.role == MIDDLE;  // must be exactly one PMTU; a LAST at most one
-        if ((full && r.payload_len != pmtu_) || (op.role == LAST && r.payload_len > pmtu_)) m_.flags |= BAD_LENGTH;
+        if ((full && q.payload_len != pmtu_) || (op.role == LAST && q.payload_len > pmtu_)) m_.flags |= BAD_LENGTH;
         int64_t msg_off = pmtu_ > 0 || pos == 0 ? pos * pmtu_ : -1;
         if (msg_off < 0) m_.flags |= BAD_LENGTH;
-        if (r.payload_len > 0) {
-            out_.segments.push_back({r.payload_off, msg_off, q.frame, q.psn, int32_t(id), r.payload_len});
+        if (q.payload_len > 0) {
+            out_.segments.push_back({q.payload_off, msg_off, q.frame, q.psn, int32_t(id), q.payload_len});
             ++m_.n_segs;
-            if (r.ll_flag >= 0 && m_.ll_flag < 0) m_.ll_flag = r.ll_flag;
-            if (r.ll_flag >= 0 && prev_flag_ >= 0 && r.ll_flag != prev_flag_) m_.ll_uniform = 0;
-            prev_flag_ = r.ll_flag;
+            if (q.ll_flag >= 0 && m_.ll_flag < 0) m_.ll_flag = q.ll_flag;
+            if (q.ll_flag >= 0 && prev_flag_ >= 0 && q.ll_flag != prev_flag_) m_.ll_uniform = 0;
+            prev_flag_ = q.ll_flag;
         }
-        if (op.imm) m_.has_imm = 1, m_.imm = r.imm;
+        if (op.imm) m_.has_imm = 1, m_.imm = rows_[q.frame].imm;
         seen_.push_back(pos);
-        ++m_.n_packets, m_.bytes_seen += r.payload_len, m_.last_opcode = r.opcode;
+        ++m_.n_packets, m_.bytes_seen += q.payload_len, m_.last_opcode = q.opcode;
         m_.first_frame = std::min(m_.first_frame, q.frame), m_.last_frame = std::max(m_.last_frame, q.frame);
-        last_seen_psn_ = q.psn, last_seen_end_ = msg_off + r.payload_len;
+        last_seen_psn_ = q.psn, last_seen_end_ = msg_off + q.payload_len;
         message_of_[q.frame] = int32_t(id);
     }
 
@@ -967,10 +974,6 @@ class Assembler {
     int64_t prev_flag_ = -1;  // ll_flag of the open message's last segment
 };
 
-// Placing a packet reads its row (both cache lines) where the table was last touched by demux, long before: the placing
-// waited on those loads more than it computed.
-constexpr size_t ROW_PREFETCH_AHEAD = 8;
-
 void assemble_stream(int32_t sid, StreamRow& s, std::vector<Req>& q, const PacketRow* rows, int32_t pmtu, StreamTables& out,
                      int32_t* message_of) {
     if (!std::is_sorted(q.begin(), q.end())) std::sort(q.begin(), q.end());  // by PSN; equal PSNs keep capture order: the first copy wins
@@ -979,13 +982,7 @@ void assemble_stream(int32_t sid, StreamRow& s, std::vector<Req>& q, const Packe
     Assembler a(sid, pmtu, rows, out, message_of);
     int64_t expected = 0;
     bool any = false;
-    const size_t nq = q.size();
-    for (size_t i = 0; i < nq; ++i) {
-        const Req& x = q[i];
-        if (i + ROW_PREFETCH_AHEAD < nq) {  // a stream's rows lie apart in the table (other streams' between them)
-            const uint8_t* ahead = reinterpret_cast<const uint8_t*>(rows + q[i + ROW_PREFETCH_AHEAD].frame);
-            __builtin_prefetch(ahead), __builtin_prefetch(ahead + 64);
-        }
+    for (const Req& x : q) {
         if (any && x.psn < expected) { ++s.n_duplicates; continue; }
         if (any && x.psn > expected) out.gaps.push_back({expected, x.psn, sid, HOLE});
         a.place(x);
