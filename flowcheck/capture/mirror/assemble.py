@@ -184,8 +184,10 @@ class Assembler:
     def _next(self, live: list[RingStream], index: int, iteration: int, bucket: int, elements: int) -> Allreduce | None:
         """Allreduce ``index`` matched on the streams and merged; None: no stream holds it (or only re-sends)."""
         cursors = self.cursors
+        # data uninitialised: the merges write every element they place, and what none placed is zeroed below
+        # (zeroing every vector up front was ~4% of decode CPU)
         ar = Allreduce(index, iteration, bucket, elements, self.job.dtype,
-                       np.zeros(elements, self.dtype), np.zeros(elements, np.uint8))
+                       np.empty(elements, self.dtype), np.zeros(elements, np.uint8))
         if self.partition is not None:
             ar.owned = self.partition.ranges(self.job, self.job.plan(iteration)[bucket])
         ats = {s.name: at for s in live if (at := self._find(s, cursors[s.name], elements)) is not None}
@@ -201,6 +203,8 @@ class Assembler:
                 self._take(ar, s, ats[s.name], pattern, taken)
                 cursors[s.name] = ats[s.name] + len(pattern)
         self._merge(ar, taken)
+        if not ar.copies.all():
+            ar.data[ar.copies == 0] = 0  # missing elements read as zero, as they always have
         self.last = ar
         return ar
 
