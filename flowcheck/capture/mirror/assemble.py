@@ -12,7 +12,7 @@ recorded as missing.  A gradient with holes is never handed out.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -345,7 +345,10 @@ class Assembler:
         if not all(hasattr(p, "job") for p, _, _ in places):  # a place that is not a SendPlacer: one at a time
             return [p(ar.data[a:b], ar.copies[a:b]) for p, a, b in places]
         ranges = [(a, b) for _, a, b in places]
-        groups = [component_order(g, ranges) for g in overlap_groups(ranges, self.workers)]
+        if self.workers > 1:
+            groups = [component_order(g, ranges) for g in overlap_groups(ranges, self.workers)]
+        else:  # one group of every index: overlap_groups would only sort them
+            groups = [component_order(range(len(ranges)), ranges)] if ranges else []
         merged: list = [None] * len(places)
         first = places[0][0] if places else None
         if first is not None and all(hasattr(p, "row") and p.segments is first.segments and p.buf is first.buf
@@ -372,7 +375,7 @@ class Assembler:
         return [p.done(m) for (p, _, _), m in zip(places, merged)]
 
 
-def component_order(group: list[int], ranges: list[tuple[int, int]]) -> list[int]:
+def component_order(group: Iterable[int], ranges: list[tuple[int, int]]) -> list[int]:
     """The indices of ``group`` component by component (a component: ranges that overlap, transitively), components
     by their start, each in index order.  Merging in this order gives what index order gives — disjoint components
     touch different elements, and overlapping ranges keep their order — but the m copies of a chunk merge together."""

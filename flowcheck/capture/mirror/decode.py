@@ -153,9 +153,8 @@ def _stream_infos(frames: Frames, packets, buf: np.ndarray, anomalies: list[dict
     closing = (closes | gappy) & ((n_segs > 0) | (length == 0))
     writes = np.flatnonzero(m["kind"] == roce.KIND_WRITE)
     writes = writes[np.lexsort((m["first_psn"][writes], m["stream"][writes]))]  # by stream, then PSN
-    by_stream: dict[int, list[int]] = {}
-    for mid, sid in zip(writes.tolist(), m["stream"][writes].tolist()):
-        by_stream.setdefault(sid, []).append(mid)
+    sids, starts = np.unique(m["stream"][writes], return_index=True)  # each stream's run of writes
+    by_stream = {sid: run.tolist() for sid, run in zip(sids.tolist(), np.split(writes, starts[1:]))}
     missing: dict[int, list[tuple[int, int]]] = {}
     for mid, a, b in zip(r.missing["message"].tolist(), r.missing["start"].tolist(), r.missing["end"].tolist()):
         missing.setdefault(mid, []).append((a, b))

@@ -279,6 +279,8 @@ def merge_rows(buf: np.ndarray, segments: np.ndarray, rows: np.ndarray, ll: bool
     ``copies[lo:hi]`` of one allreduce, in row order, in one native call (no Python object per send)."""
     seen, differing, unplaced = _mirror.merge_rows(buf, _segments(segments), np.ascontiguousarray(rows, dtype=np.int64),
                                                    ll, data, copies)
+    if not len(unplaced):  # the usual case: every segment placed
+        return [Merged(a, b, []) for a, b in zip(seen.tolist(), differing.tolist())]
     bad: dict[int, list[tuple[int, int]]] = {}
     for k, status, nbytes in unplaced:
         bad.setdefault(k, []).append((status, nbytes))
