@@ -809,12 +809,20 @@ void count_kind(StreamRow& s, Kind k) {
 // SEND/WRITE packets (one PSN space) with their PSNs unwrapped in capture order, and each stream's PMTU seen (the
 // payload of its FIRST/MIDDLE packets, all full by definition; 0: none), read here while the row is in cache rather
 // than in another pass over the packet table (two such passes were ~8% of decode CPU).
+// demux reads the packet table in order, but the parse wrote it long before (tens of MB): without fetching rows
+// ahead it waited on each row's second line (the opcode) for a third of its time (reassembly -10% with 16 ahead)
+constexpr size_t DEMUX_AHEAD = 16;
+
 std::vector<std::vector<Req>> demux(const PacketRow* rows, size_t n, Out& out, std::vector<int32_t>& pmtus) {
     std::unordered_map<Key, int32_t, KeyHash> ids;
     std::vector<std::vector<Req>> reqs;
     Key last{};
     int32_t last_id = -1;  // consecutive packets mostly belong to one stream: skip the lookup then
     for (size_t i = 0; i < n; ++i) {
+        if (i + DEMUX_AHEAD < n) {  // the table was written by the parse long before: fetch its rows ahead
+            const char* ahead = reinterpret_cast<const char*>(rows + i + DEMUX_AHEAD);
+            __builtin_prefetch(ahead), __builtin_prefetch(ahead + 64);
+        }
         const PacketRow& r = rows[i];
         Kind kind = ops.op[r.opcode].kind;
         if (r.status != OK || kind == UNKNOWN) continue;
