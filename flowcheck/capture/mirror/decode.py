@@ -96,6 +96,9 @@ def decode_window(job: Job, frames: Frames, info: Decoded, resume: dict[str, int
     streams = _stream_infos(frames, packets, buf, info.anomalies, workers)
     rings, channels, roles = ring_streams(job, streams, buf, info.anomalies, resume)
     info.channels, info.streams = channels, roles
+    for s in streams:  # the rings hold what the sends need: the message columns go now (RAM, and the collector's scans)
+        if s.message_count is None:
+            s.message_count, s.messages = len(s.messages), []
     if not rings:
         info.anomalies.append({"type": "no_ring_connection",
                                "detail": "no stream between ring neighbours of the job carries NCCL sends; "
