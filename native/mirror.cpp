@@ -1363,11 +1363,70 @@ void run_merge(MergeJob& j) {
     uint8_t* out = j.out;
     uint8_t* cnt = j.cnt;
     int64_t seen = 0, differing = 0;
-    // Pass 1: what each segment places (checks its LL lines) -> byte ranges [lo, hi) of the send.
     struct Placed {
         const uint8_t* p;  // LL: its first line; Simple: the payload byte for `lo`
         int64_t lo, hi;
     };
+    // Where a segment goes, from its row alone: NOWHERE; MISALIGNED (LL, not on lines); else the byte range [lo, hi)
+    // of the send it fills (LL: once its lines are checked; lo >= size: past the send's end, nothing placed)
+    enum Where { NOWHERE, MISALIGNED, RANGE };
+    auto where = [&](const SegmentRow& r, int64_t shift, int64_t& lo, int64_t& hi) -> Where {
+        int64_t pos;
+        if (__builtin_add_overflow(r.msg_offset, shift, &pos)) return NOWHERE;  // nowhere in the send
+        if (!ll) {
+            if (pos < 0) return NOWHERE;
+            int64_t m = std::min<int64_t>(r.length, size - pos);
+            if (m <= 0) return NOWHERE;
+            lo = pos, hi = pos + m;
+            return RANGE;
+        }
+        if (r.length % 16 || pos % 16 || pos < 0) return MISALIGNED;
+        lo = pos / 2, hi = std::min<int64_t>(lo + r.length / 2, size);
+        return RANGE;
+    };
+    // The whole elements of each range; in the usual case they follow each other without overlap and each
+    // range merges straight from the (cached) packet, else the ranges are unioned through a scratch copy.
+    auto elems = [&](const Placed& x) {
+        return std::pair<int64_t, int64_t>{(x.lo + isz - 1) / isz, std::min<int64_t>(x.hi / isz, n)};
+    };
+    auto merge = [&](uint8_t* d, uint8_t* c, const uint8_t* src, int64_t count) -> int64_t {
+        switch (isz) {
+            case 1: return merge_run<uint8_t>(d, c, src, count);
+            case 2: return merge_run<uint16_t>(d, c, src, count);
+            case 4: return merge_run<uint32_t>(d, c, src, count);
+            default: return merge_run<uint64_t>(d, c, src, count);
+        }
+    };
+    std::vector<uint8_t> line_data;  // one LL segment's data words
+    auto merge_ordered = [&](const Placed& x) {  // one range, when the ranges follow each other without overlap
+        auto [ea, eb] = elems(x);
+        if (ea >= eb) return;
+        const uint8_t* src = x.p + (ea * isz - x.lo);  // Simple: the payload itself
+        if (ll) {  // LL ranges start on a line, so on an element: unpack the lines, then merge
+            int64_t bytes = (eb - ea) * isz, lines = (bytes + 7) / 8;
+            if (int64_t(line_data.size()) < lines * 8) line_data.resize(size_t(lines * 8));
+            ll_copy(line_data.data(), x.p, lines);
+            src = line_data.data();
+        }
+        seen += eb - ea;
+        differing += merge(out + ea * isz, cnt + ea, src, eb - ea);
+    };
+    // Whether every range a segment could fill (its lines all valid) follows the one before without overlap: then
+    // so do those that do fill, and each segment merges as soon as its lines are checked, while they are in cache
+    // (checking all of them first read every segment twice: merge_rows -9% in bench_mirror (a)).  Reads only rows.
+    bool ordered = true;
+    int64_t reach = 0;
+    for (const MergeJob::Part& part : j.parts)
+        for (size_t i = 0; i < part.n && ordered; ++i) {
+            int64_t lo = 0, hi = 0;
+            if (where(part.rows[i], part.shift, lo, hi) != RANGE || lo >= size) continue;
+            auto [ea, eb] = elems(Placed{nullptr, lo, hi});
+            if (ea >= eb) continue;
+            if (ea < reach) ordered = false;
+            reach = eb;
+        }
+    // Each segment: its lines checked (LL) -> placed (merged at once when ordered), or reported per part: first the
+    // misaligned ones (-1, their bytes), then those with bad lines (their number, 0).
     std::vector<Placed> placed;
     std::vector<int64_t> misaligned, bad_lines;
     for (const MergeJob::Part& part : j.parts) {
@@ -1379,61 +1438,23 @@ void run_merge(MergeJob& j) {
                 const SegmentRow& ahead = part.rows[i + PREFETCH_AHEAD];
                 for (int32_t k = 0; k < ahead.length; k += 64) __builtin_prefetch(b.data + ahead.offset + k);
             }
-            int64_t pos;
-            if (__builtin_add_overflow(r.msg_offset, part.shift, &pos)) continue;  // nowhere in the send
-            if (!ll) {
-                if (pos < 0) continue;
-                int64_t m = std::min<int64_t>(r.length, size - pos);
-                if (m > 0) placed.push_back({p, pos, pos + m});
-                continue;
+            int64_t lo = 0, hi = 0;
+            Where w = where(r, part.shift, lo, hi);
+            if (w == NOWHERE) continue;
+            if (w == MISALIGNED) { misaligned.push_back(r.length); continue; }
+            if (ll) {
+                int64_t lines = r.length / 16;
+                int64_t bad = flag < 0 ? lines : ll_bad_lines(p, lines, uint32_t(flag));
+                if (bad) { bad_lines.push_back(std::min<int64_t>(bad, INT32_MAX)); continue; }
+                if (lo >= size) continue;
             }
-            if (r.length % 16 || pos % 16 || pos < 0) { misaligned.push_back(r.length); continue; }
-            int64_t lines = r.length / 16;
-            int64_t bad = flag < 0 ? lines : ll_bad_lines(p, lines, uint32_t(flag));
-            if (bad) { bad_lines.push_back(std::min<int64_t>(bad, INT32_MAX)); continue; }
-            int64_t lo = pos / 2;
-            if (lo < size) placed.push_back({p, lo, std::min<int64_t>(lo + lines * 8, size)});
+            if (ordered) merge_ordered(Placed{p, lo, hi});
+            else placed.push_back({p, lo, hi});
         }
         for (int64_t v : misaligned) j.unplaced.emplace_back(-1, v);
         for (int64_t v : bad_lines) j.unplaced.emplace_back(int32_t(v), 0);
     }
-    // The whole elements of each range; in the usual case they follow each other without overlap and each
-    // range merges straight from the (cached) packet, else the ranges are unioned through a scratch copy.
-    auto elems = [&](const Placed& x) {
-        return std::pair<int64_t, int64_t>{(x.lo + isz - 1) / isz, std::min<int64_t>(x.hi / isz, n)};
-    };
-    bool ordered = true;
-    int64_t reach = 0;
-    for (const Placed& x : placed) {
-        auto [ea, eb] = elems(x);
-        if (ea >= eb) continue;
-        if (ea < reach) { ordered = false; break; }
-        reach = eb;
-    }
-    auto merge = [&](uint8_t* d, uint8_t* c, const uint8_t* src, int64_t count) -> int64_t {
-        switch (isz) {
-            case 1: return merge_run<uint8_t>(d, c, src, count);
-            case 2: return merge_run<uint16_t>(d, c, src, count);
-            case 4: return merge_run<uint32_t>(d, c, src, count);
-            default: return merge_run<uint64_t>(d, c, src, count);
-        }
-    };
-    if (ordered) {
-        std::vector<uint8_t> line_data;  // one LL segment's data words
-        for (const Placed& x : placed) {
-            auto [ea, eb] = elems(x);
-            if (ea >= eb) continue;
-            const uint8_t* src = x.p + (ea * isz - x.lo);  // Simple: the payload itself
-            if (ll) {  // LL ranges start on a line, so on an element: unpack the lines, then merge
-                int64_t bytes = (eb - ea) * isz, lines = (bytes + 7) / 8;
-                if (int64_t(line_data.size()) < lines * 8) line_data.resize(size_t(lines * 8));
-                ll_copy(line_data.data(), x.p, lines);
-                src = line_data.data();
-            }
-            seen += eb - ea;
-            differing += merge(out + ea * isz, cnt + ea, src, eb - ea);
-        }
-    } else {
+    if (!ordered) {
         std::unique_ptr<uint8_t[]> scratch(new uint8_t[size_t(std::max<int64_t>(size, 1))]);  // only placed bytes are read
         uint8_t* o = scratch.get();
         std::vector<std::pair<int64_t, int64_t>> present;  // element ranges [a, b)
