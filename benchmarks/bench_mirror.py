@@ -326,8 +326,8 @@ def part_decode(args, log) -> dict[str, Any]:
         many = next((r for r, _ in rows if r.method.endswith(f", {k} parse workers")), None)
         if one is not None and many is not None:
             scaling[k] = {"decode": one.median / many.median, "memcpy": memcpy.median / copy_row.median}
-            md.append(f"\nScaling at {k} workers (wall, medians): decode {scaling[k]['decode']:.2f}x one worker; "
-                      f"memcpy of the same bytes on {k} threads {scaling[k]['memcpy']:.2f}x one thread (the ceiling here).")
+            md.append(f"\nScaling at {k} workers (wall, medians): decode {scaling[k]['decode']:.2f}x one worker; memcpy "
+                      f"of the same bytes on {k} threads {scaling[k]['memcpy']:.2f}x one thread (the ceiling here).")
     return {"rows": out_rows, "markdown": "\n".join(md), "elements": elements, "largest_wire_bytes": largest,
             "scaling": scaling}
 

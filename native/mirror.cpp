@@ -852,7 +852,8 @@ std::vector<std::vector<Req>> demux(const PacketRow* rows, size_t n, Out& out, s
             q.push_back({q.empty() ? int64_t(r.psn) : unwrap(q.back().psn, r.psn), int64_t(i), r.payload_off, r.ll_flag,
                          r.payload_len, r.opcode});
             const Role role = ops.op[r.opcode].role;
-            if (role == FIRST || role == MIDDLE) pmtus[size_t(last_id)] = std::max(pmtus[size_t(last_id)], r.payload_len);
+            int32_t& seen = pmtus[size_t(last_id)];
+            if (role == FIRST || role == MIDDLE) seen = std::max(seen, r.payload_len);
         }
     }
     return reqs;
@@ -1015,8 +1016,8 @@ void assemble_stream(int32_t sid, StreamRow& s, std::vector<Req>& q, const Packe
 // tables (message ids from 0), which are then concatenated in stream order with their ids shifted, so the result is
 // the same as one thread's.
 // `seen`: each stream's PMTU from demux (used when `pmtu` is 0).
-void assemble_streams(std::vector<std::vector<Req>>& reqs, const PacketRow* rows, int32_t pmtu, const std::vector<int32_t>& seen,
-                      Out& out, int workers) {
+void assemble_streams(std::vector<std::vector<Req>>& reqs, const PacketRow* rows, int32_t pmtu,
+                      const std::vector<int32_t>& seen, Out& out, int workers) {
     int32_t fallback = pmtu;  // a stream without FIRST/MIDDLE packets borrows the capture's PMTU
     if (!pmtu)
         for (int32_t own : seen) fallback = std::max(fallback, own);
