@@ -805,14 +805,14 @@ void count_kind(StreamRow& s, Kind k) {
     ++*counter[k];
 }
 
-// Demultiplexes OK packets into (src ip, dst ip, dest QP) streams; collects each stream's RC
-// SEND/WRITE packets (one PSN space) with their PSNs unwrapped in capture order, and each stream's PMTU seen (the
-// payload of its FIRST/MIDDLE packets, all full by definition; 0: none), read here while the row is in cache rather
-// than in another pass over the packet table (two such passes were ~8% of decode CPU).
 // demux reads the packet table in order, but the parse wrote it long before (tens of MB): without fetching rows
 // ahead it waited on each row's second line (the opcode) for a third of its time (reassembly -10% with 16 ahead)
 constexpr size_t DEMUX_AHEAD = 16;
 
+// Demultiplexes OK packets into (src ip, dst ip, dest QP) streams; collects each stream's RC
+// SEND/WRITE packets (one PSN space) with their PSNs unwrapped in capture order, and each stream's PMTU seen (the
+// payload of its FIRST/MIDDLE packets, all full by definition; 0: none), read here while the row is in cache rather
+// than in another pass over the packet table (two such passes were ~8% of decode CPU).
 std::vector<std::vector<Req>> demux(const PacketRow* rows, size_t n, Out& out, std::vector<int32_t>& pmtus) {
     std::unordered_map<Key, int32_t, KeyHash> ids;
     std::vector<std::vector<Req>> reqs;
