@@ -84,6 +84,17 @@ def test_one_outbound_stream_misses_exactly_its_successors_chunk():
     assert ar.missing() == want  # chunk 1 (position 0's successor) is finalised only by position 1
 
 
+def test_missing_elements_read_as_zero_whatever_the_vector_held_before(monkeypatch):
+    """Allreduce vectors start uninitialised (the merges write what they place): what no copy reached is zeroed."""
+    monkeypatch.setattr(np, "empty", lambda shape, dtype=float: np.full(shape, 7, dtype))  # memory left dirty
+    job = _job(4, [40000])
+    vec = np.arange(1, 40001, dtype=np.float32)
+    (ar,) = Assembler(job, 1).assemble(_streams(job, [vec], [0]))
+    missing = ar.copies == 0
+    assert missing.any() and not ar.data[missing].any()
+    assert ar.data[~missing].tobytes() == vec[~missing].tobytes()
+
+
 def test_a_lost_send_is_covered_by_another_stream_and_reported_when_not():
     job = _job(3, [20000])
     vec = np.random.default_rng(0).standard_normal(20000).astype(np.float32)
