@@ -28,10 +28,10 @@ from flowcheck.errors import ConfigError
 HEADER_BYTES = 14 + 40 + 8 + 12 + 4 + 1
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "int32": 4}
 # measured (BENCHMARKS.md, "Mirror capture (issue 22)"): decode of the 304.5M-parameter end-to-end run, wire
-# bytes per core-second of process CPU time (3.13 and 3.31 GB in the two runs at the latest code on 2 Dec, and 3.11-3.13
-# in an A/B on one 384 MB capture; 2.40-2.45 before that day's second round of per-core work, 0.81 from wall time on
-# a slower, loaded hour before it), and the replica's AdamW update per parameter on one core (1.31 ns measured with
-# the decode; the earlier 1.64 kept: the larger of the two)
+# bytes per core-second of process CPU time (3.25-3.35 GB in three runs at the latest code on 2 Dec, 3.11-3.13 in an
+# A/B on one 384 MB capture: the lower kept; 2.40-2.45 before that day's second round of per-core work, 0.81 from wall
+# time on a slower, loaded hour before it), and the replica's AdamW update per parameter on one core (1.31 ns measured
+# with the decode; the earlier 1.64 kept: the larger of the two)
 DEFAULT_DECODE_GB_PER_CORE_S = 3.1
 DEFAULT_UPDATE_NS_PER_PARAM = 1.64
 # decode workers on separate cores (streams are independent); measure yours.  An assumption for independent decoders
