@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 from flowcheck.capture.mirror import roce
-from flowcheck.capture.mirror.assemble import Assembler, RingStream, WireSend, _runs, component_order, overlap_groups
+from flowcheck.capture.mirror.assemble import Assembler, RingStream, WireSend, _runs
+from flowcheck.capture.mirror.send_columns import merge_groups
 from flowcheck.capture.mirror.job import job_from_dict
 from flowcheck.capture.mirror.ring import ring_sends
 
@@ -169,22 +170,30 @@ def test_batched_merge_on_k_threads_equals_one_send_at_a_time_even_when_copies_d
     assert len(got) == 2 and all(s["conflicts"] for s, _, _ in got)  # the order of copies mattered
 
 
-def test_overlap_groups_keep_overlapping_ranges_together_in_order():
+def _groups(ranges, k):
+    bounds = np.array(ranges, np.int64).reshape(-1, 2)
+    return [g.tolist() for g in merge_groups(bounds[:, 0], bounds[:, 1], k)]
+
+
+def test_merge_groups_keep_overlapping_ranges_together_in_order():
     ranges = [(0, 10), (5, 15), (20, 30), (20, 30), (40, 41), (15, 20)]
     for k in (1, 2, 3, 8):
-        groups = overlap_groups(ranges, k)
+        groups = _groups(ranges, k)
         assert sorted(i for g in groups for i in g) == list(range(len(ranges))) and len(groups) <= k
-        assert all(g == sorted(g) for g in groups)
         where = {i: n for n, g in enumerate(groups) for i in g}
         assert where[0] == where[1] and where[2] == where[3]
-    assert len(overlap_groups(ranges, 8)) == 4  # {0,1}, {2,3}, {4}, {5}: [15, 20) touches but does not overlap
-    assert overlap_groups([], 4) == []
+        for g in groups:  # overlapping ranges keep their order
+            assert all(g.index(a) < g.index(b) for a in g for b in g if a < b and ranges[a][0] < ranges[b][1]
+                       and ranges[b][0] < ranges[a][1])
+    assert len(_groups(ranges, 8)) == 4  # {0,1}, {2,3}, {4}, {5}: [15, 20) touches but does not overlap
+    assert _groups([], 4) == []
+    # balanced by elements, largest component first onto the lightest group
+    assert _groups([(0, 100), (200, 210), (300, 390), (400, 420)], 2) == [[0, 1], [2, 3]]
 
 
-def test_component_order_puts_the_copies_of_a_chunk_together_keeping_their_order():
+def test_merge_groups_put_the_copies_of_a_chunk_together_keeping_their_order():
     # stream-major order, as Assembler._take lists final sends: three streams' copies of chunks [0,8), [8,16), [16,24)
     ranges = [(0, 8), (8, 16), (16, 24), (8, 16), (16, 24), (0, 8), (16, 24), (0, 8), (8, 16)]
-    assert component_order(list(range(9)), ranges) == [0, 5, 7, 1, 3, 8, 2, 4, 6]
-    # overlapping but unequal ranges form one component, kept in index order; a subset of indices stays a subset
-    assert component_order([4, 1, 0, 3], [(0, 10), (5, 15), (30, 40), (12, 20), (0, 2)]) == [0, 1, 3, 4]
-    assert component_order([], []) == []
+    assert _groups(ranges, 1) == [[0, 5, 7, 1, 3, 8, 2, 4, 6]]
+    # overlapping but unequal ranges form one component, kept in index order
+    assert _groups([(0, 10), (5, 15), (30, 40), (12, 20), (0, 2)], 1) == [[0, 1, 3, 4, 2]]

@@ -155,25 +155,14 @@ def test_reassembly_on_k_threads_gives_the_same_tables(tmp_path, dp, channels, p
         roce.reassemble(frames, packets, workers=0)
 
 
-def test_decode_of_the_shared_real_captures_does_not_depend_on_parse_workers(monkeypatch):
-    import glob
+def test_decode_of_the_shared_real_captures_does_not_depend_on_parse_workers(monkeypatch, real_captures):
     import json
-    import os
 
     from flowcheck.capture.mirror import roce
     from flowcheck.capture.mirror.decode import report
 
-    root = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "data", "pcaps")
-    jobs = os.path.join(os.path.dirname(__file__), "..", "data", "jobs")
-    pcaps = sorted(glob.glob(os.path.join(root, "*.pcapng")))
-    if not pcaps:
-        pytest.skip(f"the shared real captures are missing ({root})")
     monkeypatch.setattr(roce, "PARALLEL_MIN_FRAMES", 64)
-    for pcap in pcaps:
-        name = os.path.basename(pcap).rsplit(".", 1)[0]
-        job_path = os.path.join(jobs, name + ".yaml")
-        if not os.path.exists(job_path):
-            continue
+    for name, pcap, job_path in real_captures:
         job, frames = load_job(job_path), read_all([pcap])
         outs = set()
         for k in (1, 2, 4):

@@ -12,9 +12,9 @@ recorded as missing.  A gradient with holes is never handed out.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
 
@@ -22,7 +22,8 @@ from flowcheck.capture.mirror import roce
 from flowcheck.capture.mirror.gc_pause import gc_paused
 from flowcheck.capture.mirror.job import Job
 from flowcheck.capture.mirror.partition import Partition
-from flowcheck.capture.mirror.ring import RingParams, Send, ring_pattern
+from flowcheck.capture.mirror.ring import PatternColumns, RingParams, Send, pattern_columns, ring_pattern
+from flowcheck.capture.mirror.send_columns import SendColumns, Taken, fits, merge_groups, merge_taken, run_groups
 
 NUMPY = {"float32": np.float32, "bfloat16": np.uint16, "int32": np.int32}
 
@@ -50,7 +51,7 @@ class RingStream:
     name: str
     position: int
     channel: int
-    sends: dict[int, WireSend]  # by step
+    sends: Mapping[int, WireSend]  # by step: a dict, or the connection's columns (send_columns.SendColumns)
     first_step: int
     last_step: int
     ended: bool = True  # no more sends will come (end of capture)
@@ -137,6 +138,9 @@ class Matcher:
 
     def pattern(self, elements: int, position: int, channel: int) -> Sequence[Send]:
         return ring_pattern(elements, self.params, position, channel)
+
+    def columns(self, elements: int, position: int, channel: int) -> PatternColumns:
+        return pattern_columns(elements, self.params, position, channel)
 
     def fits(self, stream: RingStream, at: int, pattern: Sequence[Send]) -> bool | None:
         """True/False when the sends from step ``at`` do/don't have the pattern's sizes; None: cannot tell yet."""
@@ -285,10 +289,14 @@ class Assembler:
 
     def _find(self, s: RingStream, start: int, elements: int) -> int | None:
         """First step >= start where allreduce of ``elements`` fits this stream (skipping other sends)."""
-        pattern = self.matcher.pattern(elements, s.position, s.channel)
+        if isinstance(s.sends, SendColumns):
+            columns = self.matcher.columns(elements, s.position, s.channel)
+            match = partial(fits, s.sends, s.last_step, s.ended, pattern=columns)
+        else:
+            match = partial(self.matcher.fits, s, pattern=self.matcher.pattern(elements, s.position, s.channel))
         at = start
         while at <= s.last_step:
-            ok = self.matcher.fits(s, at, pattern)
+            ok = match(at=at)
             if ok:
                 return at
             if ok is None and not s.ended:
@@ -301,7 +309,14 @@ class Assembler:
 
     def _take(self, ar: Allreduce, s: RingStream, at: int, pattern: Sequence[Send], taken: list) -> None:
         """The final sends of the allreduce found at step ``at`` onto ``taken``, in order: a source entry (a dict) for
-        those with nothing to merge, (source, send, start, end) for those ``_merge`` merges."""
+        those with nothing to merge, (source, send, start, end) for those ``_merge`` merges — or, for a connection held
+        as columns, all of them as one ``send_columns.Taken``."""
+        if isinstance(s.sends, SendColumns) and ar.owned is None:
+            columns = self.matcher.columns(ar.elements, s.position, s.channel)
+            if len(columns.finals) and (columns.final_lo[0] < 0 or columns.final_hi.max() > ar.elements):
+                raise ValueError(f"the pattern of allreduce {ar.index} lies outside its {ar.elements} elements")
+            taken.append(Taken(s.position, s.channel, s.sends, at, columns, s.sends.lookup(at + columns.finals)))
+            return
         for j, send in enumerate(pattern):
             if not send.final or send.count == 0:
                 continue
@@ -323,6 +338,14 @@ class Assembler:
     def _merge(self, ar: Allreduce, taken: list) -> None:
         """Merge the taken final sends in order: the first valid copy of each element wins, a later copy that differs
         is a conflict (natively: roce.merge_sends, sends over disjoint element ranges on ``workers`` threads)."""
+        if taken and all(isinstance(t, Taken) for t in taken):
+            sources, conflicts, seen = merge_taken(ar.data, ar.copies, taken, self.workers)
+            ar.sources += sources
+            ar.conflicts += conflicts
+            ar.placed_bytes += seen * ar.data.itemsize
+            self.placed_bytes += seen * ar.data.itemsize
+            return
+        taken = [e for t in taken for e in (_entries(t) if isinstance(t, Taken) else [t])]
         todo = [t for t in taken if isinstance(t, tuple)]
         results = iter(self._place(ar, [(ws.place, a, b) for _, ws, a, b in todo]))
         for t in taken:
@@ -344,11 +367,8 @@ class Assembler:
         against a destination still in cache (bench_mirror (a): the merges' CPU -23%)."""
         if not all(hasattr(p, "job") for p, _, _ in places):  # a place that is not a SendPlacer: one at a time
             return [p(ar.data[a:b], ar.copies[a:b]) for p, a, b in places]
-        ranges = [(a, b) for _, a, b in places]
-        if self.workers > 1:
-            groups = [component_order(g, ranges) for g in overlap_groups(ranges, self.workers)]
-        else:  # one group of every index: overlap_groups would only sort them
-            groups = [component_order(range(len(ranges)), ranges)] if ranges else []
+        bounds = np.array([(a, b) for _, a, b in places], np.int64).reshape(-1, 2)
+        groups = merge_groups(bounds[:, 0], bounds[:, 1], self.workers)
         merged: list = [None] * len(places)
         first = places[0][0] if places else None
         if first is not None and all(hasattr(p, "row") and p.segments is first.segments and p.buf is first.buf
@@ -366,45 +386,18 @@ class Assembler:
                 for i, m in zip(group, roce.merge_sends([jobs[i] for i in group])):
                     merged[i] = m
 
-        if len(groups) <= 1:
-            for g in groups:
-                run(g)
-        else:
-            with ThreadPoolExecutor(len(groups), thread_name_prefix="merge") as pool:
-                list(pool.map(run, groups))
+        run_groups(run, groups)
         return [p.done(m) for (p, _, _), m in zip(places, merged)]
 
 
-def component_order(group: Iterable[int], ranges: list[tuple[int, int]]) -> list[int]:
-    """The indices of ``group`` component by component (a component: ranges that overlap, transitively), components
-    by their start, each in index order.  Merging in this order gives what index order gives — disjoint components
-    touch different elements, and overlapping ranges keep their order — but the m copies of a chunk merge together."""
-    return [i for c in _components(group, ranges) for i in sorted(c)]
-
-
-def _components(indices, ranges: list[tuple[int, int]]) -> list[list[int]]:
-    """``indices`` in components of transitively overlapping ranges, by start (ties by index)."""
-    comps: list[list[int]] = []
-    reach = None
-    for i in sorted(indices, key=lambda i: (ranges[i][0], i)):
-        a, b = ranges[i]
-        if reach is None or a >= reach:
-            comps.append([])
-            reach = b
-        comps[-1].append(i)
-        reach = max(reach, b)
-    return comps
-
-
-def overlap_groups(ranges: list[tuple[int, int]], k: int) -> list[list[int]]:
-    """Indices of ``ranges`` in at most ``k`` groups such that overlapping ranges share a group; each group in index
-    order, groups balanced by their elements (largest component first onto the lightest group)."""
-    components = _components(range(len(ranges)), ranges)
-    k = max(1, min(k, len(components)))
-    bins: list[list[int]] = [[] for _ in range(k)]
-    load = [0] * k
-    for comp in sorted(components, key=lambda c: -sum(ranges[i][1] - ranges[i][0] for i in c)):
-        j = load.index(min(load))
-        bins[j] += comp
-        load[j] += sum(ranges[i][1] - ranges[i][0] for i in comp)
-    return [sorted(g) for g in bins if g]
+def _entries(t: Taken) -> list:
+    """A column connection's ``Taken`` as ``Assembler._take``'s per-send entries (for a merge that also holds sends of
+    the per-send path)."""
+    out: list = []
+    for src, i in zip(t.sources(), t.idx.tolist()):
+        if i < 0:
+            out.append({**src, "elements_seen": 0, "lost": True})
+        else:
+            lo, hi = src["range"]
+            out.append((src, t.sends[int(t.sends.steps[i])], lo, hi))
+    return out

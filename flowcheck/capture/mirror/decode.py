@@ -153,6 +153,9 @@ def _stream_infos(frames: Frames, packets, buf: np.ndarray, anomalies: list[dict
     gappy[r.missing["message"]] = True
     # one whole send per message (streams.MessageTable.whole_sends): its immediate known, nothing of it missing
     cols["whole"] = (has_imm & ~merged & ~gappy).tolist()
+    arrays = {"first_psn": m["first_psn"].astype(np.int64), "last_psn": m["last_psn"].astype(np.int64),
+              "imm": np.where(has_imm & ~merged, imm, -1), "seg_start": seg_start, "seg_end": seg_start + n_segs,
+              "flag": np.maximum(m["ll_flag"].astype(np.int64), -1), "t0": frames.ts_ns[m["first_frame"]].astype(np.int64)}
     closing = (closes | gappy) & ((n_segs > 0) | (length == 0))
     writes = np.flatnonzero(m["kind"] == roce.KIND_WRITE)
     writes = writes[np.lexsort((m["first_psn"][writes], m["stream"][writes]))]  # by stream, then PSN
@@ -167,7 +170,7 @@ def _stream_infos(frames: Frames, packets, buf: np.ndarray, anomalies: list[dict
         name = r.stream_name(sid)
         mids = by_stream.get(sid, [])
         if closing[mids].any():
-            msgs, count = MessageTable(mids, cols, r.segments, partial(_msg, cols, segments=r.segments,
+            msgs, count = MessageTable(mids, cols, arrays, r.segments, partial(_msg, cols, segments=r.segments,
                                                                         ll_flags=packets.table["ll_flag"], missing=missing)), None
         else:  # no write closes a send (flow-control posts): it cannot be a ring connection, its messages are not needed
             msgs, count = [], len(mids)

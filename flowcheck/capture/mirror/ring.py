@@ -21,6 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+import numpy as np
+
 from flowcheck.errors import JobError
 
 PROTOCOLS = ("ll", "ll128", "simple")
@@ -146,3 +148,33 @@ def ring_pattern(count: int, p: RingParams, position: int, channel: int) -> tupl
 def reduce_order(chunk: int, nranks: int) -> list[int]:
     """Ring positions in the order their contributions are summed into ``chunk``."""
     return [(chunk + 1 + j) % nranks for j in range(nranks)]
+
+
+@dataclass(frozen=True, eq=False)
+class PatternColumns:
+    """``ring_pattern`` as arrays, for connections held as columns (flowcheck.capture.mirror.send_columns): every
+    send's wire bytes, and the final sends with elements — what an allreduce's merge takes — by field."""
+
+    wire: np.ndarray  # int64 per send: its RDMA size on the wire
+    final_step: list[int]  # per final send with elements: its index in the pattern (step offset from the match)
+    final_chunk: list[int]
+    final_loop: list[int]
+    final_start: list[int]
+    final_end: list[int]
+    finals: np.ndarray  # final_step as int64
+    final_lo: np.ndarray  # final_start as int64
+    final_hi: np.ndarray  # final_end as int64
+
+
+@lru_cache(maxsize=32)
+def pattern_columns(count: int, p: RingParams, position: int, channel: int) -> PatternColumns:
+    """``ring_pattern`` as ``PatternColumns`` (remembered alike: the same few patterns every iteration)."""
+    sends = ring_pattern(count, p, position, channel)
+    finals = [j for j, s in enumerate(sends) if s.final and s.count]
+    pick = [sends[j] for j in finals]
+    return PatternColumns(
+        wire=np.array([p.wire_bytes(s.count) for s in sends], np.int64),
+        final_step=finals, final_chunk=[s.chunk for s in pick], final_loop=[s.loop for s in pick],
+        final_start=[s.start for s in pick], final_end=[s.start + s.count for s in pick],
+        finals=np.array(finals, np.int64), final_lo=np.array([s.start for s in pick], np.int64),
+        final_hi=np.array([s.start + s.count for s in pick], np.int64))

@@ -277,14 +277,24 @@ def merge_rows(buf: np.ndarray, segments: np.ndarray, rows: np.ndarray, ll: bool
     """``merge_sends`` for sends that are each a run of one ``Reassembly.segments`` table, given as int64 rows
     (seg_start, seg_end, shift, flag, lo, hi) — flag -1: no line valid — merged into ``data[lo:hi]`` /
     ``copies[lo:hi]`` of one allreduce, in row order, in one native call (no Python object per send)."""
-    seen, differing, unplaced = _mirror.merge_rows(buf, _segments(segments), np.ascontiguousarray(rows, dtype=np.int64),
-                                                   ll, data, copies)
+    seen, differing, unplaced = _merge_rows(buf, segments, rows, ll, data, copies)
     if not len(unplaced):  # the usual case: every segment placed
         return [Merged(a, b, []) for a, b in zip(seen.tolist(), differing.tolist())]
     bad: dict[int, list[tuple[int, int]]] = {}
     for k, status, nbytes in unplaced:
         bad.setdefault(k, []).append((status, nbytes))
     return [Merged(a, b, bad.get(k, [])) for k, (a, b) in enumerate(zip(seen.tolist(), differing.tolist()))]
+
+
+def merge_row_columns(buf: np.ndarray, segments: np.ndarray, rows: np.ndarray, ll: bool, data: np.ndarray,
+                      copies: np.ndarray) -> tuple[np.ndarray, np.ndarray, list[tuple[int, int, int]]]:
+    """``merge_rows`` without an object per row: (seen int64[n], differing int64[n], [(row, status, bytes)] of the LL
+    segments left unplaced)."""
+    return _merge_rows(buf, segments, rows, ll, data, copies)
+
+
+def _merge_rows(buf, segments, rows, ll, data, copies):  # one native call under both names (benchmarks time each)
+    return _mirror.merge_rows(buf, _segments(segments), np.ascontiguousarray(rows, dtype=np.int64), ll, data, copies)
 
 
 def segment_flags(buf: np.ndarray, segments: np.ndarray) -> np.ndarray:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from itertools import islice
 
 import numpy as np
@@ -22,6 +23,7 @@ import numpy as np
 from flowcheck.capture.mirror import roce
 from flowcheck.capture.mirror.assemble import RingStream, WireSend
 from flowcheck.capture.mirror.job import Job
+from flowcheck.capture.mirror.send_columns import SendColumns
 
 
 @dataclass(slots=True)  # many of them: no per-object __dict__ for the garbage collector to walk
@@ -50,10 +52,13 @@ class MessageTable(Sequence):
     immediate, nothing of it is missing, and (LL) its lines carry one flag — and those become ``WireSend``s straight from
     the columns (``_table_ring_stream``), which is what group_sends + _ring_stream would make of their Msg objects."""
 
-    __slots__ = ("mids", "cols", "segments", "build")
+    __slots__ = ("mids", "cols", "arrays", "segments", "build")
 
-    def __init__(self, mids: list[int], cols: dict[str, list], segments: np.ndarray, build: Callable[[int], Msg]) -> None:
-        self.mids, self.cols, self.segments, self.build = mids, cols, segments, build  # cols["seg_start"/"seg_end"]: rows of segments
+    def __init__(self, mids: list[int], cols: dict[str, list], arrays: dict[str, np.ndarray], segments: np.ndarray,
+                 build: Callable[[int], Msg]) -> None:
+        # cols["seg_start"/"seg_end"]: rows of segments; arrays: the columns _table_ring_stream reads as int64 arrays
+        # (first_psn, last_psn, imm, flag, t0; -1 where cols hold None)
+        self.mids, self.cols, self.arrays, self.segments, self.build = mids, cols, arrays, segments, build
 
     def __len__(self) -> int:
         return len(self.mids)
@@ -327,28 +332,58 @@ class TablePlacer(SendPlacer):
 
 def _table_ring_stream(s: StreamInfo, position: int, channel: int, t: MessageTable, buf: np.ndarray, ll: bool,
                        anomalies: list[dict], mark: int | None) -> RingStream:
-    """``_ring_stream`` of a connection whose messages are whole sends (``MessageTable.whole_sends``): one send per
-    message, its size the immediate, its step the LL flag (or counted on), from the table's columns."""
-    c = t.cols
-    first_psn, last_psn, imm, t0, flag = c["first_psn"], c["last_psn"], c["imm"], c["t0"], c["flag"]
-    mids = t.mids if mark is None else [m for m in t.mids if not _precedes(first_psn[m], mark)]
-    flags = [flag[m] for m in mids] if ll else [None] * len(mids)
-    head = next((i for i, f in enumerate(flags) if f is not None), None)
-    counter = flags[head] - head - 1 if head is not None else 0
-    segments, seg_start, seg_end, frame, last_frame = t.segments, c["seg_start"], c["seg_end"], c["first_frame"], c["last_frame"]
-    by_step: dict[int, WireSend] = {}
-    name = s.name
-    for m, f in zip(mids, flags):
-        step = f if f is not None else counter + 1
-        counter = step
-        where = {"stream": name, "psn": [first_psn[m], last_psn[m]], "flag": step, "t0": t0[m]}
-        if step in by_step:
-            anomalies.append({**where, "type": "step_seen_twice"})
-            continue
-        placer = TablePlacer(segments, seg_start[m], seg_end[m], buf, ll, f, anomalies, where)
-        by_step[step] = WireSend(step, imm[m], placer, where, psn=first_psn[m] & 0xFFFFFF, frame=frame[m],
-                                 last_frame=last_frame[m])
-    return _ring(s, position, channel, by_step, anomalies)
+    """``_ring_stream`` of a connection whose messages are whole sends (``MessageTable.whole_sends``), as columns
+    (``send_columns.SendColumns``): one send per message, its size the immediate, its step the LL flag (or counted
+    on from the previous send's), the first of two sends at one step kept."""
+    a = t.arrays
+    mids = np.asarray(t.mids, np.int64)
+    if mark is not None:
+        mids = mids[~_precede(a["first_psn"][mids], mark)]
+    steps = _steps(a["flag"][mids] if ll else np.full(len(mids), -1, np.int64))
+    unique, first = np.unique(steps, return_index=True)  # the first message at each step
+    at = mids[first]
+    columns = {"steps": unique, "size": a["imm"][at], "seg_a": a["seg_start"][at], "seg_b": a["seg_end"][at],
+               "flag": a["flag"][at] if ll else np.full(len(at), -1, np.int64), "first_psn": a["first_psn"][at],
+               "last_psn": a["last_psn"][at], "t0": a["t0"][at]}
+    sends = SendColumns(s.name, columns, np.argsort(first), t.segments, buf, ll, anomalies, partial(_table_send, t, at))
+    again = np.ones(len(mids), bool)
+    again[first] = False
+    for k in np.flatnonzero(again).tolist():
+        m = int(mids[k])
+        anomalies.append({"stream": s.name, "psn": [t.cols["first_psn"][m], t.cols["last_psn"][m]], "flag": int(steps[k]),
+                          "t0": t.cols["t0"][m], "type": "step_seen_twice"})
+    first_step, last_step = (int(unique[0]), int(unique[-1])) if len(unique) else (1, 0)
+    for gap in np.setdiff1d(np.arange(first_step, last_step + 1), unique).tolist():
+        anomalies.append({"type": "send_lost", "stream": s.name, "step": gap})
+    return RingStream(s.name, position, channel, sends, first_step, last_step, s.ended)
+
+
+def _steps(flags: np.ndarray) -> np.ndarray:
+    """Each send's step: its LL flag (>= 0), else the step after the previous send's; sends before the first flag
+    count back from it (all -1, as Simple: 1, 2, ...) — ``_ring_stream``'s counter, as arrays."""
+    n = len(flags)
+    has = flags >= 0
+    if not has.any():
+        return np.arange(1, n + 1, dtype=np.int64)
+    k = np.maximum.accumulate(np.where(has, np.arange(n), -1))  # the last send with a flag, at or before each
+    k = np.where(k < 0, int(np.argmax(has)), k)
+    return flags[k] + (np.arange(n) - k)
+
+
+def _precede(psn: np.ndarray, mark: int) -> np.ndarray:
+    """``_precedes`` of every PSN in ``psn``."""
+    d = (mark - psn) & 0xFFFFFF
+    return (d > 0) & (d < 0x800000)
+
+
+def _table_send(t: MessageTable, mids: np.ndarray, sends: SendColumns, i: int) -> WireSend:
+    """Entry ``i`` of a column connection (message ``mids[i]`` of ``t``) as the per-send path's ``WireSend``."""
+    c, m = t.cols, int(mids[i])
+    where = sends.where(i)
+    placer = TablePlacer(t.segments, c["seg_start"][m], c["seg_end"][m], sends.buf, sends.ll, c["flag"][m] if sends.ll else None,
+                         sends.anomalies, where)
+    return WireSend(where["flag"], c["imm"][m], placer, where, psn=c["first_psn"][m] & 0xFFFFFF, frame=c["first_frame"][m],
+                    last_frame=c["last_frame"][m])
 
 
 def _ring(s: StreamInfo, position: int, channel: int, by_step: dict[int, WireSend], anomalies: list[dict]) -> RingStream:
