@@ -42,7 +42,7 @@ def test_plan_command_reports_the_mirror_node_cores():
     out = CliRunner().invoke(main, args)
     assert out.exit_code == 0 and "cores to keep up: 4" in out.output, out.output
     node = json.loads(CliRunner().invoke(main, args + ["--json"]).output)["mirror_node"]
-    assert node["cores"] == 4 and node["rates"]["decode_gb_per_core_s"] == 3.1
+    assert node["cores"] == 4 and node["rates"]["decode_gb_per_core_s"] == 3.3
     bad = CliRunner().invoke(main, ["plan", "--gpus", "8", "--mtbf-hours", "1", "--params", "1e9"])
     assert bad.exit_code == 2 and "--capture mirror" in bad.output
 

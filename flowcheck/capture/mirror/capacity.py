@@ -28,16 +28,18 @@ from flowcheck.errors import ConfigError
 HEADER_BYTES = 14 + 40 + 8 + 12 + 4 + 1
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "int32": 4}
 # measured (BENCHMARKS.md, "Mirror capture (issue 22)"): decode of the 304.5M-parameter end-to-end run, wire
-# bytes per core-second of process CPU time (3.25-3.35 GB in three runs at the latest code on 2 Dec, 3.11-3.13 in an
-# A/B on one 384 MB capture: the lower kept; 2.40-2.45 before that day's second round of per-core work, 0.81 from wall
-# time on a slower, loaded hour before it), and the replica's AdamW update per parameter on one core (1.31 ns measured
-# with the decode; the earlier 1.64 kept: the larger of the two)
-DEFAULT_DECODE_GB_PER_CORE_S = 3.1
+# bytes per core-second of process CPU time.  2 Dec evening (send columns): 3.97-4.00 GB in three runs, where the
+# code before it measured 3.65 in the same hour — the box ran ~15% faster than that afternoon, so the default is the
+# afternoon's 3.1 times this change's ratio (3.65/3.97; A/B on one capture: 0.91-0.94), rounded down.  Before: 3.25-
+# 3.35 in three runs and 3.11-3.13 in an A/B on the afternoon of 2 Dec (the lower kept), 2.40-2.45 before that day's
+# second round of per-core work, 0.81 from wall time on a slower, loaded hour before it.  The replica's AdamW update
+# per parameter on one core: 1.31 ns measured with the decode; the earlier 1.64 kept (the larger of the two)
+DEFAULT_DECODE_GB_PER_CORE_S = 3.3
 DEFAULT_UPDATE_NS_PER_PARAM = 1.64
 # decode workers on separate cores (streams are independent); measure yours.  An assumption for independent decoders
 # (processes or nodes per stream group): inside one decode process only the native work runs on K threads (parse,
-# reassembly, merge: 0.56-0.63 of its CPU in BENCHMARKS.md "issue 22 items 2-3"), so threads alone give at most
-# 1/(0.4 + 0.6/K) — 1.4x at K = 2 — until the per-message Python work moves out of the critical path
+# merge, and reassembly after its serial demux: 0.84-0.85 of its CPU since the send columns, 0.56-0.63 before), so
+# threads alone give at most ~1/(0.25 + 0.75/K) — 1.6x at K = 2 — and this VM's memory gives a plain copy 1.4-1.6x
 DEFAULT_PARALLEL_EFFICIENCY = 0.9
 # measured (BENCHMARKS.md, "Mirror capture scaled out"): a part of K costs (s + (1 - s)/K) of the whole decode;
 # 0.83 at K = 2 and 0.74 at K = 4 on a 496 MB capture (parsing, ICRC, reassembly and matching every frame dominate;
