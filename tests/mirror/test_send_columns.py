@@ -12,14 +12,32 @@ from flowcheck.capture.mirror import roce, streams
 from flowcheck.capture.mirror.decode import Decoded, decode, read_all, report
 from flowcheck.capture.mirror.job import load_job
 from flowcheck.capture.mirror.partition import Partition
+from flowcheck.capture.mirror.send_columns import ColumnSources
 from flowcheck.simulate import SimOptions, simulate
 
 
 def _decode(job, frames, workers=1, partition=None) -> tuple[str, list]:
     info = Decoded()
     ars = list(decode(job, frames, info, workers=workers, partition=partition))
+    # what a pipeline reads of the sources without building them (ColumnSources) is what the dicts say
+    quick = [(a.latest_t0(), list(a.source_ranges())) for a in ars]
     vectors = [(a.index, a.data.tobytes(), a.copies.tobytes(), a.placed_bytes) for a in ars]
-    return json.dumps(report(ars, info), default=str), vectors + [info.placed_bytes]
+    out = json.dumps(report(ars, info), default=str), vectors + [info.placed_bytes]
+    assert quick == [(max((s["t0"] for s in a.sources if s.get("t0") is not None), default=None),
+                      [(*s.get("range", (0, 0)), s.get("elements_seen", 0)) for s in a.sources]) for a in ars]
+    return out
+
+
+def test_column_sources_are_built_on_first_use_and_hold_no_capture(tmp_path):
+    sim = simulate(SimOptions(out=str(tmp_path / "sim"), dp=4, iters=2, seed=3))
+    job, frames = load_job(sim.job_path), read_all(sorted(sim.pcaps.values()))
+    ars = list(decode(job, frames, Decoded()))
+    assert ars and all(isinstance(a.sources, ColumnSources) for a in ars)
+    a = ars[0]
+    assert a.sources._dicts is None and len(a.sources) > 0 and a.sources._dicts is None  # len builds nothing
+    for block in a.sources.blocks:  # copies, not views of the window's tables
+        assert all(x.base is None or x.base.nbytes < 1 << 20 for x in (block.first_psn, block.last_psn, block.t0))
+    assert a.sources == list(a.sources) and a.sources[0]["elements_seen"] > 0 and a.sources._dicts is not None
 
 
 def _both(monkeypatch, job, frames, **kw) -> tuple:

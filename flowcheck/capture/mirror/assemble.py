@@ -23,7 +23,8 @@ from flowcheck.capture.mirror.gc_pause import gc_paused
 from flowcheck.capture.mirror.job import Job
 from flowcheck.capture.mirror.partition import Partition
 from flowcheck.capture.mirror.ring import PatternColumns, RingParams, Send, pattern_columns, ring_pattern
-from flowcheck.capture.mirror.send_columns import SendColumns, Taken, fits, merge_groups, merge_taken, run_groups
+from flowcheck.capture.mirror.send_columns import (ColumnSources, SendColumns, Taken, fits, merge_groups, merge_taken,
+                                                   run_groups)
 
 NUMPY = {"float32": np.float32, "bfloat16": np.uint16, "int32": np.int32}
 
@@ -68,7 +69,9 @@ class Allreduce:
     dtype: str
     data: np.ndarray
     copies: np.ndarray  # valid copies seen per element (saturating uint8)
-    sources: list[dict] = field(default_factory=list)
+    # one dict per final send taken (where from, what it delivered); send_columns.ColumnSources when merged from
+    # column connections (built on first use: read latest_t0 / source_ranges for the few numbers a pipeline needs)
+    sources: Sequence[dict] = field(default_factory=list)
     conflicts: list[dict] = field(default_factory=list)
     streams_done: set[str] = field(default_factory=set)
     # element ranges this node places (a scaled-out node's part, flowcheck.capture.mirror.partition); None: all
@@ -91,10 +94,23 @@ class Allreduce:
                "dtype": self.dtype, "complete": self.complete, "missing": [list(r) for r in self.missing()],
                "copies": {"min": int(self.copies.min()) if self.elements else 0,
                           "max": int(self.copies.max()) if self.elements else 0},
-               "sources": self.sources, "conflicts": self.conflicts}
+               "sources": list(self.sources), "conflicts": self.conflicts}
         if self.complete:
             out["sha256"] = hashlib.sha256(self.data.astype(self.data.dtype.newbyteorder("<"), copy=False).tobytes()).hexdigest()
         return out
+
+
+    def latest_t0(self) -> int | None:
+        """The latest capture time (ns) of a taken send's first packet (None: no send carries one)."""
+        if isinstance(self.sources, ColumnSources):
+            return self.sources.latest_t0()
+        return max((s["t0"] for s in self.sources if s.get("t0") is not None), default=None)
+
+    def source_ranges(self) -> Iterator[tuple[int, int, int]]:
+        """(start, end, elements seen) of every source, in order."""
+        if isinstance(self.sources, ColumnSources):
+            return self.sources.ranges()
+        return ((*s.get("range", (0, 0)), int(s.get("elements_seen", 0))) for s in self.sources)
 
 
 def _runs(mask: np.ndarray) -> list[tuple[int, int]]:
@@ -339,8 +355,7 @@ class Assembler:
         """Merge the taken final sends in order: the first valid copy of each element wins, a later copy that differs
         is a conflict (natively: roce.merge_sends, sends over disjoint element ranges on ``workers`` threads)."""
         if taken and all(isinstance(t, Taken) for t in taken):
-            sources, conflicts, seen = merge_taken(ar.data, ar.copies, taken, self.workers)
-            ar.sources += sources
+            ar.sources, conflicts, seen = merge_taken(ar.data, ar.copies, taken, self.workers)
             ar.conflicts += conflicts
             ar.placed_bytes += seen * ar.data.itemsize
             self.placed_bytes += seen * ar.data.itemsize

@@ -55,9 +55,8 @@ class CaptureStats:
         else:
             self.allreduces_incomplete += 1
         self.elements_lost += lost
-        for src in ar.sources:
-            lo, hi = src.get("range", (0, 0))
-            short = (hi - lo) - int(src.get("elements_seen", 0))
+        for lo, hi, seen in ar.source_ranges():
+            short = (hi - lo) - seen
             if short > 0:  # of what this copy lacks, whatever some copy delivered was recovered
                 self.elements_recovered += short - int((ar.copies[lo:hi] == 0).sum())
 

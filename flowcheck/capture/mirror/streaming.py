@@ -141,8 +141,8 @@ class StreamingDecoder:
             ar = next(found, None)
             if ar is None:
                 break
-            t0 = [s["t0"] for s in ar.sources if s.get("t0") is not None]
-            if horizon is not None and (not t0 or max(t0) > horizon):
+            t0 = ar.latest_t0()
+            if horizon is not None and (t0 is None or t0 > horizon):
                 del local.anomalies[mark:]  # what placing its sends reported: it will be decoded again
                 break
             out.append(ar)
