@@ -17,10 +17,12 @@ def test_wire_per_stream_is_the_ring_volume_doubled_by_ll_plus_headers():
     assert wire_bytes_per_stream(MirrorLoad(params=1e9, dp=4)) == pytest.approx(2 * wire_bytes_per_stream(load))
 
 
-def test_gpt3_1_3b_on_8_ranks_with_3_mirrors_needs_about_21_core_seconds_at_todays_rates():
+def test_gpt3_1_3b_on_8_ranks_with_3_mirrors_needs_about_19_core_seconds_at_todays_rates():
     c = capacity(MirrorLoad(params=1.3e9, dp=8, mirrored=3, iteration_s=6.0))
     assert 58 < c.wire_gb < 61  # BENCHMARKS.md: 59.5 GB of wire per iteration
-    assert 19 < c.core_s < 23 and c.cores == 4  # BENCHMARKS.md (d): 19.6-20.9 core-seconds measured
+    # BENCHMARKS.md (d): 15.7-16.0 core-seconds measured on a box running ~15% faster than the one the default is
+    # calibrated on (18.1 there for the code before it)
+    assert 17 < c.core_s < 21 and c.cores == 4
 
 
 def test_cores_scale_with_the_measured_rate_and_never_fall_below_one():
@@ -42,7 +44,7 @@ def test_plan_command_reports_the_mirror_node_cores():
     out = CliRunner().invoke(main, args)
     assert out.exit_code == 0 and "cores to keep up: 4" in out.output, out.output
     node = json.loads(CliRunner().invoke(main, args + ["--json"]).output)["mirror_node"]
-    assert node["cores"] == 4 and node["rates"]["decode_gb_per_core_s"] == 3.3
+    assert node["cores"] == 4 and node["rates"]["decode_gb_per_core_s"] == 3.5
     bad = CliRunner().invoke(main, ["plan", "--gpus", "8", "--mtbf-hours", "1", "--params", "1e9"])
     assert bad.exit_code == 2 and "--capture mirror" in bad.output
 

@@ -28,13 +28,14 @@ from flowcheck.errors import ConfigError
 HEADER_BYTES = 14 + 40 + 8 + 12 + 4 + 1
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "int32": 4}
 # measured (BENCHMARKS.md, "Mirror capture (issue 22)"): decode of the 304.5M-parameter end-to-end run, wire
-# bytes per core-second of process CPU time.  2 Dec evening (send columns): 3.97-4.00 GB in three runs, where the
-# code before it measured 3.65 in the same hour — the box ran ~15% faster than that afternoon, so the default is the
-# afternoon's 3.1 times this change's ratio (3.65/3.97; A/B on one capture: 0.91-0.94), rounded down.  Before: 3.25-
-# 3.35 in three runs and 3.11-3.13 in an A/B on the afternoon of 2 Dec (the lower kept), 2.40-2.45 before that day's
-# second round of per-core work, 0.81 from wall time on a slower, loaded hour before it.  The replica's AdamW update
-# per parameter on one core: 1.31 ns measured with the decode; the earlier 1.64 kept (the larger of the two)
-DEFAULT_DECODE_GB_PER_CORE_S = 3.3
+# bytes per core-second of process CPU time.  2 Dec evening (send columns, sources built on use): 4.15-4.20 GB in
+# three runs, where the code before that evening measured 3.65 in the same hour — the box ran ~15% faster than that
+# afternoon, so the default is the afternoon's 3.1 divided by this evening's A/B ratio on one capture (0.85-0.87),
+# rounded down.  Before: 3.25-3.35 in three runs and 3.11-3.13 in an A/B on the afternoon of 2 Dec (the lower kept),
+# 2.40-2.45 before that day's second round of per-core work, 0.81 from wall time on a slower, loaded hour before it.
+# The replica's AdamW update per parameter on one core: 1.31 ns measured with the decode; the earlier 1.64 kept (the
+# larger of the two)
+DEFAULT_DECODE_GB_PER_CORE_S = 3.5
 DEFAULT_UPDATE_NS_PER_PARAM = 1.64
 # decode workers on separate cores (streams are independent); measure yours.  An assumption for independent decoders
 # (processes or nodes per stream group): inside one decode process only the native work runs on K threads (parse,
