@@ -120,8 +120,44 @@ def packet_anomalies(r: roce.Reassembly, anomalies: list[dict], *, tails: bool =
 
 def _stream_infos(frames: Frames, packets, buf: np.ndarray, anomalies: list[dict], workers: int = 1) -> list[StreamInfo]:
     """The reassembler's tables (streams on ``workers`` threads) as StreamInfo/Msg objects; its PSN gaps and
-    duplicates become anomalies."""
+    duplicates become anomalies.  Only streams with a write that closes a send can be ring connections: their
+    messages become a ``MessageTable`` (message ids: positions in the candidates' run, by stream then PSN); the
+    others (flow-control posts, ACK-only) are counted."""
     r = roce.reassemble(frames, packets, workers=workers)
+    m = r.messages
+    derived = _derived_columns(r, frames.ts_ns)
+    writes = np.flatnonzero(m["kind"] == roce.KIND_WRITE)
+    writes = writes[np.lexsort((m["first_psn"][writes], m["stream"][writes]))]  # by stream, then PSN
+    stream_of = m["stream"][writes].astype(np.int64)
+    candidate = np.zeros(len(r.streams), bool)
+    candidate[stream_of[derived["closing"][writes]]] = True
+    sel = writes[candidate[stream_of]]  # the candidates' writes: their columns become lists (~half of all messages)
+    cols, arrays = _columns(m, derived, sel)
+    position = np.full(len(m), -1, np.int64)
+    position[sel] = np.arange(len(sel))
+    missing: dict[int, list[tuple[int, int]]] = {}
+    for mid, a, b in zip(position[r.missing["message"]].tolist(), r.missing["start"].tolist(), r.missing["end"].tolist()):
+        if mid >= 0:
+            missing.setdefault(mid, []).append((a, b))
+    writes_per_stream = np.bincount(stream_of, minlength=len(r.streams)).tolist()
+    run_end = np.cumsum(np.bincount(stream_of[candidate[stream_of]], minlength=len(r.streams))).tolist()
+    build = partial(_msg, cols, segments=r.segments, ll_flags=packets.table["ll_flag"], missing=missing)
+    packet_anomalies(r, anomalies)
+    out = []
+    for sid, s in enumerate(r.streams):
+        if candidate[sid]:
+            start = run_end[sid - 1] if sid else 0
+            msgs, count = MessageTable(list(range(start, run_end[sid])), cols, arrays, r.segments, build), None
+        else:  # no write closes a send (flow-control posts): it cannot be a ring connection, its messages are not needed
+            msgs, count = [], writes_per_stream[sid]
+        out.append(StreamInfo(name=r.stream_name(sid), src_mac=_mac(s["src_mac"]), dst_mac=_mac(s["dst_mac"]),
+                              src_ip=_ip(s["src_ip"]), dst_ip=_ip(s["dst_ip"]), qpn=int(s["dqpn"]), messages=msgs,
+                              message_count=count, first_frame=int(s["first_frame"])))
+    return out
+
+
+def _derived_columns(r: roce.Reassembly, ts_ns: np.ndarray) -> dict[str, np.ndarray]:
+    """What decode reads of every message besides the reassembler's own columns (int64, -1 where unknown)."""
     m = r.messages
     seg_start, n_segs = m["seg_start"].astype(np.int64), m["n_segs"].astype(np.int64)
     dma_len, has_imm, imm, pmtu = m["dma_len"], m["has_imm"].astype(bool), m["imm"].astype(np.int64), m["pmtu"].astype(np.int64)
@@ -133,51 +169,40 @@ def _stream_infos(frames: Frames, packets, buf: np.ndarray, anomalies: list[dict
     # a message whose last packet was lost, or whose end was inferred (or cut), may have carried the
     # immediate: close the send rather than merge on
     closes = has_imm | ((m["flags"] & _OPEN_END) != 0) | merged
-    # per message, from the LL flags the parse read (the reassembler summarised them): its first flag, and whether
-    # its segments' flags change (only such messages need split_by_flag)
-    uniform = m["ll_uniform"]
-    cols = {
-        "first_psn": m["first_psn"].tolist(), "last_psn": m["last_psn"].tolist(),
-        "va": [v if v >= 0 else None for v in m["va"].tolist()],
-        "length": [v if v >= 0 else None for v in length.tolist()],
-        "imm": [v if keep else None for v, keep in zip(imm.tolist(), (has_imm & ~merged).tolist())],
-        "seg_start": seg_start.tolist(), "seg_end": (seg_start + n_segs).tolist(), "complete": m["complete"].tolist(),
-        "closes": closes.tolist(), "placeable": (~merged).tolist(), "uniform": uniform.tolist(),
-        "first_frame": m["first_frame"].tolist(), "last_frame": m["last_frame"].tolist(),
-        "t0": frames.ts_ns[m["first_frame"]].tolist() if len(m) else [],
-        "flag": [v if v >= 0 else None for v in m["ll_flag"].tolist()],
-    }
-    # what streams._role asks first: a write that carries data (or is empty by its RETH) and closes a send
-    # (_msg may also close a message with missing bytes at its end: such messages count as closing here)
     gappy = np.zeros(len(m), bool)
     gappy[r.missing["message"]] = True
-    # one whole send per message (streams.MessageTable.whole_sends): its immediate known, nothing of it missing
-    cols["whole"] = (has_imm & ~merged & ~gappy).tolist()
-    arrays = {"first_psn": m["first_psn"].astype(np.int64), "last_psn": m["last_psn"].astype(np.int64),
-              "imm": np.where(has_imm & ~merged, imm, -1), "seg_start": seg_start, "seg_end": seg_start + n_segs,
-              "flag": np.maximum(m["ll_flag"].astype(np.int64), -1), "t0": frames.ts_ns[m["first_frame"]].astype(np.int64)}
-    closing = (closes | gappy) & ((n_segs > 0) | (length == 0))
-    writes = np.flatnonzero(m["kind"] == roce.KIND_WRITE)
-    writes = writes[np.lexsort((m["first_psn"][writes], m["stream"][writes]))]  # by stream, then PSN
-    sids, starts = np.unique(m["stream"][writes], return_index=True)  # each stream's run of writes
-    by_stream = {sid: run.tolist() for sid, run in zip(sids.tolist(), np.split(writes, starts[1:]))}
-    missing: dict[int, list[tuple[int, int]]] = {}
-    for mid, a, b in zip(r.missing["message"].tolist(), r.missing["start"].tolist(), r.missing["end"].tolist()):
-        missing.setdefault(mid, []).append((a, b))
-    packet_anomalies(r, anomalies)
-    out = []
-    for sid, s in enumerate(r.streams):
-        name = r.stream_name(sid)
-        mids = by_stream.get(sid, [])
-        if closing[mids].any():
-            msgs, count = MessageTable(mids, cols, arrays, r.segments, partial(_msg, cols, segments=r.segments,
-                                                                        ll_flags=packets.table["ll_flag"], missing=missing)), None
-        else:  # no write closes a send (flow-control posts): it cannot be a ring connection, its messages are not needed
-            msgs, count = [], len(mids)
-        out.append(StreamInfo(name=name, src_mac=_mac(s["src_mac"]), dst_mac=_mac(s["dst_mac"]), src_ip=_ip(s["src_ip"]),
-                              dst_ip=_ip(s["dst_ip"]), qpn=int(s["dqpn"]), messages=msgs, message_count=count,
-                              first_frame=int(s["first_frame"])))
-    return out
+    return {
+        "length": length, "imm": np.where(has_imm & ~merged, imm, -1), "closes": closes, "placeable": ~merged,
+        "seg_start": seg_start, "seg_end": seg_start + n_segs, "t0": ts_ns[m["first_frame"]].astype(np.int64),
+        # one whole send per message (streams.MessageTable.whole_sends): its immediate known, nothing of it missing
+        "whole": has_imm & ~merged & ~gappy,
+        # what streams._role asks first: a write that carries data (or is empty by its RETH) and closes a send
+        # (_msg may also close a message with missing bytes at its end: such messages count as closing here)
+        "closing": (closes | gappy) & ((n_segs > 0) | (length == 0)),
+    }
+
+
+def _columns(m: np.ndarray, derived: dict[str, np.ndarray], sel: np.ndarray) -> tuple[dict[str, list], dict[str, np.ndarray]]:
+    """Messages ``sel``'s columns as Python lists (what _msg reads, None where unknown) and the int64 arrays the column
+    path reads (streams.MessageTable)."""
+    def nullable(v: np.ndarray) -> list:
+        return [x if x >= 0 else None for x in v.tolist()]
+
+    d = {k: v[sel] for k, v in derived.items()}
+    own = {k: m[k][sel] for k in ("first_psn", "last_psn", "va", "complete", "ll_uniform", "first_frame", "last_frame",
+                                  "ll_flag")}
+    cols = {
+        "first_psn": own["first_psn"].tolist(), "last_psn": own["last_psn"].tolist(), "va": nullable(own["va"]),
+        "length": nullable(d["length"]), "imm": nullable(d["imm"]), "seg_start": d["seg_start"].tolist(),
+        "seg_end": d["seg_end"].tolist(), "complete": own["complete"].tolist(), "closes": d["closes"].tolist(),
+        "placeable": d["placeable"].tolist(), "uniform": own["ll_uniform"].tolist(),
+        "first_frame": own["first_frame"].tolist(), "last_frame": own["last_frame"].tolist(), "t0": d["t0"].tolist(),
+        "flag": nullable(own["ll_flag"]), "whole": d["whole"].tolist(),
+    }
+    arrays = {"first_psn": own["first_psn"].astype(np.int64), "last_psn": own["last_psn"].astype(np.int64),
+              "imm": d["imm"], "seg_start": d["seg_start"], "seg_end": d["seg_end"],
+              "flag": np.maximum(own["ll_flag"].astype(np.int64), -1), "t0": d["t0"]}
+    return cols, arrays
 
 
 def _msg(cols: dict[str, list], mid: int, segments: np.ndarray, ll_flags: np.ndarray,

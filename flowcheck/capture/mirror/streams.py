@@ -340,7 +340,10 @@ def _table_ring_stream(s: StreamInfo, position: int, channel: int, t: MessageTab
     if mark is not None:
         mids = mids[~_precede(a["first_psn"][mids], mark)]
     steps = _steps(a["flag"][mids] if ll else np.full(len(mids), -1, np.int64))
-    unique, first = np.unique(steps, return_index=True)  # the first message at each step
+    if len(steps) < 2 or bool((steps[1:] > steps[:-1]).all()):  # the usual case: one message per step, in order
+        unique, first = steps, np.arange(len(steps))
+    else:
+        unique, first = np.unique(steps, return_index=True)  # the first message at each step
     at = mids[first]
     columns = {"steps": unique, "size": a["imm"][at], "seg_a": a["seg_start"][at], "seg_b": a["seg_end"][at],
                "flag": a["flag"][at] if ll else np.full(len(at), -1, np.int64), "first_psn": a["first_psn"][at],
@@ -353,8 +356,9 @@ def _table_ring_stream(s: StreamInfo, position: int, channel: int, t: MessageTab
         anomalies.append({"stream": s.name, "psn": [t.cols["first_psn"][m], t.cols["last_psn"][m]], "flag": int(steps[k]),
                           "t0": t.cols["t0"][m], "type": "step_seen_twice"})
     first_step, last_step = (int(unique[0]), int(unique[-1])) if len(unique) else (1, 0)
-    for gap in np.setdiff1d(np.arange(first_step, last_step + 1), unique).tolist():
-        anomalies.append({"type": "send_lost", "stream": s.name, "step": gap})
+    if last_step - first_step + 1 > len(unique):  # steps missing in between
+        for gap in np.setdiff1d(np.arange(first_step, last_step + 1), unique).tolist():
+            anomalies.append({"type": "send_lost", "stream": s.name, "step": gap})
     return RingStream(s.name, position, channel, sends, first_step, last_step, s.ended)
 
 
