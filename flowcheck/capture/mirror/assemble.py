@@ -99,7 +99,6 @@ class Allreduce:
             out["sha256"] = hashlib.sha256(self.data.astype(self.data.dtype.newbyteorder("<"), copy=False).tobytes()).hexdigest()
         return out
 
-
     def latest_t0(self) -> int | None:
         """The latest capture time (ns) of a taken send's first packet (None: no send carries one)."""
         if isinstance(self.sources, ColumnSources):

@@ -49,14 +49,8 @@ class SendColumns(Mapping):
 
     def where(self, i: int) -> dict:
         """Entry i as reports name a send (``WireSend.info``)."""
-        return self.wheres(np.array([i]))[0]
-
-    def wheres(self, idx: np.ndarray) -> list[dict | None]:
-        """``where`` of each entry in ``idx`` (None for -1: no send)."""
-        i = np.maximum(idx, 0)
-        first_psn, last_psn, steps, t0 = (a[i].tolist() for a in (self.first_psn, self.last_psn, self.steps, self.t0))
-        return [{"stream": self.name, "psn": [a, b], "flag": step, "t0": t} if k >= 0 else None
-                for k, a, b, step, t in zip(idx.tolist(), first_psn, last_psn, steps, t0)]
+        return {"stream": self.name, "psn": [int(self.first_psn[i]), int(self.last_psn[i])], "flag": int(self.steps[i]),
+                "t0": int(self.t0[i])}
 
     def _index(self, step) -> int:
         if not isinstance(step, (int, np.integer)):
@@ -189,7 +183,6 @@ class ColumnSources(Sequence):
             yield from zip(b.pattern.final_start, b.pattern.final_end, b.seen.tolist())
 
 
-
 def merge_taken(data: np.ndarray, copies: np.ndarray, taken: list[Taken], workers: int
                 ) -> tuple[ColumnSources, list[dict], int]:
     """Merge the final sends of ``taken`` (in that order, as ``Assembler._merge`` merges its list) into ``data`` /
@@ -215,10 +208,10 @@ def merge_taken(data: np.ndarray, copies: np.ndarray, taken: list[Taken], worker
                 sc.anomalies.append({**where, "type": "ll_misaligned_segment", "bytes": nbytes} if status < 0
                                     else {**where, "type": "ll_bad_flags", "lines": status})
         r += n
-        blocks.append(SourceBlock(sc.name, t.position, t.channel, t.at, t.pattern, ~ok, sc.first_psn[np.maximum(t.idx, 0)],
-                                  sc.last_psn[np.maximum(t.idx, 0)], sc.t0[np.maximum(t.idx, 0)], got))
-    sources = ColumnSources(blocks)
-    return sources, conflicts, int(seen.sum())
+        i = np.maximum(t.idx, 0)  # (a lost send's entries are not read)
+        blocks.append(SourceBlock(sc.name, t.position, t.channel, t.at, t.pattern, ~ok, sc.first_psn[i], sc.last_psn[i],
+                                  sc.t0[i], got))
+    return ColumnSources(blocks), conflicts, int(seen.sum())
 
 
 def _merge_rows(rows: np.ndarray, data: np.ndarray, copies: np.ndarray, workers: int, sends: SendColumns

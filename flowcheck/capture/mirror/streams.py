@@ -49,8 +49,9 @@ class Msg:
 class MessageTable(Sequence):
     """A stream's write messages as the reassembler's columns (lists indexed by message id); ``Msg`` objects are built
     only for the messages asked for.  Most ring connections consist of *whole sends* only — every message carries its
-    immediate, nothing of it is missing, and (LL) its lines carry one flag — and those become ``WireSend``s straight from
-    the columns (``_table_ring_stream``), which is what group_sends + _ring_stream would make of their Msg objects."""
+    immediate, nothing of it is missing, and (LL) its lines carry one flag — and those become ``send_columns.SendColumns``
+    straight from the columns (``_table_ring_stream``): the sends group_sends + _ring_stream would make of their Msg
+    objects, as arrays."""
 
     __slots__ = ("mids", "cols", "arrays", "segments", "build")
 
