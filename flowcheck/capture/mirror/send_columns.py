@@ -199,9 +199,10 @@ def merge_taken(data: np.ndarray, copies: np.ndarray, taken: list[Taken], worker
         at = t.idx[ok]
         got = np.zeros(len(ok), np.int64)
         got[ok] = seen[r:r + n]
-        for k in (np.flatnonzero(differing[r:r + n]).tolist() if differing[r:r + n].any() else ()):  # rare: conflicts
-            j = int(np.flatnonzero(ok)[k])
-            conflicts.append({**t.sources()[j], "elements_differing": int(differing[r + k])})
+        if differing[r:r + n].any():  # rare: conflicts (the sources built once per connection)
+            srcs, js = t.sources(), np.flatnonzero(ok)
+            for k in np.flatnonzero(differing[r:r + n]).tolist():
+                conflicts.append({**srcs[int(js[k])], "elements_differing": int(differing[r + k])})
         for k in range(n) if unplaced else ():  # rare: LL segments left out, reported send by send
             for status, nbytes in unplaced.get(r + k, ()):
                 where = sc.where(int(at[k]))
