@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from flowcheck.demo.ranks import ERROR_PREFIX, exit_now, first_error, run_ranks
+from flowcheck.demo.ranks import ERROR_PREFIX, exit_now, first_error, leave_group, run_ranks
 
 TP, PP = 2, 2
 _ENTRY = "import sys; from flowcheck.demo.mcore import launcher; launcher(sys.argv[1])"
@@ -138,7 +138,7 @@ def _rank(task: dict, rank: int) -> None:
         if logits is not None and parallel_state.get_tensor_model_parallel_rank() == 0:
             torch.save(logits, os.path.join(task["dir"], f"logits-{fmt}.pt"))
         dist.barrier()
-    dist.destroy_process_group()
+    leave_group()
 
 
 def _patch_cuda() -> None:

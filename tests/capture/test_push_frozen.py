@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from flowcheck.capture.push.auth import PushSigner
+from flowcheck.demo.ranks import leave_group
 from flowcheck.capture.push.wire import recv_header, send_frame
 from flowcheck.torch import PushConfig
 from flowcheck.torch.checkpointer import Checkpointer
@@ -179,7 +180,7 @@ def _dp_trainer(rank: int, world: int, port: int, node_url: str, out: str) -> No
     torch.save({"state": {k: torch.from_numpy(v) for k, v in _expected(model, opt).items()}, "sent": sent,
                 "full": ck.stats.buffer_bytes}, f"{out}/rank{rank}.pt")
     ck.close()
-    torch.distributed.destroy_process_group()
+    leave_group()
 
 
 def test_data_parallel_ranks_keep_their_share_of_the_frozen_parameters(node, tmp_path):

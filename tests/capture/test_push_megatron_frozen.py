@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from flowcheck.demo.ranks import leave_group
 from flowcheck.restore.arch import ModelArch
 from flowcheck.restore.importer import import_into
 from flowcheck.restore.megatron_common import Target, cut
@@ -197,7 +198,7 @@ def _pp_rank(rank: int, world: int, port: int, node_url: str, out: str) -> None:
     torch.save({"sent": sent, "full": ck.stats.buffer_bytes, "frozen": r.frozen_bytes(),
                 "state": {k: torch.from_numpy(v) for k, v in expected.items()}}, f"{out}/rank{rank}.pt")
     ck.close()
-    torch.distributed.destroy_process_group()
+    leave_group()
 
 
 def test_pipeline_stages_agree_on_which_parameters_have_no_optimizer_state(tmp_path):

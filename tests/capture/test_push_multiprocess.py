@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from flowcheck.demo.ranks import leave_group
 from flowcheck.store import open_store
 from flowcheck.torch.checkpointer import Checkpointer
 
@@ -36,7 +37,7 @@ def _trainer(rank: int, world: int, port: int, node_url: str, out: str) -> None:
     torch.save({"state": {k: torch.from_numpy(v) for k, v in _expected(model, opt).items()},
                 "sent": ck.stats.buffer_bytes}, os.path.join(out, f"rank{rank}.pt"))
     ck.close()
-    torch.distributed.destroy_process_group()
+    leave_group()
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -61,11 +61,10 @@ def init(rank: int, world: int, port: int) -> None:
 
 
 def finish() -> None:
-    """Every rank done with its collectives before any tears the group down: a rank whose peer already destroyed
-    the group (and exited, taking the store rank 0 hosts) while it still finished its own teardown was seen to
-    abort in gloo ("terminate called without an active exception", 1 run in ~20)."""
-    dist.barrier()
-    dist.destroy_process_group()
+    """Leave once every rank is done, without tearing gloo down (``leave_group`` says why)."""
+    from flowcheck.demo.ranks import leave_group
+
+    leave_group()
 
 
 def build(world: int, mesh_shape: tuple[int, ...] | None = None):

@@ -28,6 +28,7 @@ import torch
 import torch.multiprocessing as mp
 import xxhash
 
+from flowcheck.demo.ranks import leave_group
 from flowcheck.errors import FlowcheckError
 from flowcheck.store import open_store
 from tests.capture.conftest import NodeProcess, free_port
@@ -108,7 +109,7 @@ def _trainer(rank: int, port: int, node_url: str, out: str, progress, stop) -> N
             json.dump(digests, f)
         np.savez(os.path.join(out, "final.npz"), **_state(model, opt))
     ck.close()
-    torch.distributed.destroy_process_group()
+    leave_group()
 
 
 def _config(node: NodeProcess, object_url: str) -> None:

@@ -32,6 +32,8 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from torch.overrides import TorchFunctionMode
 
+from flowcheck.demo.ranks import leave_group
+
 GLOBAL_BATCH, SEQ, SEED = 4, 16, 1234
 LR, MIN_LR, WD = 1e-2, 1e-3, 0.01
 WARMUP_SAMPLES, DECAY_SAMPLES = GLOBAL_BATCH, 12 * GLOBAL_BATCH
@@ -284,7 +286,7 @@ def run_rank(task: dict, rank: int) -> None:
         for job in task["jobs"]:
             OPS[task["op"]]({**task, **job}, rank)
             dist.barrier()
-    dist.destroy_process_group()
+    leave_group()
 
 
 def main(task_dir: str) -> int:

@@ -25,7 +25,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from flowcheck.demo.ranks import exit_now, run_ranks  # noqa: F401 - exit_now: the entry (mcore.py) leaves through it
+from flowcheck.demo.ranks import exit_now, leave_group, run_ranks  # noqa: F401 - exit_now: the entry (mcore.py) leaves through it
 
 # What Megatron-LM's _build_sharded_state_dict_metadata writes for a model without distributed optimizer.
 CONTENT_METADATA = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
@@ -452,7 +452,7 @@ def run_rank(task: dict, rank: int) -> None:
         STEPS[task["op"]](task, job, input_ids)
         dist.barrier()
         print(f"rank {rank}: {task['op']} job {i} took {time.monotonic() - start:.2f} s", flush=True)
-    dist.destroy_process_group()
+    leave_group()
 
 
 def _free_port() -> int:
