@@ -352,7 +352,9 @@ def async_save(rank: int, world: int, port: int, cfg: str, k: int, n: int, fs_di
     if rank == 0:
         log["after"] = open_store(cfg).object.steps()
         dump(out, log)
-    dist.destroy_process_group()  # not finish(): a rank may have been killed, no barrier would complete
+    if die_rank is None:
+        finish()
+    dist.destroy_process_group()  # a rank was killed: the others could never all count themselves out
 
 
 def spawn(fn, world: int, *args) -> None:
