@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import hashlib
 import math
 import os
 import statistics
@@ -334,11 +335,37 @@ def part_decode(args, log) -> dict[str, Any]:
     for k, copy_row in copy_rows.items():
         many = next((r for r, _ in rows if r.method.endswith(f", {k} parse workers")), None)
         if one is not None and many is not None:
-            scaling[k] = {"decode": one.median / many.median, "memcpy": memcpy.median / copy_row.median}
+            scaling[k] = {"decode": one.median / many.median, "memcpy": memcpy.median / copy_row.median,
+                          "compute": compute_scaling(k)}
             md.append(f"\nScaling at {k} workers (wall, medians): decode {scaling[k]['decode']:.2f}x one worker; memcpy "
-                      f"of the same bytes on {k} threads {scaling[k]['memcpy']:.2f}x one thread (the ceiling here).")
+                      f"of the same bytes on {k} threads {scaling[k]['memcpy']:.2f}x one thread (the ceiling here); "
+                      f"in-cache compute (SHA-256 of a 256 KiB buffer) on {k} threads {scaling[k]['compute']:.2f}x (the "
+                      "cores alone, memory out of the way).")
     return {"rows": out_rows, "markdown": "\n".join(md), "elements": elements, "largest_wire_bytes": largest,
             "scaling": scaling}
+
+
+def compute_scaling(k: int, calls: int = 1000, repeats: int = 5) -> float:
+    """How much more work k threads do than one when the work stays in cache: ``calls`` SHA-256s of a 256 KiB buffer
+    per thread (hashlib releases the GIL for each), best of ``repeats``.  Next to memcpy's scaling it tells the cores
+    from the memory: what only computes scales with cores, what streams memory scales with the memory system."""
+    buf = os.urandom(256 * 1024)  # well inside one core's L2
+
+    def work() -> None:
+        for _ in range(calls):
+            hashlib.sha256(buf).digest()
+
+    def run(n: int) -> float:
+        threads = [threading.Thread(target=work) for _ in range(n)]
+        t0 = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return time.perf_counter() - t0
+
+    one, many = min(run(1) for _ in range(repeats)), min(run(k) for _ in range(repeats))
+    return k * one / many
 
 
 def threaded_copy(src: np.ndarray, dst: np.ndarray, k: int) -> None:
