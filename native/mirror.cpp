@@ -9,6 +9,7 @@
 #include <pybind11/pybind11.h>
 
 #include <algorithm>
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -660,9 +661,41 @@ inline void prefetch_frame(const uint8_t* f, int32_t n) {
     for (int32_t k = 0; k < n; k += 64) __builtin_prefetch(f + k);
 }
 
-// Returns the counts the caller reports: frames per Status (4), then frames with a BTH per opcode (256).
-py::array_t<int64_t> parse(const py::buffer& buf, const py::buffer& offsets, const py::buffer& lengths, py::buffer& out,
-                           bool check_icrc) {
+constexpr size_t N_COUNTS = 4 + 256;  // frames per Status (4), then frames with a BTH per opcode (256)
+
+// A capture's frames, checked to lie inside its buffer, and the packet table they parse into.
+struct FrameTable {
+    const uint8_t* buf;
+    const int64_t* offsets;
+    const int32_t* lengths;
+    PacketRow* rows;
+    size_t n;
+};
+
+// Parses frames [lo, hi) into their rows, adding to the counts (N_COUNTS), and hands each row to on_row(row, i) right
+// after parsing it, while it is in cache.
+template <class OnRow>
+void parse_frames(const FrameTable& t, size_t lo, size_t hi, bool check_icrc, int64_t* cnt, OnRow&& on_row) {
+    const uint8_t* buf = t.buf;
+    const int64_t* o = t.offsets;
+    const int32_t* l = t.lengths;
+    PacketRow* r = t.rows;
+    for (size_t i = lo; i < hi; ++i) {
+        if (check_icrc && i + PREFETCH_FRAMES < hi) prefetch_frame(buf + o[i + PREFETCH_FRAMES], l[i + PREFETCH_FRAMES]);
+        else if (i + 4 < hi) __builtin_prefetch(buf + o[i + 4]), __builtin_prefetch(buf + o[i + 4] + 64);  // headers
+        std::memset(&r[i], 0, sizeof(PacketRow));
+        r[i].vlan = -1;
+        r[i].status = parse_frame(buf + o[i], size_t(l[i]), r[i], check_icrc);
+        if (r[i].status == OK) r[i].payload_off += o[i];
+        else r[i].payload_off = -1, r[i].payload_len = 0;
+        r[i].ll_flag = r[i].payload_len >= 16 ? int64_t(le32(buf + r[i].payload_off + 4)) : -1;
+        ++cnt[r[i].status];
+        if (r[i].bth_offset) ++cnt[4 + r[i].opcode];
+        on_row(r[i], i);
+    }
+}
+
+FrameTable frame_table(const py::buffer& buf, const py::buffer& offsets, const py::buffer& lengths, py::buffer& out) {
     Bytes b = readable(buf), off = readable(offsets, 8), len = readable(lengths, 4);
     MutBytes rows = writable(out, sizeof(PacketRow));
     size_t n = off.size / 8;
@@ -673,24 +706,19 @@ py::array_t<int64_t> parse(const py::buffer& buf, const py::buffer& offsets, con
     for (size_t i = 0; i < n; ++i)
         if (o[i] < 0 || l[i] < 0 || uint64_t(o[i]) + uint64_t(l[i]) > b.size)
             throw py::value_error("frame " + std::to_string(i) + " lies outside the buffer");
-    py::array_t<int64_t> counts{py::ssize_t(4 + 256)};
+    return {b.data, o, l, reinterpret_cast<PacketRow*>(rows.data), n};
+}
+
+// Returns the counts the caller reports (N_COUNTS: frames per Status, then frames with a BTH per opcode).
+py::array_t<int64_t> parse(const py::buffer& buf, const py::buffer& offsets, const py::buffer& lengths, py::buffer& out,
+                           bool check_icrc) {
+    FrameTable t = frame_table(buf, offsets, lengths, out);
+    py::array_t<int64_t> counts{py::ssize_t(N_COUNTS)};
     int64_t* cnt = counts.mutable_data();
-    std::fill(cnt, cnt + 4 + 256, 0);
+    std::fill(cnt, cnt + N_COUNTS, 0);
     {
         py::gil_scoped_release nogil;
-        PacketRow* r = reinterpret_cast<PacketRow*>(rows.data);
-        for (size_t i = 0; i < n; ++i) {
-            if (check_icrc && i + PREFETCH_FRAMES < n) prefetch_frame(b.data + o[i + PREFETCH_FRAMES], l[i + PREFETCH_FRAMES]);
-            else if (i + 4 < n) __builtin_prefetch(b.data + o[i + 4]), __builtin_prefetch(b.data + o[i + 4] + 64);  // headers
-            std::memset(&r[i], 0, sizeof(PacketRow));
-            r[i].vlan = -1;
-            r[i].status = parse_frame(b.data + o[i], size_t(l[i]), r[i], check_icrc);
-            if (r[i].status == OK) r[i].payload_off += o[i];
-            else r[i].payload_off = -1, r[i].payload_len = 0;
-            r[i].ll_flag = r[i].payload_len >= 16 ? int64_t(le32(b.data + r[i].payload_off + 4)) : -1;
-            ++cnt[r[i].status];
-            if (r[i].bth_offset) ++cnt[4 + r[i].opcode];
-        }
+        parse_frames(t, 0, t.n, check_icrc, cnt, [](const PacketRow&, size_t) {});
     }
     return counts;
 }
@@ -805,58 +833,110 @@ void count_kind(StreamRow& s, Kind k) {
     ++*counter[k];
 }
 
+// Demultiplexes OK packets into (src ip, dst ip, dest QP) streams, one packet at a time: collects each stream's RC
+// SEND/WRITE packets (one PSN space) with their PSNs unwrapped in capture order, and each stream's PMTU seen (the
+// payload of its FIRST/MIDDLE packets, all full by definition; 0: none), read while the row is in cache rather than
+// in another pass over the packet table (two such passes were ~8% of decode CPU).  Stream ids count from 0 in order
+// of first appearance; `join` appends another Demux that saw the packets right after this one's.
+class Demux {
+  public:
+    std::vector<StreamRow> streams;
+    std::vector<std::vector<Req>> reqs;
+    std::vector<int32_t> pmtus;
+
+    // Packet i (its row `r`); returns its stream, -1 when it has none (not OK, or an unknown opcode).
+    int32_t add(const PacketRow& r, size_t i) {
+        Kind kind = ops.op[r.opcode].kind;
+        if (r.status != OK || kind == UNKNOWN) return -1;
+        Key k = key(r.src_ip, r.dst_ip, r.dqpn);
+        if (last_id_ < 0 || !(k == last_)) {  // consecutive packets mostly belong to one stream: skip the lookup then
+            auto found = ids_.try_emplace(k, int32_t(streams.size()));
+            last_ = k, last_id_ = found.first->second;
+            if (found.second) open(r, i);
+        }
+        StreamRow& s = streams[size_t(last_id_)];
+        s.last_frame = int64_t(i), ++s.n_packets;
+        count_kind(s, kind);
+        if (kind == SEND || kind == WRITE) {
+            std::vector<Req>& q = reqs[size_t(last_id_)];
+            q.push_back({q.empty() ? int64_t(r.psn) : unwrap(q.back().psn, r.psn), int64_t(i), r.payload_off, r.ll_flag,
+                         r.payload_len, r.opcode});
+            const Role role = ops.op[r.opcode].role;
+            int32_t& seen = pmtus[size_t(last_id_)];
+            if (role == FIRST || role == MIDDLE) seen = std::max(seen, r.payload_len);
+        }
+        return last_id_;
+    }
+
+    // Takes in `later`, which demultiplexed the packets right after this one's: its streams continue this one's of the
+    // same key (counts added, requests appended, PSNs unwrapped across the seam) or come after them, in its order.
+    // Returns what each of its stream ids became here.
+    std::vector<int32_t> join(Demux& later) {
+        std::vector<int32_t> id(later.streams.size());
+        for (size_t ls = 0; ls < later.streams.size(); ++ls) {
+            const StreamRow& x = later.streams[ls];
+            auto found = ids_.try_emplace(key(x.src_ip, x.dst_ip, x.dqpn), int32_t(streams.size()));
+            const size_t g = size_t(found.first->second);
+            id[ls] = int32_t(g);
+            if (found.second) {
+                streams.push_back(x), reqs.push_back(std::move(later.reqs[ls])), pmtus.push_back(later.pmtus[ls]);
+                continue;
+            }
+            StreamRow& s = streams[g];
+            s.last_frame = x.last_frame, s.n_packets += x.n_packets;
+            s.n_sends += x.n_sends, s.n_writes += x.n_writes, s.n_reads += x.n_reads, s.n_acks += x.n_acks;
+            s.n_ud += x.n_ud, s.n_other += x.n_other;
+            pmtus[g] = std::max(pmtus[g], later.pmtus[ls]);
+            std::vector<Req>& q = reqs[g];
+            std::vector<Req>& more = later.reqs[ls];
+            if (!q.empty() && !more.empty()) {  // `later` counted its PSNs from its first request's raw PSN
+                const int64_t shift = unwrap(q.back().psn, uint32_t(more.front().psn)) - more.front().psn;
+                for (Req& m : more) m.psn += shift;
+            }
+            q.insert(q.end(), more.begin(), more.end());
+        }
+        last_id_ = -1;
+        return id;
+    }
+
+  private:
+    static Key key(const uint8_t* src_ip, const uint8_t* dst_ip, uint32_t dqpn) {
+        Key k;
+        std::memcpy(k.b, src_ip, 16), std::memcpy(k.b + 16, dst_ip, 16), std::memcpy(k.b + 32, &dqpn, 4);
+        return k;
+    }
+
+    void open(const PacketRow& r, size_t i) {
+        StreamRow s{};
+        s.first_frame = int64_t(i);
+        std::memcpy(s.src_ip, r.src_ip, 16), std::memcpy(s.dst_ip, r.dst_ip, 16);
+        std::memcpy(s.src_mac, r.src_mac, 6), std::memcpy(s.dst_mac, r.dst_mac, 6);
+        s.dqpn = r.dqpn, s.vlan = r.vlan, s.sport = r.sport, s.ip_version = r.ip_version;
+        streams.push_back(s);
+        reqs.emplace_back();
+        pmtus.push_back(0);
+    }
+
+    std::unordered_map<Key, int32_t, KeyHash> ids_;
+    Key last_{};
+    int32_t last_id_ = -1;
+};
+
 // demux reads the packet table in order, but the parse wrote it long before (tens of MB): without fetching rows
 // ahead it waited on each row's second line (the opcode) for a third of its time (reassembly -10% with 16 ahead)
 constexpr size_t DEMUX_AHEAD = 16;
 
-// Demultiplexes OK packets into (src ip, dst ip, dest QP) streams; collects each stream's RC
-// SEND/WRITE packets (one PSN space) with their PSNs unwrapped in capture order, and each stream's PMTU seen (the
-// payload of its FIRST/MIDDLE packets, all full by definition; 0: none), read here while the row is in cache rather
-// than in another pass over the packet table (two such passes were ~8% of decode CPU).
-std::vector<std::vector<Req>> demux(const PacketRow* rows, size_t n, Out& out, std::vector<int32_t>& pmtus) {
-    std::unordered_map<Key, int32_t, KeyHash> ids;
-    std::vector<std::vector<Req>> reqs;
-    Key last{};
-    int32_t last_id = -1;  // consecutive packets mostly belong to one stream: skip the lookup then
+// Demultiplexes a whole packet table (see Demux) in one pass; each packet's stream goes to stream_of.
+Demux demux(const PacketRow* rows, size_t n, int32_t* stream_of) {
+    Demux d;
     for (size_t i = 0; i < n; ++i) {
         if (i + DEMUX_AHEAD < n) {  // the table was written by the parse long before: fetch its rows ahead
             const char* ahead = reinterpret_cast<const char*>(rows + i + DEMUX_AHEAD);
             __builtin_prefetch(ahead), __builtin_prefetch(ahead + 64);
         }
-        const PacketRow& r = rows[i];
-        Kind kind = ops.op[r.opcode].kind;
-        if (r.status != OK || kind == UNKNOWN) continue;
-        Key k;
-        std::memcpy(k.b, r.src_ip, 16), std::memcpy(k.b + 16, r.dst_ip, 16), std::memcpy(k.b + 32, &r.dqpn, 4);
-        bool fresh = false;
-        if (last_id < 0 || !(k == last)) {
-            auto found = ids.try_emplace(k, int32_t(out.streams.size()));
-            fresh = found.second, last = k, last_id = found.first->second;
-        }
-        if (fresh) {
-            StreamRow s{};
-            s.first_frame = int64_t(i);
-            std::memcpy(s.src_ip, r.src_ip, 16), std::memcpy(s.dst_ip, r.dst_ip, 16);
-            std::memcpy(s.src_mac, r.src_mac, 6), std::memcpy(s.dst_mac, r.dst_mac, 6);
-            s.dqpn = r.dqpn, s.vlan = r.vlan, s.sport = r.sport, s.ip_version = r.ip_version;
-            out.streams.push_back(s);
-            reqs.emplace_back();
-            pmtus.push_back(0);
-        }
-        StreamRow& s = out.streams[size_t(last_id)];
-        s.last_frame = int64_t(i), ++s.n_packets;
-        count_kind(s, kind);
-        out.stream_of[i] = last_id;
-        if (kind == SEND || kind == WRITE) {
-            std::vector<Req>& q = reqs[size_t(last_id)];
-            q.push_back({q.empty() ? int64_t(r.psn) : unwrap(q.back().psn, r.psn), int64_t(i), r.payload_off, r.ll_flag,
-                         r.payload_len, r.opcode});
-            const Role role = ops.op[r.opcode].role;
-            int32_t& seen = pmtus[size_t(last_id)];
-            if (role == FIRST || role == MIDDLE) seen = std::max(seen, r.payload_len);
-        }
+        stream_of[i] = d.add(rows[i], i);
     }
-    return reqs;
+    return d;
 }
 
 // Places one stream's requests (sorted by PSN, duplicates removed) into messages.
@@ -1070,26 +1150,83 @@ void assemble_streams(std::vector<std::vector<Req>>& reqs, const PacketRow* rows
     }
 }
 
-py::dict reassemble(const py::buffer& packets, int32_t pmtu, int workers) {
-    Bytes b = readable(packets, sizeof(PacketRow));
-    const PacketRow* rows = reinterpret_cast<const PacketRow*>(b.data);
-    size_t n = b.size / sizeof(PacketRow);
-    if (pmtu < 0) throw py::value_error("pmtu must be >= 0 (0 = infer from the packets)");
-    if (workers < 1 || workers > 256) throw py::value_error("workers must be 1..256, got " + std::to_string(workers));
-    Out out;
-    {
-        py::gil_scoped_release nogil;
-        out.stream_of.assign(n, -1), out.message_of.assign(n, -1);
-        std::vector<int32_t> seen;
-        std::vector<std::vector<Req>> reqs = demux(rows, n, out, seen);
-        assemble_streams(reqs, rows, pmtu, seen, out, workers);
-    }
+py::dict tables(Out&& out) {
     py::dict d;
     d["streams"] = adopt<uint8_t>(std::move(out.streams)), d["messages"] = adopt<uint8_t>(std::move(out.messages));
     d["segments"] = adopt<uint8_t>(std::move(out.segments)), d["missing"] = adopt<uint8_t>(std::move(out.missing));
     d["gaps"] = adopt<uint8_t>(std::move(out.gaps));
     d["stream_of"] = adopt<int32_t>(std::move(out.stream_of)), d["message_of"] = adopt<int32_t>(std::move(out.message_of));
     return d;
+}
+
+void check_reassembly_args(int32_t pmtu, int workers) {
+    if (pmtu < 0) throw py::value_error("pmtu must be >= 0 (0 = infer from the packets)");
+    if (workers < 1 || workers > 256) throw py::value_error("workers must be 1..256, got " + std::to_string(workers));
+}
+
+py::dict reassemble(const py::buffer& packets, int32_t pmtu, int workers) {
+    Bytes b = readable(packets, sizeof(PacketRow));
+    const PacketRow* rows = reinterpret_cast<const PacketRow*>(b.data);
+    size_t n = b.size / sizeof(PacketRow);
+    check_reassembly_args(pmtu, workers);
+    Out out;
+    {
+        py::gil_scoped_release nogil;
+        out.stream_of.resize(n), out.message_of.assign(n, -1);
+        Demux d = demux(rows, n, out.stream_of.data());
+        out.streams = std::move(d.streams);
+        assemble_streams(d.reqs, rows, pmtu, d.pmtus, out, workers);
+    }
+    return tables(std::move(out));
+}
+
+// parse, then reassemble, of the same frames (the same table, counts and tables) in one call, the demultiplexing done
+// by the parse's threads: each of `ranges` threads parses a contiguous run of frames and hands every row to its own
+// Demux while the row is in cache; the runs' Demuxes are then joined in capture order.  Separately, the demux read the
+// whole packet table again (tens of MB, written long before) on one thread.  Returns (counts, tables).
+py::tuple parse_reassemble(const py::buffer& buf, const py::buffer& offsets, const py::buffer& lengths, py::buffer& out,
+                           bool check_icrc, int32_t pmtu, int ranges, int workers) {
+    FrameTable t = frame_table(buf, offsets, lengths, out);
+    check_reassembly_args(pmtu, workers);
+    if (ranges < 1 || ranges > 256) throw py::value_error("ranges must be 1..256, got " + std::to_string(ranges));
+    const size_t k = std::min<size_t>(size_t(ranges), std::max<size_t>(t.n, 1));
+    py::array_t<int64_t> counts{py::ssize_t(N_COUNTS)};
+    int64_t* cnt = counts.mutable_data();
+    Out o;
+    {
+        py::gil_scoped_release nogil;
+        o.stream_of.resize(t.n), o.message_of.assign(t.n, -1);
+        // a thread's own cache lines: with the Demuxes side by side, one thread's writes of its last stream key
+        // evicted the line the other read its vectors from on every packet (the parse on 2 threads took 1/3 longer)
+        struct alignas(64) Part {
+            Demux demux;
+            alignas(64) std::array<int64_t, N_COUNTS> counts{};
+        };
+        std::vector<Part> parts(k);
+        auto work = [&](size_t p) {
+            int32_t* stream_of = o.stream_of.data();
+            Demux& d = parts[p].demux;
+            parse_frames(t, t.n * p / k, t.n * (p + 1) / k, check_icrc, parts[p].counts.data(),
+                         [&](const PacketRow& r, size_t i) { stream_of[i] = d.add(r, i); });
+        };
+        {
+            Joined threads;
+            for (size_t p = 1; p < k; ++p) threads.start(work, p);
+            work(0);
+        }
+        std::fill(cnt, cnt + N_COUNTS, 0);
+        for (const Part& part : parts)
+            for (size_t j = 0; j < N_COUNTS; ++j) cnt[j] += part.counts[j];
+        Demux& all = parts[0].demux;
+        for (size_t p = 1; p < k; ++p) {
+            const std::vector<int32_t> id = all.join(parts[p].demux);
+            for (size_t i = t.n * p / k; i < t.n * (p + 1) / k; ++i)
+                if (o.stream_of[i] >= 0) o.stream_of[i] = id[size_t(o.stream_of[i])];
+        }
+        o.streams = std::move(all.streams);
+        assemble_streams(all.reqs, t.rows, pmtu, all.pmtus, o, workers);
+    }
+    return py::make_tuple(counts, tables(std::move(o)));
 }
 
 // ---------------------------------------------------------------- payload unpacking
@@ -1754,6 +1891,10 @@ PYBIND11_MODULE(_mirror, m) {
           py::arg("check_icrc") = true, "Parse every frame into the packet table `out` (one row per frame); returns the frames per status (4) "
           "then per opcode (256, frames with a BTH).");
     m.def("frame_icrc", &frame_icrc, py::arg("frame"), "The ICRC a RoCEv2 frame should carry, or -1 if it is not one.");
+    m.def("parse_reassemble", &parse_reassemble, py::arg("buf"), py::arg("offsets"), py::arg("lengths"), py::arg("out"),
+          py::arg("check_icrc") = true, py::arg("pmtu") = 0, py::arg("ranges") = 1, py::arg("workers") = 1,
+          "parse into `out`, then reassemble, in one call: each of `ranges` threads parses a run of frames and "
+          "demultiplexes its rows as it goes; `workers` threads reassemble streams. Returns (counts, tables).");
     m.def("reassemble", &reassemble, py::arg("packets"), py::arg("pmtu") = 0, py::arg("workers") = 1,
           "Streams, messages, segments, missing byte ranges, PSN gaps from a packet table (whole streams on `workers` "
           "threads; the tables do not depend on it).");

@@ -23,6 +23,7 @@ import atheris
 with atheris.instrument_imports(include=["flowcheck.capture"]):
     import numpy as np
 
+    from flowcheck import _mirror
     from flowcheck.capture.mirror import roce
     from flowcheck.capture.mirror.pcap import PcapWriter, read_capture
     from flowcheck.errors import FlowcheckError
@@ -48,6 +49,8 @@ def decode(data: bytes) -> None:
             if np.any(packets.table["payload_off"][ok] + packets.table["payload_len"][ok] > size):
                 raise AssertionError("a payload placed outside the file")
         roce.reassemble(frames, packets)
+        table, offsets, lengths = roce._frame_columns(frames)  # parse + demux on 3 threads, reassembly on 2
+        _mirror.parse_reassemble(frames.buf, offsets, lengths, table, True, 0, 3, 2)
     except FlowcheckError:
         pass  # a clean rejection of a bad capture
 

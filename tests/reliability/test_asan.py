@@ -90,6 +90,10 @@ CHILD = LOAD + textwrap.dedent('''
             ra2 = roce.reassemble(frames, packets, pmtu=256)
             ra3 = roce.reassemble(frames, packets, workers=3)  # whole streams on threads, tables concatenated
             assert ra3.segments.tobytes() == ra.segments.tobytes() and ra3.message_of.tobytes() == ra.message_of.tobytes()
+            # parse and reassembly in one call, the demux on 3 parse threads (runs joined in capture order)
+            table, offsets, lengths = roce._frame_columns(frames)
+            _, fused = _mirror.parse_reassemble(frames.buf, offsets, lengths, table, False, 0, 3, 2)
+            assert table.tobytes() == packets.table.tobytes() and fused["message_of"].tobytes() == ra.message_of.tobytes()
             out = np.zeros(1 << 16, np.uint8)
             wire = np.frombuffer(frames.buf, np.uint8)
             roce.segment_flags(wire, ra.segments)

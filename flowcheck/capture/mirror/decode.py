@@ -90,10 +90,10 @@ def decode_window(job: Job, frames: Frames, info: Decoded, resume: dict[str, int
     if job.protocol == "ll128":
         raise JobError("protocol ll128: the decoder does not place LL128 lines yet (the schedule and the native "
                        "unpack exist, the line-to-element mapping is unverified); capture with NCCL_PROTO=LL or Simple")
-    packets = roce.parse(frames, workers=workers)
+    packets, r = roce.parse_reassemble(frames, workers=workers)
     info.packets = {**packets.status_counts, "opcodes": packets.opcode_counts}
     buf = np.frombuffer(frames.buf, np.uint8)
-    streams = _stream_infos(frames, packets, buf, info.anomalies, workers)
+    streams = _stream_infos(frames, packets, r, buf, info.anomalies)
     rings, channels, roles = ring_streams(job, streams, buf, info.anomalies, resume)
     info.channels, info.streams = channels, roles
     for s in streams:  # the rings hold what the sends need: the message columns go now (RAM, and the collector's scans)
@@ -118,12 +118,12 @@ def packet_anomalies(r: roce.Reassembly, anomalies: list[dict], *, tails: bool =
             anomalies.append({"type": "duplicates", "stream": name, "packets": int(s["n_duplicates"])})
 
 
-def _stream_infos(frames: Frames, packets, buf: np.ndarray, anomalies: list[dict], workers: int = 1) -> list[StreamInfo]:
-    """The reassembler's tables (streams on ``workers`` threads) as StreamInfo/Msg objects; its PSN gaps and
+def _stream_infos(frames: Frames, packets: roce.Packets, r: roce.Reassembly, buf: np.ndarray,
+                  anomalies: list[dict]) -> list[StreamInfo]:
+    """The reassembler's tables as StreamInfo/Msg objects; its PSN gaps and
     duplicates become anomalies.  Only streams with a write that closes a send can be ring connections: their
     messages become a ``MessageTable`` (message ids: positions in the candidates' run, by stream then PSN); the
     others (flow-control posts, ACK-only) are counted."""
-    r = roce.reassemble(frames, packets, workers=workers)
     m = r.messages
     derived = _derived_columns(r, frames.ts_ns)
     writes = np.flatnonzero(m["kind"] == roce.KIND_WRITE)

@@ -4,7 +4,8 @@
 extension-header fields, payload location).  ``reassemble`` demultiplexes OK packets into
 streams (src IP, dst IP, destination QP), places SEND/WRITE packets by PSN, and forms
 messages with their payload segments, the byte ranges lost inside them and the PSN gaps of
-each stream.  ``ll_unpack`` / ``ll128_unpack`` / ``simple_copy`` copy a message's payload out; ``merge_send``
+each stream.  ``parse_reassemble`` does both in one native call, each parse thread demultiplexing the rows it
+writes (what decode uses).  ``ll_unpack`` / ``ll128_unpack`` / ``simple_copy`` copy a message's payload out; ``merge_send``
 places a decoded send straight into its allreduce (first copy wins, later copies compared).
 
 Table fields (numpy structured arrays).  PSNs in the reassembly tables are unwrapped to int64:
@@ -106,10 +107,8 @@ def parse(frames: Frames, *, check_icrc: bool = True, workers: int = 1) -> Packe
 
     ``workers`` > 1 parses contiguous frame ranges on that many threads (the native parse releases the GIL and
     every row depends on its frame alone, so the table is the same as one thread's)."""
-    table = np.empty(len(frames), dtype=PACKET)
-    offsets = np.ascontiguousarray(frames.offsets, dtype=np.int64)
-    lengths = np.ascontiguousarray(frames.lengths, dtype=np.int32)
-    k = max(1, min(workers, len(frames) // PARALLEL_MIN_FRAMES))
+    table, offsets, lengths = _frame_columns(frames)
+    k = _ranges(frames, workers)
     bounds = [len(frames) * i // k for i in range(k + 1)]
 
     def part(i: int) -> np.ndarray:
@@ -124,6 +123,36 @@ def parse(frames: Frames, *, check_icrc: bool = True, workers: int = 1) -> Packe
                 counts = sum(pool.map(part, range(k)))
     except ValueError as e:
         raise CaptureError(f"{frames.source}: {e}") from e
+    return _packets(table, counts)
+
+
+def parse_reassemble(frames: Frames, *, check_icrc: bool = True, pmtu: int | None = None,
+                     workers: int = 1) -> tuple[Packets, Reassembly]:
+    """``parse`` then ``reassemble`` of the same frames, the same results, in one native call: each parse thread
+    demultiplexes the rows it writes while they are in cache, instead of one thread reading the whole packet table
+    again afterwards (a decode's use: it needs both)."""
+    _check_workers(workers)
+    table, offsets, lengths = _frame_columns(frames)
+    try:
+        counts, out = _mirror.parse_reassemble(frames.buf, offsets, lengths, table, check_icrc, pmtu or 0,
+                                               _ranges(frames, workers), workers)
+    except ValueError as e:
+        raise CaptureError(f"{frames.source}: {e}") from e
+    return _packets(table, counts), _reassembly(out, table)
+
+
+def _frame_columns(frames: Frames) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """An empty packet table for the frames, and their offsets and lengths as the native parse takes them."""
+    return (np.empty(len(frames), dtype=PACKET), np.ascontiguousarray(frames.offsets, dtype=np.int64),
+            np.ascontiguousarray(frames.lengths, dtype=np.int32))
+
+
+def _ranges(frames: Frames, workers: int) -> int:
+    """How many contiguous frame ranges ``workers`` threads parse."""
+    return max(1, min(workers, len(frames) // PARALLEL_MIN_FRAMES))
+
+
+def _packets(table: np.ndarray, counts: np.ndarray) -> Packets:
     status, ops = counts[:len(Status)], counts[len(Status):]
     return Packets(
         table,
@@ -198,12 +227,19 @@ def reassemble(frames: Frames, packets: Packets, *, pmtu: int | None = None, wor
     threads, each reassembling whole streams (the tables are the same as one thread's)."""
     if len(packets) != len(frames):
         raise ValueError(f"{len(packets)} packet rows for {len(frames)} frames")
+    _check_workers(workers)
+    return _reassembly(_mirror.reassemble(np.ascontiguousarray(packets.table), pmtu or 0, workers), packets.table)
+
+
+def _check_workers(workers: int) -> None:
     if not 1 <= workers <= 256:
         raise ValueError(f"workers must be 1..256, got {workers}")
-    out = _mirror.reassemble(np.ascontiguousarray(packets.table), pmtu or 0, workers)
+
+
+def _reassembly(out: dict, table: np.ndarray) -> Reassembly:
     return Reassembly(
         out["streams"].view(STREAM), out["messages"].view(MESSAGE), out["segments"].view(SEGMENT),
-        out["missing"].view(MISSING), out["gaps"].view(GAP), out["stream_of"], out["message_of"], packets.table["opcode"],
+        out["missing"].view(MISSING), out["gaps"].view(GAP), out["stream_of"], out["message_of"], table["opcode"],
     )
 
 
