@@ -1702,27 +1702,29 @@ py::tuple merge_rows(const py::buffer& buf, const py::buffer& segments, const py
     if (ci.ndim != 1 || ci.itemsize != 1 || (ci.size > 1 && ci.strides[0] != 1) || ci.size != di.size)
         throw py::value_error("copies must be a writable contiguous 1-d uint8 array as long as data");
     std::vector<MergeJob> js(size_t(std::max<int64_t>(n, 0)));
-    for (int64_t k = 0; k < n; ++k) {
-        const int64_t* r = row + 6 * k;
-        const std::string what = "row " + std::to_string(k) + ": ";
-        if (r[0] < 0 || r[0] > r[1] || r[1] > nseg)
-            throw py::value_error(what + "segments [" + std::to_string(r[0]) + ", " + std::to_string(r[1]) + ") outside the " +
-                                  std::to_string(nseg) + " rows of the table");
-        if (r[4] < 0 || r[4] > r[5] || r[5] > di.size)
-            throw py::value_error(what + "elements [" + std::to_string(r[4]) + ", " + std::to_string(r[5]) + ") outside data of " +
-                                  std::to_string(di.size));
-        if (r[3] < -1) throw py::value_error(what + "flag must be -1 (none) or a non-negative integer");
-        for (int64_t i = r[0]; i < r[1]; ++i)
-            if (seg[i].offset < 0 || seg[i].length < 0 || uint64_t(seg[i].offset) + uint64_t(seg[i].length) > b.size)
-                throw py::value_error(what + "segment " + std::to_string(i) + " lies outside the capture buffer");
-        MergeJob& j = js[size_t(k)];
-        j.b = b;
-        j.parts.push_back({seg + r[0], size_t(r[1] - r[0]), r[2]});
-        j.flag = r[3], j.ll = ll, j.isz = isz;
-        j.out = static_cast<uint8_t*>(di.ptr) + r[4] * isz, j.cnt = static_cast<uint8_t*>(ci.ptr) + r[4], j.n = r[5] - r[4];
-    }
     {
+        // checked without the GIL too: reading every row's segments took milliseconds, in which a sibling merge
+        // thread (run_groups) could not even start (the errors thrown here are raised once the GIL is back)
         py::gil_scoped_release nogil;
+        for (int64_t k = 0; k < n; ++k) {
+            const int64_t* r = row + 6 * k;
+            auto what = [k] { return "row " + std::to_string(k) + ": "; };
+            if (r[0] < 0 || r[0] > r[1] || r[1] > nseg)
+                throw py::value_error(what() + "segments [" + std::to_string(r[0]) + ", " + std::to_string(r[1]) +
+                                      ") outside the " + std::to_string(nseg) + " rows of the table");
+            if (r[4] < 0 || r[4] > r[5] || r[5] > di.size)
+                throw py::value_error(what() + "elements [" + std::to_string(r[4]) + ", " + std::to_string(r[5]) +
+                                      ") outside data of " + std::to_string(di.size));
+            if (r[3] < -1) throw py::value_error(what() + "flag must be -1 (none) or a non-negative integer");
+            for (int64_t i = r[0]; i < r[1]; ++i)
+                if (seg[i].offset < 0 || seg[i].length < 0 || uint64_t(seg[i].offset) + uint64_t(seg[i].length) > b.size)
+                    throw py::value_error(what() + "segment " + std::to_string(i) + " lies outside the capture buffer");
+            MergeJob& j = js[size_t(k)];
+            j.b = b;
+            j.parts.push_back({seg + r[0], size_t(r[1] - r[0]), r[2]});
+            j.flag = r[3], j.ll = ll, j.isz = isz;
+            j.out = static_cast<uint8_t*>(di.ptr) + r[4] * isz, j.cnt = static_cast<uint8_t*>(ci.ptr) + r[4], j.n = r[5] - r[4];
+        }
         for (MergeJob& j : js) run_merge(j);
     }
     py::array_t<int64_t> seen{py::ssize_t(n)}, differing{py::ssize_t(n)};
