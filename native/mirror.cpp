@@ -76,12 +76,12 @@ MutBytes writable(py::buffer& b, size_t itemsize = 0) {
 
 // A numpy array of T over the items of `v`, which it takes over: no copy (the reassembly's tables are tens of MB, and
 // copying them into fresh pages was ~5% of reassembly).  T is the item itself, or uint8_t for raw rows.
-template <class T, class Item>
-py::array_t<T> adopt(std::vector<Item>&& v) {
+template <class T, class Item, class Alloc>
+py::array_t<T> adopt(std::vector<Item, Alloc>&& v) {
     static_assert(sizeof(Item) % sizeof(T) == 0, "rows must be whole items of the array");
     if (v.empty()) return py::array_t<T>(0);
-    auto* owner = new std::vector<Item>(std::move(v));
-    py::capsule release(owner, [](void* p) { delete static_cast<std::vector<Item>*>(p); });
+    auto* owner = new std::vector<Item, Alloc>(std::move(v));
+    py::capsule release(owner, [](void* p) { delete static_cast<std::vector<Item, Alloc>*>(p); });
     const py::ssize_t n = py::ssize_t(owner->size() * (sizeof(Item) / sizeof(T)));
     return py::array_t<T>({n}, {py::ssize_t(sizeof(T))}, reinterpret_cast<T*>(owner->data()), release);
 }
@@ -785,14 +785,36 @@ struct GapRow {
     int64_t start, end;  // unwrapped PSNs, half-open
     int32_t stream;
     uint8_t kind;
+    uint8_t pad_[3];  // zero (aggregate-initialised), so that equal tables are equal bytes
 };
 
-// What reassembling one stream (or all of them, concatenated in stream order) produces.
+// An allocator whose resize() leaves new items uninitialised: for tables sized first and then filled row by row.
+template <class T>
+struct NoInit : std::allocator<T> {
+    template <class U>
+    struct rebind { using other = NoInit<U>; };
+    NoInit() = default;
+    template <class U>
+    NoInit(const NoInit<U>&) noexcept {}
+    template <class U>
+    void construct(U* p) noexcept { ::new (static_cast<void*>(p)) U; }
+    template <class U, class... Args>
+    void construct(U* p, Args&&... args) { ::new (static_cast<void*>(p)) U(std::forward<Args>(args)...); }
+};
+
+// What reassembling one stream (or all of them, concatenated in stream order) produces.  Its segments go to a
+// SegmentSpan: room sized beforehand (one row per request at most), so that streams reassembled on several threads
+// write theirs in place.
 struct StreamTables {
     std::vector<MessageRow> messages;
-    std::vector<SegmentRow> segments;
+    std::vector<SegmentRow, NoInit<SegmentRow>> segments;
     std::vector<MissingRow> missing;
     std::vector<GapRow> gaps;
+};
+
+struct SegmentSpan {
+    SegmentRow* at;
+    int64_t n = 0;  // rows written; a message's seg_start counts from `at`
 };
 
 struct Out : StreamTables {
@@ -947,8 +969,8 @@ Demux demux(const PacketRow* rows, size_t n, int32_t* stream_of) {
 class Assembler {
   public:
     // Message ids are indices into out.messages (a stream reassembled on its own counts from 0; see reassemble).
-    Assembler(int32_t sid, int32_t pmtu, const PacketRow* rows, StreamTables& out, int32_t* message_of)
-        : sid_(sid), pmtu_(pmtu), rows_(rows), out_(out), message_of_(message_of) {}
+    Assembler(int32_t sid, int32_t pmtu, const PacketRow* rows, StreamTables& out, SegmentSpan& segs, int32_t* message_of)
+        : sid_(sid), pmtu_(pmtu), rows_(rows), out_(out), segs_(segs), message_of_(message_of) {}
 
     void place(const Req& q) {
         const OpInfo& op = ops.op[q.opcode];
@@ -977,7 +999,7 @@ class Assembler {
     void begin(const OpInfo& op, const Req& q) {
         m_ = MessageRow{};
         m_.stream = sid_, m_.kind = op.kind, m_.first_opcode = q.opcode, m_.pmtu = pmtu_;
-        m_.va = -1, m_.dma_len = -1, m_.first_frame = q.frame, m_.seg_start = int64_t(out_.segments.size());
+        m_.va = -1, m_.dma_len = -1, m_.first_frame = q.frame, m_.seg_start = segs_.n;
         m_.ll_flag = -1, m_.ll_uniform = 1, prev_flag_ = -1;
         seen_.clear();
         open_ = true, end_known_ = false;
@@ -1002,7 +1024,7 @@ class Assembler {
         int64_t msg_off = pmtu_ > 0 || pos == 0 ? pos * pmtu_ : -1;
         if (msg_off < 0) m_.flags |= BAD_LENGTH;
         if (q.payload_len > 0) {
-            out_.segments.push_back({q.payload_off, msg_off, q.frame, q.psn, int32_t(id), q.payload_len});
+            segs_.at[segs_.n++] = {q.payload_off, msg_off, q.frame, q.psn, int32_t(id), q.payload_len};
             ++m_.n_segs;
             if (q.ll_flag >= 0 && m_.ll_flag < 0) m_.ll_flag = q.ll_flag;
             if (q.ll_flag >= 0 && prev_flag_ >= 0 && q.ll_flag != prev_flag_) m_.ll_uniform = 0;
@@ -1063,6 +1085,7 @@ class Assembler {
     int32_t sid_, pmtu_;
     const PacketRow* rows_;
     StreamTables& out_;
+    SegmentSpan& segs_;
     int32_t* message_of_;
     MessageRow m_{};
     std::vector<int64_t> seen_;  // packet positions in the open message, increasing
@@ -1072,11 +1095,11 @@ class Assembler {
 };
 
 void assemble_stream(int32_t sid, StreamRow& s, std::vector<Req>& q, const PacketRow* rows, int32_t pmtu, StreamTables& out,
-                     int32_t* message_of) {
+                     SegmentSpan& segs, int32_t* message_of) {
     if (!std::is_sorted(q.begin(), q.end())) std::sort(q.begin(), q.end());  // by PSN; equal PSNs keep capture order: the first copy wins
     s.pmtu = pmtu;
     size_t first_message = out.messages.size();
-    Assembler a(sid, pmtu, rows, out, message_of);
+    Assembler a(sid, pmtu, rows, out, segs, message_of);
     int64_t expected = 0;
     bool any = false;
     for (const Req& x : q) {
@@ -1092,9 +1115,11 @@ void assemble_stream(int32_t sid, StreamRow& s, std::vector<Req>& q, const Packe
     s.psn_first = any ? q.front().psn : -1, s.psn_last = any ? expected - 1 : -1;
 }
 
-// Streams are independent once demultiplexed: with `workers` > 1 each thread reassembles whole streams into its own
-// tables (message ids from 0), which are then concatenated in stream order with their ids shifted, so the result is
-// the same as one thread's.
+// Streams are independent once demultiplexed: with `workers` > 1 each thread reassembles whole streams, each into
+// its own tables (message ids from 0) and its own room in the segment table; then the ids are shifted (segments
+// and message_of on the threads again, by stream and by frame range) and the rest concatenated in stream order, so the
+// result is the same as one thread's.  (Copying the segments out of per-stream tables instead cost as much as
+// reassembling them: on 2 threads it was slower than one.)
 // `seen`: each stream's PMTU from demux (used when `pmtu` is 0).
 void assemble_streams(std::vector<std::vector<Req>>& reqs, const PacketRow* rows, int32_t pmtu,
                       const std::vector<int32_t>& seen, Out& out, int workers) {
@@ -1106,9 +1131,15 @@ void assemble_streams(std::vector<std::vector<Req>>& reqs, const PacketRow* rows
         return own ? own : fallback;
     };
     const size_t ns = reqs.size();
+    std::vector<int64_t> room(ns + 1, 0);  // stream s may write segment rows [room[s], room[s + 1]): one per request
+    for (size_t s = 0; s < ns; ++s) room[s + 1] = room[s] + int64_t(reqs[s].size());
+    out.segments.resize(size_t(room[ns]));
+    SegmentRow* segs = out.segments.data();
+    int32_t* message_of = out.message_of.data();
     if (workers <= 1 || ns < 2) {
-        out.segments.reserve(out.stream_of.size());  // at most one per packet: no regrowth copies
-        for (size_t s = 0; s < ns; ++s) assemble_stream(int32_t(s), out.streams[s], reqs[s], rows, pmtu_of(s), out, out.message_of.data());
+        SegmentSpan all{segs};
+        for (size_t s = 0; s < ns; ++s) assemble_stream(int32_t(s), out.streams[s], reqs[s], rows, pmtu_of(s), out, all, message_of);
+        out.segments.resize(size_t(all.n));
         return;
     }
     // largest streams first, each onto the least loaded thread
@@ -1122,32 +1153,45 @@ void assemble_streams(std::vector<std::vector<Req>>& reqs, const PacketRow* rows
         size_t t = size_t(std::min_element(load.begin(), load.end()) - load.begin());
         mine[t].push_back(s), load[t] += reqs[s].size() + 1;
     }
-    std::vector<StreamTables> parts(ns);
-    auto work = [&](size_t t) {
-        for (size_t s : mine[t]) {
-            parts[s].segments.reserve(reqs[s].size());
-            assemble_stream(int32_t(s), out.streams[s], reqs[s], rows, pmtu_of(s), parts[s], out.message_of.data());
-        }
+    struct alignas(64) Part : StreamTables {  // a stream's tables on cache lines of their own
+        int64_t used = 0;  // its segment rows
     };
-    Joined threads;
-    for (size_t t = 1; t < k; ++t) threads.start(work, t);
-    work(0);
-    threads.join();
-    size_t nm = 0, nseg = 0, nmiss = 0, ngap = 0;
-    for (const StreamTables& p : parts) nm += p.messages.size(), nseg += p.segments.size(), nmiss += p.missing.size(), ngap += p.gaps.size();
-    out.messages.reserve(nm), out.segments.reserve(nseg), out.missing.reserve(nmiss), out.gaps.reserve(ngap);
+    std::vector<Part> parts(ns);
+    auto on_threads = [k](auto&& work) {
+        Joined threads;
+        for (size_t t = 1; t < k; ++t) threads.start(work, t);
+        work(size_t(0));
+    };
+    on_threads([&](size_t t) {
+        for (size_t s : mine[t]) {
+            SegmentSpan own{segs + room[s]};
+            assemble_stream(int32_t(s), out.streams[s], reqs[s], rows, pmtu_of(s), parts[s], own, message_of);
+            parts[s].used = own.n;
+        }
+    });
+    std::vector<int32_t> mbase(ns + 1, 0);
+    for (size_t s = 0; s < ns; ++s) mbase[s + 1] = mbase[s] + int32_t(parts[s].messages.size());
+    const size_t n = out.message_of.size();
+    const int32_t* stream_of = out.stream_of.data();
+    on_threads([&](size_t t) {
+        for (size_t s : mine[t])
+            for (SegmentRow* g = segs + room[s]; g < segs + room[s] + parts[s].used; ++g) g->message += mbase[s];
+        for (size_t i = n * t / k; i < n * (t + 1) / k; ++i)
+            if (message_of[i] >= 0) message_of[i] += mbase[size_t(stream_of[i])];
+    });
+    size_t nmiss = 0, ngap = 0;
+    for (const Part& p : parts) nmiss += p.missing.size(), ngap += p.gaps.size();
+    out.messages.reserve(size_t(mbase[ns])), out.missing.reserve(nmiss), out.gaps.reserve(ngap);
+    int64_t at = 0;  // where stream s's segments start in the result: its room, less what the ones before left unused
     for (size_t s = 0; s < ns; ++s) {
-        StreamTables& p = parts[s];
-        const int32_t mbase = int32_t(out.messages.size());
-        const int64_t sbase = int64_t(out.segments.size());
-        for (MessageRow m : p.messages) m.seg_start += sbase, out.messages.push_back(m);
-        for (SegmentRow g : p.segments) g.message += mbase, out.segments.push_back(g);
-        for (MissingRow m : p.missing) m.message += mbase, out.missing.push_back(m);
+        Part& p = parts[s];
+        if (at != room[s]) std::memmove(segs + at, segs + room[s], size_t(p.used) * sizeof(SegmentRow));
+        for (MessageRow m : p.messages) m.seg_start += at, out.messages.push_back(m);
+        for (MissingRow m : p.missing) m.message += mbase[s], out.missing.push_back(m);
         out.gaps.insert(out.gaps.end(), p.gaps.begin(), p.gaps.end());
-        if (mbase)
-            for (const Req& x : reqs[s])
-                if (out.message_of[x.frame] >= 0) out.message_of[x.frame] += mbase;
+        at += p.used;
     }
+    out.segments.resize(size_t(at));
 }
 
 py::dict tables(Out&& out) {
