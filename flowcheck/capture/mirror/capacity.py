@@ -38,9 +38,10 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "int32": 4}
 DEFAULT_DECODE_GB_PER_CORE_S = 3.5
 DEFAULT_UPDATE_NS_PER_PARAM = 1.64
 # decode workers on separate cores (streams are independent); measure yours.  An assumption for independent decoders
-# (processes or nodes per stream group): inside one decode process only the native work runs on K threads (parse,
-# merge, and reassembly after its serial demux: 0.84-0.85 of its CPU since the send columns, 0.56-0.63 before), so
-# threads alone give at most ~1/(0.25 + 0.75/K) — 1.6x at K = 2 — and this VM's memory gives a plain copy 1.4-1.6x
+# (processes or nodes per stream group): inside one decode process only the native work runs on K threads (parse
+# with the demux, reassembly, merge: ~0.9 of its CPU since the demux moved into the parse threads, 0.84-0.85 with it
+# serial, 0.56-0.63 before the send columns), and this VM's memory gives a plain copy 1.3-1.8x on 2 threads; decode
+# on 2 threads measured 1.39-1.48x of one (BENCHMARKS.md, "after the 3 Dec night stop")
 DEFAULT_PARALLEL_EFFICIENCY = 0.9
 # measured (BENCHMARKS.md, "Mirror capture scaled out"): a part of K costs (s + (1 - s)/K) of the whole decode;
 # 0.83 at K = 2 and 0.74 at K = 4 on a 496 MB capture (parsing, ICRC, reassembly and matching every frame dominate;
