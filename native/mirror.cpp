@@ -802,12 +802,11 @@ struct NoInit : std::allocator<T> {
     void construct(U* p, Args&&... args) { ::new (static_cast<void*>(p)) U(std::forward<Args>(args)...); }
 };
 
-// What reassembling one stream (or all of them, concatenated in stream order) produces.  Its segments go to a
-// SegmentSpan: room sized beforehand (one row per request at most), so that streams reassembled on several threads
-// write theirs in place.
+// What reassembling one stream (or all of them, concatenated in stream order) produces, but the segment rows: those
+// are written through a SegmentSpan into the result's table (Out::segments), sized beforehand (one row per request at
+// most), so that streams reassembled on several threads write theirs in place.
 struct StreamTables {
     std::vector<MessageRow> messages;
-    std::vector<SegmentRow, NoInit<SegmentRow>> segments;
     std::vector<MissingRow> missing;
     std::vector<GapRow> gaps;
 };
@@ -818,6 +817,7 @@ struct SegmentSpan {
 };
 
 struct Out : StreamTables {
+    std::vector<SegmentRow, NoInit<SegmentRow>> segments;
     std::vector<StreamRow> streams;
     std::vector<int32_t> stream_of, message_of;
 };
