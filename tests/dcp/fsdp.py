@@ -353,8 +353,9 @@ def async_save(rank: int, world: int, port: int, cfg: str, k: int, n: int, fs_di
         log["after"] = open_store(cfg).object.steps()
         dump(out, log)
     if die_rank is None:
-        finish()
-    dist.destroy_process_group()  # a rank was killed: the others could never all count themselves out
+        finish()  # leaves the process
+    else:  # a rank was killed: the others could never all count themselves out
+        dist.destroy_process_group()
 
 
 def spawn(fn, world: int, *args) -> None:
