@@ -234,9 +234,13 @@ def _lean_checkpointer(base, path: str):
     import numpy as np
     import torch
 
+    from flowcheck.torch.host_buffer import HostBuffers
+
     class LeanCheckpointer(base):
         def _allocate(self, nbytes: int) -> None:
-            self._buffer = torch.from_numpy(np.memmap(path, dtype=np.uint8, mode="w+", shape=(max(nbytes, 1),)))
+            self._host = HostBuffers(0, 1, shm=False)
+            self._host.nbytes = nbytes
+            self._host.regions = [torch.from_numpy(np.memmap(path, dtype=np.uint8, mode="w+", shape=(max(nbytes, 1),)))]
             self.stats.buffer_bytes = nbytes
     return LeanCheckpointer
 

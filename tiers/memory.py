@@ -1,6 +1,9 @@
-"""The memory tier: the latest training state in RAM, updated in place, snapshotted step-consistently.
+"""The memory tier: the latest training state in RAM, replaced whole or updated in place, snapshotted step-consistently.
 
-Updates happen in place, one step at a time (``with tier.update(step) as u``).
+Two ways in.  A push is received beside the state and adopted whole once complete (``adopt_push``): the previous
+state stays the RAM state until then, so a push that dies half-way loses nothing.  Its arrays may live in memory
+lent by the receiver (a ``Block``: a trainer's shared-memory segment, a receive buffer), handed back once no state or
+snapshot holds them.  The mirror's updater updates in place, one step at a time (``with tier.update(step) as u``).
 A snapshot (``pin()``) never copies up front: it holds references to the
 current arrays.  When an update then touches a shard that a snapshot still
 holds, the shard is first copied (copy-on-write) and the update goes to the
@@ -15,17 +18,17 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 
 import numpy as np
+from flowcheck.tiers.base import Tier, make_manifest, normalize_region, shard_digests
 
 from flowcheck import _native, dtypes
 from flowcheck.config import MemoryConfig
-from flowcheck.errors import StaleStateError, StepNotFoundError
+from flowcheck.errors import FlowcheckError, StaleStateError, StepNotFoundError
 from flowcheck.manifest import Manifest, ParentRef
 from flowcheck.state import Pin, Scalars, Shard, Snapshot, StateLayout
-from flowcheck.tiers.base import Tier, make_manifest, normalize_region, shard_digests
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +50,9 @@ class MemoryTier(Tier):
         self._stale = False
         self._updating = False
         self._pins_waiting = 0
-        self._pins: dict[int, set[Shard]] = {}
+        # pin id -> the arrays it holds (and the block each lives in) that its snapshot has not written yet
+        self._pins: dict[int, dict[Shard, tuple[np.ndarray, Block | None]]] = {}
+        self._blocks: dict[Shard, Block] = {}  # the state's arrays that live in lent memory, and where
         self._pin_ids = itertools.count()
         self._manifest: Manifest | None = None
         self.head: ParentRef | None = None  # the committed step this state descends from (lineage parent)
@@ -76,20 +81,92 @@ class MemoryTier(Tier):
         """Replace the whole state (a full push, a resync, or a restore into RAM); a RAM copy, not counted."""
         arrays = {s: np.array(snapshot.array(s), copy=True) if copy else snapshot.array(s) for s in snapshot.data}
         digests = shard_digests(snapshot, arrays)
+        freed: list[Block] = []
         with self._cond:
             self._wait_idle()
-            self._layout, self._arrays, self._step = snapshot.layout, arrays, snapshot.step
-            self._scalars, self._source, self._stale = snapshot.scalars, snapshot.source, False
-            self.state_id = state_id or new_state_id()
+            self._install(snapshot, arrays, {}, state_id or new_state_id(), freed)
             self._digests = dict(digests)
-            self._written = {s: next(self._write_count) for s in arrays}
-            self._pins.clear()  # old pins keep their own array references
-            self._cow_bytes = 0
             self.head = snapshot.origin.parent_ref() if snapshot.origin is not None else parent
             self._manifest = make_manifest(
                 snapshot, node=self.node, parent=parent, digests=digests, locations={s: () for s in arrays}, files=()
             )
-            return self._manifest
+            manifest = self._manifest
+        _release(freed)
+        return manifest
+
+    def adopt_push(self, snapshot: Snapshot, blocks: dict[Shard, Block], kept: Iterable[Shard] = (),
+                   base: str | None = None, parent: ParentRef | None = None) -> str:
+        """Make a complete push the RAM state in one move, without copying it: its arrays (``blocks``: the lent memory
+        each lives in), plus the ``kept`` shards (bytes the sender did not send again) taken from the state it
+        replaces, which must still be the state ``base`` names.  A kept array that lives in lent memory is copied
+        out first (once: the copy is the node's own from then on), so that memory can go back to its owner.
+
+        The replaced state stays whole until this call: a push that never completes never reaches it.  Raises
+        KeptShardsGone (nothing changed) when ``base`` no longer holds the kept shards.  Returns the new state's id:
+        the replaced state's when the push has the same tensors (what senders were told stays true), else a new one.
+        ``parent``: the committed step the state descends from (a trainer that resumed); None keeps the current."""
+        kept = list(kept)
+        freed: list[Block] = []
+        with self._cond:
+            self._wait_idle()
+            why = self._cannot_keep(kept, base) if kept else None
+            if why is not None:
+                raise KeptShardsGone(why)
+            arrays = {s: snapshot.array(s) for s in snapshot.data}
+            for s in kept:
+                arr = self._arrays[s]
+                arrays[s] = _owned_copy(arr, self.config.copy_threads) if s in self._blocks else arr
+            keeps_id = (self.state_id is not None and not self._stale and self._layout is not None
+                        and _same_tensors(self._layout, snapshot.layout))
+            state_id = self.state_id if keeps_id else new_state_id()
+            known = {s: d for s, d in self._digests.items() if s in kept}  # kept arrays: not written, still true
+            self._install(snapshot, arrays, blocks, state_id, freed)
+            self._digests = known
+            if parent is not None:
+                self.head = parent
+            self._manifest = None  # made (and the new shards hashed) when first asked: by the next snapshot
+        _release(freed)
+        return state_id
+
+    def kept_problem(self, kept: list[Shard], base: str | None) -> str | None:
+        """Why the state cannot supply these kept shards for a push whose sender was told state ``base`` (None: it
+        can, as of now)."""
+        with self._cond:
+            return self._cannot_keep(kept, base)
+
+    def _cannot_keep(self, kept: list[Shard], base: str | None) -> str | None:
+        if self._layout is None or self._stale:
+            return "the node holds no state kept shards can come from (it restarted, or its state is stale)"
+        if base != self.state_id:
+            return f"the kept shards were sent to node state {base!r}, the node holds state {self.state_id!r}"
+        missing = [s.tensor for s in kept if s not in self._arrays]
+        if missing:
+            return f"the node's state is cut differently: it has no shard {missing[0]!r} as sent"
+        return None
+
+    def _install(self, snapshot: Snapshot, arrays: dict[Shard, np.ndarray], blocks: dict[Shard, Block],
+                 state_id: str, freed: list[Block]) -> None:
+        """Make ``arrays`` the state (under the lock): the replaced state's lent memory is handed back unless a
+        snapshot still holds it (``freed`` collects what goes back, released outside the lock)."""
+        _drop(self._blocks.values(), freed)
+        _hold(blocks.values())
+        self._layout, self._arrays, self._step = snapshot.layout, arrays, snapshot.step
+        self._blocks = {s: b for s, b in blocks.items() if s in arrays}
+        self._scalars, self._source, self._stale = snapshot.scalars, snapshot.source, False
+        self.state_id = state_id
+        self._written = {s: next(self._write_count) for s in arrays}
+        self._cow_bytes = 0  # old pins keep their own array references; nothing of the new state is copied yet
+        self._cond.notify_all()
+
+    @property
+    def lent_bytes(self) -> int:
+        """Bytes of the state and of pinned snapshots that live in lent memory (a trainer's segment, a receive
+        buffer), each block counted once."""
+        with self._cond:
+            blocks = {id(b): b for b in self._blocks.values()}
+            for pinned in self._pins.values():
+                blocks.update((id(b), b) for _, b in pinned.values() if b is not None)
+            return sum(b.nbytes for b in blocks.values())
 
     @contextmanager
     def update(self, step: int, scalars: Scalars | None = None, *, rewrite: bool = False) -> Iterator[_Update]:
@@ -160,7 +237,9 @@ class MemoryTier(Tier):
             return self._arrays[shard]
 
     def _pinned(self, shard: Shard) -> bool:
-        return any(shard in pinned for pinned in self._pins.values())
+        """Whether a snapshot still holds the live array of ``shard`` (not one the state replaced since)."""
+        arr = self._arrays[shard]
+        return any(pinned.get(shard, (None,))[0] is arr for pinned in self._pins.values())
 
     def _cow_fits(self, nbytes: int) -> bool:
         if self.config.cow_budget is None:
@@ -169,11 +248,11 @@ class MemoryTier(Tier):
         return self._cow_bytes + nbytes <= self.config.cow_budget * held
 
     def _copy_on_write(self, shard: Shard, arr: np.ndarray) -> np.ndarray:
-        fresh = np.empty_like(arr)
-        _native.copy_into(fresh.reshape(-1).view(np.uint8), arr.reshape(-1).view(np.uint8), self.config.copy_threads)
+        fresh = _owned_copy(arr, self.config.copy_threads)
         self._arrays[shard] = fresh
-        for pinned in self._pins.values():
-            pinned.discard(shard)
+        block = self._blocks.pop(shard, None)
+        if block is not None:  # a snapshot holds it (this shard is pinned), so it is not handed back yet
+            block.users -= 1
         self.cow_copies += 1
         self._cow_bytes += arr.nbytes
         return fresh
@@ -214,18 +293,22 @@ class MemoryTier(Tier):
                     "it is not snapshotted until a full state push (resync) arrives"
                 )
             pin_id = next(self._pin_ids)
-            self._pins[pin_id] = set(self._arrays)
+            self._pins[pin_id] = {s: (a, self._blocks.get(s)) for s, a in self._arrays.items()}
+            _hold(self._blocks.values())
             data = dict(self._arrays)
             # the known digests hold: pinned arrays are not written until unpinned
             pin = Pin(pin_id, dict(self._digests), dict(self._written), lambda shard: self._unpin(pin_id, shard))
             return Snapshot(self.run, self._step, self._layout, data, self._scalars, source=self._source, pin=pin)
 
     def _unpin(self, pin_id: int, shard: Shard) -> None:
+        freed: list[Block] = []
         with self._cond:
             pinned = self._pins.get(pin_id)
             if pinned is not None:
-                pinned.discard(shard)
+                _, block = pinned.pop(shard, (None, None))
+                _drop([block] if block is not None else [], freed)
                 self._cond.notify_all()  # an update may be waiting for this shard
+        _release(freed)
 
     def learn(self, snapshot: Snapshot, manifest: Manifest) -> None:
         """Keep the data digests ``manifest`` (a commit of pinned ``snapshot``) records for the shards nothing has
@@ -246,13 +329,16 @@ class MemoryTier(Tier):
 
     def release(self, snapshot: Snapshot) -> None:
         pin_id = snapshot.pin.id if snapshot.pin is not None else None
+        freed: list[Block] = []
         with self._cond:
-            self._pins.pop(pin_id, None)
+            pinned = self._pins.pop(pin_id, {})
+            _drop([b for _, b in pinned.values() if b is not None], freed)
             if not self._pins:
                 self._cow_bytes = 0  # the originals the copies were made for are no longer held
             self._cond.notify_all()
             copied = self.cow_copies != getattr(self, "_trimmed_at", 0)
             self._trimmed_at = self.cow_copies
+        _release(freed)
         if copied:
             _trim_heap()  # the step's copied-away shards were freed: hand the pages back to the OS
 
@@ -302,11 +388,15 @@ class MemoryTier(Tier):
             slice(o + r.start, o + r.stop) for o, r in zip(shard.offsets, region)))
 
     def _delete(self, step: int) -> None:
+        freed: list[Block] = []
         with self._cond:
             self._wait_idle()
+            _drop(self._blocks.values(), freed)
             self._layout, self._arrays, self._step, self._manifest = None, {}, None, None
+            self._blocks = {}
             self.state_id = None
             self._digests, self._written = {}, {}
+        _release(freed)
 
     def load(self, step: int, *, verify: bool = True) -> Snapshot:
         """A private copy of the current step (for promotion out of RAM); pin() avoids the copy."""
@@ -337,6 +427,58 @@ class _Update:
 
     def shards(self) -> list[Shard]:
         return list(self._tier._arrays)
+
+
+class Block:
+    """Memory the RAM state borrows from its receiver: a part of a trainer's shared-memory segment, or a receive
+    buffer.  ``release`` runs once, when neither the state nor any snapshot holds an array of it (it then goes back:
+    the trainer may write its segment again, the receiver reuses its buffer); a push that never became the state
+    releases its blocks itself."""
+
+    def __init__(self, nbytes: int, release: Callable[[], None]) -> None:
+        self.nbytes = nbytes
+        self.users = 0  # arrays of it held: one per shard of the state, one per shard a pin has not written yet
+        self._release = release
+        self._released = False
+        self._lock = threading.Lock()
+
+    def release(self) -> None:
+        with self._lock:
+            if self._released:
+                return
+            self._released = True
+        self._release()
+
+
+class KeptShardsGone(FlowcheckError):
+    """A push's kept shards (bytes the node was to hold from before) are not in the RAM state any more."""
+
+
+def _hold(blocks: Iterable[Block]) -> None:
+    for b in blocks:
+        b.users += 1
+
+
+def _drop(blocks: Iterable[Block], freed: list[Block]) -> None:
+    for b in blocks:
+        b.users -= 1
+        if b.users == 0:
+            freed.append(b)
+
+
+def _release(freed: list[Block]) -> None:
+    for b in freed:
+        b.release()
+
+
+def _owned_copy(arr: np.ndarray, threads: int) -> np.ndarray:
+    fresh = np.empty_like(arr)
+    _native.copy_into(fresh.reshape(-1).view(np.uint8), arr.reshape(-1).view(np.uint8), threads)
+    return fresh
+
+
+def _same_tensors(a: StateLayout, b: StateLayout) -> bool:
+    return {(t.name, t.dtype, t.shape) for t in a.tensors} == {(t.name, t.dtype, t.shape) for t in b.tensors}
 
 
 def new_state_id() -> str:

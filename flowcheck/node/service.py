@@ -290,12 +290,19 @@ class Node:
         return {
             "run": self.config.run, "node": self.config.node, "pid": os.getpid(), "uptime_s": time.time() - self.started,
             "memory": {"step": mem.step, "stale": mem.stale, "parent": None if mem.head is None else mem.head.step,
-                       "cow_copies": mem.cow_copies, "cow_waits": mem.cow_waits},
+                       "cow_copies": mem.cow_copies, "cow_waits": mem.cow_waits, "bytes": self.memory_bytes(),
+                       # of the state (and of states snapshots still hold), bytes in trainers' segments the node adopted
+                       # or in its receive buffers; receive_buffer_bytes: TCP receive buffers, in use or kept for reuse
+                       "lent_bytes": mem.lent_bytes,
+                       "receive_buffer_bytes": self.receiver.pool.lent_bytes + self.receiver.pool.pooled_bytes},
             "tiers": {name: (steps[-1] if steps else None) for name, steps in self.steps().items()},
             "lineage": self.branches(),
             "push": {"frames": rs.frames, "bytes": rs.bytes, "steps": rs.steps, "rejected": rs.rejected,
                      "aborted_steps": rs.aborted_steps, "last_step": rs.last_step, "errors": rs.errors[-5:],
-                     "kept_bytes": rs.kept_bytes, "resends_asked": rs.resends_asked},
+                     "kept_bytes": rs.kept_bytes, "resends_asked": rs.resends_asked,
+                     # an aborted push leaves the previous complete step as the RAM state: which one, and why
+                     "last_aborted": rs.last_aborted, "adopted_segments": rs.adopted_segments,
+                     "senders": {str(k): v for k, v in sorted(rs.senders.items())}},
             "policy": {"local_snapshots": ps.local_snapshots[-5:], "promotions": ps.promotions[-5:],
                        "coalesced": ps.coalesced, "errors": ps.errors[-5:]},
             "resync": self.resync,

@@ -39,6 +39,13 @@ class PushConfig:
     # compare each CPU buffer (a non-parameter tensor: rotary inv_freq, an EMA copy) with the bytes the node last
     # acknowledged, kept in the host buffer; an equal one is not sent again (exact: a byte compare, not a version)
     skip_unchanged_buffers: bool = True
+    # stage CUDA tensors in a device buffer (a device-to-device copy: the optimizer step waits only for it) and copy it
+    # to the host behind the next iterations: "auto" (when free device memory allows, keeping 10% free), a byte
+    # budget (never more; also only when it fits), or 0 (never: device-to-host copies straight into the host buffer)
+    gpu_staging: int | str = "auto"
+    # shared-memory segments of this rank (transport shm): the node adopts a filled one as its RAM state while the
+    # trainer fills the next; more than 2 lets a push go on while a slow snapshot still holds two states
+    segments: int = 2
 
     def __post_init__(self) -> None:
         url = urlparse(self.node) if isinstance(self.node, str) else None
@@ -66,6 +73,12 @@ class PushConfig:
         for name in ("hook", "rng", "skip_frozen", "skip_unchanged_buffers"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}: expected True or False, found {getattr(self, name)!r}")
+        staging = self.gpu_staging
+        if not (staging == "auto" or (isinstance(staging, int) and not isinstance(staging, bool) and staging >= 0)):
+            raise ConfigError(f"gpu_staging: expected 'auto', a byte budget >= 0 (0: never stage), found {staging!r}")
+        if isinstance(self.segments, bool) or not isinstance(self.segments, int) or self.segments < 2:
+            raise ConfigError(f"segments: expected an integer >= 2 (the node holds one while the trainer fills "
+                              f"another), found {self.segments!r}")
         if self.token is not None and not isinstance(self.token, str):
             raise ConfigError(f"token: expected a string (or None: read $FLOWCHECK_NODE_TOKEN), found a "
                               f"{type(self.token).__name__}")

@@ -19,7 +19,14 @@ import torch
 
 from flowcheck import dtypes
 from flowcheck.errors import FlowcheckError
-from flowcheck.state import ParallelLayout, Scalars, Shard, Snapshot, StateLayout, TensorSpec
+from flowcheck.state import (
+    ParallelLayout,
+    Scalars,
+    Shard,
+    Snapshot,
+    StateLayout,
+    TensorSpec,
+)
 
 OPT_PREFIX = "optimizer."
 
@@ -142,7 +149,9 @@ def snapshot_from_torch(
     return Snapshot(run, step, layout, data, scalars, source=source)
 
 
-def _flatten_optimizer(opt_state: Mapping[str, Any], names: list[str]):
+def _flatten_optimizer(opt_state: Mapping[str, Any], names: list[str], *, device_steps: bool = True):
+    """(slot tensors by name, JSON scalars, optimizer step).  ``device_steps=False``: a ``step`` tensor on a device is
+    not read for the step count (``.item()`` waits for the device; the Checkpointer reads its host copy instead)."""
     groups = opt_state.get("param_groups")
     state = opt_state.get("state", {})
     if not isinstance(groups, list):
@@ -160,7 +169,7 @@ def _flatten_optimizer(opt_state: Mapping[str, Any], names: list[str]):
         for slot, value in slots.items():
             if isinstance(value, torch.Tensor):
                 tensors[f"{OPT_PREFIX}{slot}.{pname}"] = value
-                if slot == "step" and value.numel() == 1:
+                if slot == "step" and value.numel() == 1 and (device_steps or value.device.type == "cpu"):
                     steps.append(int(value.item()))
             else:
                 loose.setdefault(pname, {})[slot] = value

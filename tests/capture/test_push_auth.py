@@ -140,7 +140,7 @@ def test_a_captured_push_replayed_or_altered_is_refused(trained):
     ck.save(2)
     assert ck.flush(20), ck.stats.last_error
     header = _header_like(ck, step=2)
-    view = bytes(memoryview(ck._buffer.numpy())[: ck.stats.buffer_bytes])
+    view = bytes(memoryview(ck._host.regions[ck._held].numpy())[: ck.stats.buffer_bytes])
     header["payload"]["digest"] = "xxh3-128:" + xxhash.xxh3_128_hexdigest(view)
     with socket.create_connection(("127.0.0.1", node.push_port), timeout=20) as s:
         signer = PushSigner.handshake(s, node.token, "gpt", "node")
@@ -176,9 +176,11 @@ def test_an_altered_shared_memory_header_is_refused(node):
         assert ck.flush(20), ck.stats.last_error
         node.wait_step(1)
         header = _header_like(ck, step=2)
-        header["payload"] = {"bytes": header["payload"]["bytes"], "shm": ck._segment.name,
-                             "generation": ck._generation, "generation_at": generation_at(ck.stats.buffer_bytes)}
-        for field, bad in (("shm", "psm_someone_elses"), ("generation", ck._generation + 2)):
+        held = ck._held  # the segment the node adopted step 1 from
+        header["payload"] = {"bytes": header["payload"]["bytes"], "shm": ck._host.segments[held].name,
+                             "generation": ck._host.generations[held],
+                             "generation_at": generation_at(ck.stats.buffer_bytes)}
+        for field, bad in (("shm", "psm_someone_elses"), ("generation", ck._host.generations[held] + 2)):
             with socket.create_connection(("127.0.0.1", node.push_port), timeout=20) as s:
                 signed = PushSigner.handshake(s, node.token, "gpt", "node").sign(copy.deepcopy(header))
                 signed["payload"][field] = bad

@@ -223,29 +223,38 @@ def test_sigterm_stops_the_node_cleanly(node):
 
 
 def test_a_shared_memory_payload_is_checked_by_its_generation_not_hashed(node):
-    """Through shared memory the trainer sends no digest: the segment's generation counter guards the copy."""
+    """Through shared memory the trainer sends no digest: the segment's generation counter guards it, and a segment
+    the node adopts must be lent (its lease word set) — else the trainer could write it under the node's state."""
     from flowcheck import _native
+    from flowcheck.capture.push.buffers import FREE, LENT, lease_at
     from flowcheck.torch.checkpointer import generation_at
 
     model, opt, ck, gen = _pushed_step_one(node, "shm", seed=8)
     at = generation_at(ck.stats.buffer_bytes)
-    assert ck._generation == 2 and _native.generation_load(ck._segment.buf, at) == 2
+    held, spare = ck._host.segments  # the node adopted segment 0 as its state; segment 1 is the trainer's
+    assert ck._host.generations == [2, 0] and _native.generation_load(held.buf, at) == 2
+    assert _native.generation_load(held.buf, lease_at(ck.stats.buffer_bytes)) == LENT
+    assert _native.generation_load(spare.buf, lease_at(ck.stats.buffer_bytes)) == FREE
 
-    def refused(payload: dict) -> str:
+    def refused(payload: dict, seg=held) -> str:
         header = _header_like(ck, step=2)
-        header["payload"] = {"bytes": header["payload"]["bytes"], "shm": ck._segment.name, **payload}
+        header["payload"] = {"bytes": header["payload"]["bytes"], "shm": seg.name, **payload}
         answer = _answer(node, header)
         assert answer["kind"] == "error", answer
         return answer["message"]
 
     # the trainer is writing the buffer again (odd): a frame naming the finished generation is refused
-    _native.generation_store(ck._segment.buf, at, 3)
+    _native.generation_store(held.buf, at, 3)
     assert "generation 3, the header says 2" in refused({"generation": 2, "generation_at": at})
-    _native.generation_store(ck._segment.buf, at, 2)
+    _native.generation_store(held.buf, at, 2)
     # neither a generation nor a digest, an odd generation, a counter outside the segment: refused, named
     assert "needs an even generation" in refused({})
     assert "needs an even generation" in refused({"generation": 3, "generation_at": at})
-    assert "no room for the generation" in refused({"generation": 2, "generation_at": ck._segment.size})
+    assert "no room for the generation" in refused({"generation": 2, "generation_at": held.size})
+    # a segment offered for adoption that its trainer did not lend, or a lease word outside it: refused
+    assert "did not lend it" in refused({"generation": 0, "generation_at": at,
+                                         "lease_at": lease_at(ck.stats.buffer_bytes)}, seg=spare)
+    assert "lease_at must be" in refused({"generation": 0, "generation_at": at, "lease_at": spare.size}, seg=spare)
     assert node.get("/status")["memory"]["step"] == 1
     # the trainer's own next push still lands, bit for bit
     _train_step(model, opt, gen)
@@ -258,8 +267,25 @@ def test_a_shared_memory_payload_is_checked_by_its_generation_not_hashed(node):
     ck.close()
 
 
-def test_a_buffer_rewritten_during_the_nodes_copy_is_refused_as_torn(tmp_path, monkeypatch, node_token):
-    """The trainer starts writing its segment while the node copies it (a push it gave up on): torn, refused."""
+def _until(done, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not done() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert done()
+
+
+def _ram_state(store) -> dict[str, np.ndarray]:
+    snap = store.memory.pin()
+    try:
+        return {s.tensor: np.array(snap.array(s)) for s in snap.data}
+    finally:
+        store.memory.release(snap)
+
+
+def test_a_segment_rewritten_while_the_node_holds_it_aborts_its_step_and_the_previous_one_stays(
+        tmp_path, monkeypatch, node_token):
+    """A segment its trainer writes after lending it (a trainer that ignores the lease) is caught when the step is
+    adopted: the step aborts, its sender is told, and the previous complete step stays the RAM state, whole."""
     from flowcheck import _native
     from flowcheck.capture.push import receiver as push
     from flowcheck.torch.checkpointer import generation_at
@@ -269,93 +295,78 @@ def test_a_buffer_rewritten_during_the_nodes_copy_is_refused_as_torn(tmp_path, m
     model, opt = _model()
     ck = Checkpointer(model, opt, node=f"tcp://127.0.0.1:{receiver.address[1]}", run="gpt", transport="shm")
     gen = torch.Generator().manual_seed(9)
-    unmap = push._unmap_pages
+    adopt = push.PushReceiver._adopt
 
-    def until(done, timeout_s: float = 10.0) -> None:
-        """The node acks (or refuses) a part before its applier thread publishes (or aborts) the step."""
-        deadline = time.monotonic() + timeout_s
-        while not done() and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert done()
-
-    def trainer_writes_meanwhile(seg, start, end):
-        _native.generation_store(ck._segment.buf, generation_at(ck.stats.buffer_bytes), ck._generation + 1)
-        unmap(seg, start, end)
+    def trainer_writes_meanwhile(self, opened):
+        seg = ck._host.segments[1]  # step 2's: the node holds step 1 in segment 0
+        _native.generation_store(seg.buf, generation_at(ck.stats.buffer_bytes), ck._host.generations[1] + 1)
+        return adopt(self, opened)
 
     try:
         _train_step(model, opt, gen)
         ck.save(1)
         assert ck.flush(20), ck.stats.last_error
-        until(lambda: store.memory.step == 1)
-        monkeypatch.setattr(push, "_unmap_pages", trainer_writes_meanwhile)
+        assert store.memory.step == 1  # acknowledged: the node holds it
+        step_one = _expected(model, opt)
+        monkeypatch.setattr(push.PushReceiver, "_adopt", trainer_writes_meanwhile)
         _train_step(model, opt, gen)
         ck.save(2)
         assert not ck.flush(20)
-        assert "rewrote its buffer while the node read it" in ck.stats.last_error
-        until(lambda: store.memory.stale)
-        assert store.memory.step == 1
-        monkeypatch.setattr(push, "_unmap_pages", unmap)
+        assert "after lending it to the node" in ck.stats.last_error and "stays step 1" in ck.stats.last_error
+        assert store.memory.step == 1 and not store.memory.stale
+        assert receiver.stats.last_aborted.endswith("the RAM state stays step 1")
+        got = _ram_state(store)
+        assert all(np.array_equal(got[n], step_one[n]) for n in step_one)
+        monkeypatch.setattr(push.PushReceiver, "_adopt", adopt)
         _train_step(model, opt, gen)
         ck.save(3)
         assert ck.flush(20), ck.stats.last_error
-        until(lambda: store.memory.step == 3 and not store.memory.stale)
+        assert store.memory.step == 3 and not store.memory.stale
     finally:
         ck.close()
         receiver.close()
 
 
-def test_a_push_held_back_by_a_snapshot_outlives_the_part_timeout_and_a_stale_state_is_rewritten_in_place(
-        tmp_path, node_token):
-    """The memory tier's back-pressure (a snapshot still writing the shards a push must change, copy-on-write
-    budget spent) can hold a part longer than ``part_timeout_s``: that is not a silent sender, the push lands.
-    And a stale RAM state is rewritten in place by the next full push (the same arrays: never two states in RAM)."""
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_a_snapshot_in_flight_never_holds_a_push_back_and_keeps_its_own_step(tmp_path, node_token, transport):
+    """A push is received beside the RAM state, so a snapshot still writing step 1 neither delays step 2 nor sees
+    any of it; a stale state (a failure elsewhere) is replaced whole by the next push.  Over TCP the replaced state's
+    buffers are received into again once the snapshot let them go (no new allocation per push)."""
     from flowcheck.capture.push import receiver as push
 
     store = open_store(NodeProcess(str(tmp_path)).config)
-    # every pinned shard a push touches waits for the snapshot to write it
-    store.memory.config = dataclasses.replace(store.memory.config, cow_budget=0.0)
+    store.memory.config = dataclasses.replace(store.memory.config, cow_budget=0.0)  # no copy-on-write room at all
     receiver = push.PushReceiver(store, part_timeout_s=0.5, token=node_token).start()
     model, opt = _model()
     gen = torch.Generator().manual_seed(3)
-    ck = Checkpointer(model, opt, node=f"tcp://127.0.0.1:{receiver.address[1]}", run="gpt", transport="tcp",
+    ck = Checkpointer(model, opt, node=f"tcp://127.0.0.1:{receiver.address[1]}", run="gpt", transport=transport,
                       timeout_s=30)
     try:
         _train_step(model, opt, gen)
         ck.save(1)
         assert ck.flush(20), ck.stats.last_error
-        deadline = time.monotonic() + 10
-        while store.memory.step != 1 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        step_one = _expected(model, opt)
         snap = store.memory.pin()  # a snapshot that has not written anything yet
         _train_step(model, opt, gen)
         ck.save(2)
-        time.sleep(1.5)  # three part timeouts with the push blocked on the first pinned shard
-        assert store.memory.step == 1 and store.memory.cow_waits >= 1 and not store.memory.stale
-        store.local.write(snap)  # writes and unpins shard by shard: the push proceeds behind it
-        store.memory.release(snap)
         assert ck.flush(20), ck.stats.last_error
-        while store.memory.step != 2 and time.monotonic() < deadline + 10:
-            time.sleep(0.01)
-        assert store.memory.step == 2 and not store.memory.stale and receiver.stats.aborted_steps == 0
-        assert store.memory.cow_copies == 0
-        # a stale state (a failure elsewhere) is rewritten in place by the next push, then snapshots again
-        arrays = dict(store.memory._arrays)
+        assert store.memory.step == 2 and store.memory.cow_waits == 0 and store.memory.cow_copies == 0
+        assert all(np.array_equal(snap.array(s), step_one[s.tensor]) for s in snap.data)
+        m = store.local.write(snap)  # writes and unpins shard by shard
+        store.memory.release(snap)
+        assert m.step == 1 and store.local.steps() == [1]
+        # a stale state is replaced by the next push, then snapshots again
         store.memory.mark_stale("test: an update failed")
         _train_step(model, opt, gen)
         ck.save(3)
         assert ck.flush(20), ck.stats.last_error
-        while store.memory.step != 3 and time.monotonic() < deadline + 20:
-            time.sleep(0.01)
-        assert not store.memory.stale and all(store.memory._arrays[s] is a for s, a in arrays.items())
-        want = _expected(model, opt)
-        got = store.memory.pin()
-        try:
-            names = {s.tensor for s in got.data}
-            assert names == set(want)
-            for s in got.data:
-                assert np.array_equal(got.array(s), want[s.tensor]), s.tensor
-        finally:
-            store.memory.release(got)
+        assert store.memory.step == 3 and not store.memory.stale
+        want, got = _expected(model, opt), _ram_state(store)
+        assert set(got) == set(want) and all(np.array_equal(got[n], want[n]) for n in want)
+        if transport == "tcp":  # step 1's buffer came back once the snapshot released it, and step 3 landed in it
+            assert receiver.pool.lent_bytes == ck.stats.buffer_bytes
+        else:  # the node holds the segment of step 3 only; the trainer has the other one back
+            assert receiver.stats.adopted_segments == 3 and store.memory.lent_bytes == ck.stats.buffer_bytes
     finally:
         ck.close()
         receiver.close()

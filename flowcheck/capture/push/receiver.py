@@ -1,22 +1,23 @@
-"""Push capture, node side: receive trainers' frames and apply each complete step to the memory tier.
+"""Push capture, node side: receive trainers' frames and make each complete step the RAM state.
 
-Every sender (trainer rank) sends its part of a step; a step becomes visible in RAM only when every
-part is in and every payload checks: its xxh3-128 digest over TCP; through shared memory, the segment's
-generation counter, read before and after the copy (the only way a payload there goes bad is a rewrite).
-Once the memory tier holds a state of the same layout, parts are received straight into its arrays
-inside one ``update(step)`` (copy-on-write keeps a snapshot in flight intact), so the node holds the
-state about once; a part that fails or a sender that vanishes aborts the update, which marks the state
-stale — never a torn or unverified step.  With a token (flowcheck/capture/push/auth.py) a push is checked
-before any of it is read: an unsigned, wrongly signed or replayed frame is refused and its connection
-closed, its payload never read.  Every connection is bounded (flowcheck/node/limits.py): a frame header
-must arrive within ``header_timeout_s``, a connection idles between frames only once it pushed, and the
-listener refuses connections past ``max_connections``.
+Every sender (trainer rank) sends its part of a step.  Parts are received beside the RAM state, never into it
+(flowcheck/capture/push/buffers.py): a trainer on this host lends the shared-memory segment it filled, which the
+node adopts without a copy; a part over TCP lands in a reusable receive buffer.  When every part is in and checked
+(its xxh3-128 digest over TCP; a segment's generation counter, read when the part arrives and again when the step is
+adopted), the memory tier adopts the step whole; until then the previous complete step stays the RAM state, so a
+sender that dies half-way, a damaged part or a timeout loses nothing acknowledged.  Each sender's ack is sent only
+once the step is the RAM state (or, with an error, once it aborted).  With a token
+(flowcheck/capture/push/auth.py) a push is checked before any of it is read: an unsigned, wrongly signed or replayed
+frame is refused and its connection closed, its payload never read.  Every connection is bounded
+(flowcheck/node/limits.py): a frame header must arrive within ``header_timeout_s``, a connection idles between
+frames only once it pushed, and the listener refuses connections past ``max_connections``.
 """
 from __future__ import annotations
 
 import contextlib
 import logging
 import mmap
+import secrets
 import socket
 import socketserver
 import threading
@@ -30,13 +31,21 @@ import xxhash
 
 from flowcheck import _native, dtypes
 from flowcheck.capture.push.auth import DEFAULT_TOKEN_ENV, PushGate
+from flowcheck.capture.push.buffers import LENT, ReceivePool, Segments
 from flowcheck.capture.push.wire import WireError, recv_exact, recv_header, reply
 from flowcheck.errors import AuthError, FlowcheckError
 from flowcheck.logs import oneline
 from flowcheck.manifest import ParentRef
 from flowcheck.node.limits import BoundedTCPServer, ConnectionLimits, ListenerStats
-from flowcheck.state import ParallelLayout, Scalars, Shard, Snapshot, StateLayout, TensorSpec
-from flowcheck.tiers.memory import new_state_id
+from flowcheck.state import (
+    ParallelLayout,
+    Scalars,
+    Shard,
+    Snapshot,
+    StateLayout,
+    TensorSpec,
+)
+from flowcheck.tiers.memory import Block
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +63,9 @@ class PushStats:
     kept_bytes: int = 0  # bytes of shards pushes carried as kept (the node already held them)
     resends_asked: int = 0  # pushes with kept shards this node lacked, asked again whole
     last_receive_s: float = 0.0
+    adopted_segments: int = 0  # parts adopted in place from a trainer's shared memory (no copy)
+    last_aborted: str | None = None  # why the last aborted step aborted, and which step the RAM state stayed
+    senders: dict[int, dict[str, Any]] = field(default_factory=dict)  # what each sender last said of its saves
     errors: list[str] = field(default_factory=list)
 
     def error(self, msg: str) -> None:
@@ -104,25 +116,44 @@ def parse_part(header: dict[str, Any]) -> tuple[StateLayout, list[ShardRef], int
     return layout, refs, size
 
 
-class _OpenStep:
-    """One step being received: the memory tier update in progress, and which senders are still due."""
+@dataclass
+class _Part:
+    """One sender's part of a step, received beside the RAM state."""
 
-    def __init__(self, step: int, senders: int) -> None:
-        self.step, self.senders = step, senders
-        self.done: set[int] = set()
+    sender: int
+    arrays: dict[Shard, np.ndarray]  # the shards it carries (views into ``block``'s memory)
+    kept: list[Shard]  # shards it names but does not carry: the RAM state holds them (``base``)
+    base: str | None
+    block: Block | None  # where its arrays live, given back if the step never becomes the state
+    recheck: Any = None  # raises WireError if the sender's segment changed since the part was read
+    opened: Any = None  # the _OpenStep it belongs to
+
+    def release(self) -> None:
+        if self.block is not None and not self.block.users:
+            self.block.release()
+
+
+class _OpenStep:
+    """One step being received: its parts so far, and how it ended (``outcome``) once it did."""
+
+    def __init__(self, step: int, senders: int, layout: StateLayout) -> None:
+        self.step, self.senders, self.layout = step, senders, layout
+        self.parts: dict[int, _Part] = {}
         self.failed: str | None = None
+        self.outcome: str | None = None  # ADOPTED, or why the step aborted
         self.cond = threading.Condition()
-        self.update = None  # memory tier _Update while receiving in place
-        self.fresh: dict[Shard, np.ndarray] = {}  # first state / new layout: received into new arrays
-        self.layout: StateLayout | None = None
         self.scalars: Scalars | None = None
-        self.fresh_ready = False  # no in-place update possible: parts go to new arrays
-        self.shards: set[Shard] = set()
         self.parent = None  # ParentRef the sender resumed from, if any
-        self.state_id: str | None = None  # the memory tier's state id once this step is applied
-        self.stale = False  # the RAM state this step rewrites in place was stale (kept shards cannot come from it)
+        self.state_id: str | None = None  # the memory tier's state id once this step is adopted
         self.opened = time.monotonic()
         self.progress = self.opened  # when a part last began a shard (the part timeout counts from here)
+
+
+ADOPTED = "adopted"
+
+
+class StepAborted(FlowcheckError):
+    """The step this part belongs to did not become the RAM state (another part failed or never came)."""
 
 
 class PushReceiver:
@@ -146,7 +177,9 @@ class PushReceiver:
         self._lock = threading.Lock()
         self._open: _OpenStep | None = None
         self._applier: threading.Thread | None = None
-        self._segments: dict[int, tuple[str, shared_memory.SharedMemory]] = {}
+        self.segments = Segments()
+        self.pool = ReceivePool()
+        self.node_id = secrets.token_hex(8)  # this receiver: a trainer that sees another one takes its segments back
         receiver = self
 
         class Handler(socketserver.BaseRequestHandler):
@@ -169,8 +202,7 @@ class PushReceiver:
             current = self._open
         if current is not None:
             self._fail(current, "node shutting down")
-        for _, seg in self._segments.values():
-            _close_quietly(seg)
+        self.segments.close()
 
     # ---- one connection -------------------------------------------------------------
     def _serve(self, sock: socket.socket) -> None:
@@ -195,6 +227,7 @@ class PushReceiver:
             kind = header["kind"]
             if kind == "hello":
                 reply(sock, "ack", node=self.store.config.node or socket.gethostname(), run=self.store.config.run,
+                      node_id=self.node_id, adopts_segments=True,
                       **({"kept_shards": True} if self.offers_kept else {}), **gate.greet(header))
                 continue
             if kind != "push":
@@ -212,6 +245,8 @@ class PushReceiver:
             except Lacking as e:
                 self.stats.resends_asked += 1
                 reply(sock, "error", reason="resend", message=str(e))
+            except StepAborted as e:
+                reply(sock, "error", reason="aborted", message=str(e))
             except WireError as e:
                 self.stats.rejected += 1
                 self.stats.error(str(e))
@@ -243,7 +278,19 @@ class PushReceiver:
             reply(sock, "error", message=str(e), reason="unauthorised")
 
     def _receive_part(self, sock: socket.socket, header: dict[str, Any]) -> str | None:
-        """Receive one part into its step; the id of the memory state it is applied to (the ack tells the sender)."""
+        """Receive one part beside the RAM state and wait until its step is adopted: the state id the ack names.
+        A segment lent with a part the node does not take goes back to its trainer at once."""
+        part = None
+        try:
+            part = self._take_part(sock, header)
+            return self._await_step(part, header)
+        finally:
+            if part is None:
+                payload = header.get("payload") if isinstance(header.get("payload"), dict) else {}
+                if payload.get("shm") and "lease_at" in payload:
+                    self.segments.give_back(payload["shm"], payload["lease_at"])
+
+    def _take_part(self, sock: socket.socket, header: dict[str, Any]) -> _Part:
         t0 = time.monotonic()
         layout, refs, full = parse_part(header)
         size = sum(r.nbytes for r in refs if not r.kept)  # what the payload carries: kept shards have no bytes
@@ -258,46 +305,47 @@ class PushReceiver:
         if not (isinstance(senders, int) and isinstance(sender, int) and 0 <= sender < senders):
             self._drain(sock, header, size)
             raise WireError(f"push header: expected 0 <= sender < senders, found sender {sender!r} of {senders!r}")
-        opened = self._join(step, senders, layout)
-        if any(r.kept for r in refs):
-            lacking = self._lacking(opened, header, refs)
+        kept = [r.shard for r in refs if r.kept]
+        base = header.get("base")
+        if kept:
+            lacking = self.store.memory.kept_problem(kept, base)
             if lacking is not None:
                 self._drain(sock, header, size)
                 raise Lacking(f"step {step} part {sender}: {lacking}; send the part again with every shard's bytes")
+        opened = self._join(step, senders, layout)
         try:
-            digest = self._read_payload(sock, header, refs, full, opened)
-            want = header["payload"].get("digest")
-            if want is not None and digest != want:
-                raise WireError(f"step {step} part {sender}: payload digest {digest} != header {want}")
+            arrays, block, recheck = self._read_payload(sock, header, refs, full, opened)
         except BaseException as e:
             self._fail(opened, f"part {sender} of step {step}: {e}")
             raise
+        part = _Part(sender, arrays, kept, base, block, recheck)
         with opened.cond:
+            if sender in opened.parts or opened.outcome is not None:
+                part.release()
+                raise WireError(f"step {step}: part {sender} arrived twice (two trainers pushing as one sender?)"
+                                if sender in opened.parts else f"step {step} already ended: {opened.outcome}")
+            opened.parts[sender] = part
             if sender == 0 or opened.scalars is None:
                 opened.scalars = Scalars.from_json(header.get("scalars") or {})
                 opened.parent = _parent(header.get("parent"))
-            opened.done.add(sender)
             opened.cond.notify_all()
         self.stats.frames += 1
         self.stats.bytes += size
         self.stats.kept_bytes += sum(r.nbytes for r in refs if r.kept)
         self.stats.last_receive_s = time.monotonic() - t0
-        return opened.state_id
+        if isinstance(header.get("trainer"), dict):
+            self.stats.senders[sender] = header["trainer"]
+        part.opened = opened
+        return part
 
-    def _lacking(self, opened: _OpenStep, header: dict[str, Any], refs: list[ShardRef]) -> str | None:
-        """Why this node cannot take the part's kept shards from its RAM state (None: it can).  It can only when the
-        step is applied in place to the very state the sender's kept bytes went into (``base``, the state id an
-        earlier ack gave the sender), and that state is cut into the same shards."""
-        if opened.update is None or opened.stale:
-            return "the node holds no state these kept shards can come from (it restarted, its state is stale, or " \
-                   "the layout changed)"
-        base = header.get("base")
-        if base != opened.state_id:
-            return f"the kept shards were sent to node state {base!r}, the node holds state {opened.state_id!r}"
-        missing = [r.shard.tensor for r in refs if r.kept and r.shard not in opened.shards]
-        if missing:
-            return f"kept shards not cut as the RAM state's: {missing[:3]}"
-        return None
+    def _await_step(self, part: _Part, header: dict[str, Any]) -> str | None:
+        """Wait until the part's step is the RAM state (the ack) or aborted (StepAborted)."""
+        opened = part.opened
+        with opened.cond:
+            opened.cond.wait_for(lambda: opened.outcome is not None)
+        if opened.outcome != ADOPTED:
+            raise StepAborted(opened.outcome)
+        return opened.state_id
 
     def _drain(self, sock: socket.socket, header: dict[str, Any], size: int) -> None:
         if not header.get("payload", {}).get("shm"):
@@ -305,61 +353,93 @@ class PushReceiver:
             while left:
                 left -= len(recv_exact(sock, min(left, 1 << 20)))
 
-    def _read_payload(self, sock, header, refs: list[ShardRef], size: int, opened: _OpenStep) -> str | None:
-        """Copy the payload into the step's arrays; the xxh3-128 of the whole payload when the header carries
-        one to check (always over TCP), else None (shared memory, guarded by its generation counter)."""
+    def _read_payload(self, sock, header, refs: list[ShardRef], size: int, opened: _OpenStep):
+        """The part's arrays, the block they live in, and its recheck (None: nothing can change it now).
+
+        A segment with a lease word is adopted in place (views into it); one without (a trainer that rewrites its
+        only buffer) and a TCP payload are copied into a receive buffer, checked by generation or digest."""
         payload = header["payload"]
-        h = xxhash.xxh3_128() if payload.get("digest") is not None else None
         shm_name = payload.get("shm")
         if shm_name:
-            seg = self._segment(int(header.get("sender", 0)), shm_name)
-            guard = _generation_guard(payload, size, seg.size, shm_name)
+            seg = self.segments.attach(int(header.get("sender", 0)), shm_name)
             if seg.size < size:
                 raise WireError(f"shared memory {shm_name!r} holds {seg.size} bytes, the header says {size}")
-            self._copy_from_segment(seg, refs, opened, h, guard)
-        elif h is None:
+            guard = _generation_guard(payload, size, seg.size, shm_name)
+            if payload.get("lease_at") is not None:
+                return self._lend(seg, payload, refs, size, opened, guard)
+            buf, block = self.pool.take(size)
+            try:
+                arrays = self._views(buf, refs, opened)
+                self._copy_from_segment(seg, refs, arrays, payload.get("digest"), guard)
+            except BaseException:
+                block.release()
+                raise
+            return arrays, block, None
+        if payload.get("digest") is None:
             raise WireError("push header: a payload sent over TCP needs its digest (payload.digest), found none")
-        else:
+        buf, block = self.pool.take(size)
+        try:
+            arrays = self._views(buf, refs, opened)
+            h = xxhash.xxh3_128()
             for ref in refs:
-                if ref.kept:
-                    continue  # unchanged in the RAM state: not written, so never copied on write either
-                if ref.nbytes:
-                    view = self._destination(opened, ref).reshape(-1).view(np.uint8)
+                if not ref.kept and ref.nbytes:
+                    opened.progress = time.monotonic()
+                    view = buf[ref.at:ref.at + ref.nbytes]
                     recv_exact(sock, ref.nbytes, memoryview(view))
                     h.update(view)
-                else:
-                    self._destination(opened, ref)
-        return None if h is None else "xxh3-128:" + h.hexdigest()
+            digest = "xxh3-128:" + h.hexdigest()
+            if digest != payload["digest"]:
+                raise WireError(f"step {header.get('step')} part {header.get('sender')}: payload digest {digest} != "
+                                f"header {payload['digest']}")
+        except BaseException:
+            block.release()
+            raise
+        return arrays, block, None
 
-    def _segment(self, sender: int, name: str) -> shared_memory.SharedMemory:
-        """A sender's segment, attached once and kept while the sender reuses it (no re-mapping per frame);
-        a sender that moved to a new segment has its old mapping closed, so unlinked memory is not held."""
-        with self._lock:
-            held = self._segments.get(sender)
-            if held is not None and held[0] == name:
-                return held[1]
-            seg = _attach(name)
-            self._segments[sender] = (name, seg)
-        if held is not None:
-            _close_quietly(held[1])
-        return seg
+    def _lend(self, seg, payload, refs: list[ShardRef], size: int, opened: _OpenStep, guard):
+        """Adopt a lent segment's payload in place: its lease word must say lent, its generation the header's, now
+        and again when the step is adopted (a trainer writes a segment only once the node gave it back)."""
+        at = payload["lease_at"]
+        if not (isinstance(at, int) and at >= size and at % 8 == 0 and at + 8 <= seg.size):
+            raise WireError(f"push header: lease_at must be an 8-aligned offset past the payload inside the segment "
+                            f"({seg.size} bytes), found {at!r}")
+        if guard is None:
+            raise WireError("push header: a lent segment needs its generation (payload.generation), found none")
+        if _native.generation_load(seg.buf, at) != LENT:
+            raise WireError(f"shared memory {seg.name!r}: its lease word says the trainer did not lend it")
+        _check_generation(seg, *guard, "before the node took it")
+        block = self.segments.lend(seg, size, at)
+        whole = np.frombuffer(seg.buf, np.uint8, count=size)
+        arrays = self._views(whole, refs, opened)
+        self.stats.adopted_segments += 1
+        return arrays, block, lambda: _check_generation(seg, *guard, "after lending it to the node")
 
-    def _copy_from_segment(self, seg: shared_memory.SharedMemory, refs: list[ShardRef], opened: _OpenStep, h,
-                           guard: tuple[int, int] | None) -> None:
-        """Copy (and hash, if ``h``) the payload; with ``guard`` = (generation, offset) the segment's counter must
-        read that generation before the copy and still after it — else the trainer rewrote the buffer meanwhile."""
+    @staticmethod
+    def _views(buf: np.ndarray, refs: list[ShardRef], opened: _OpenStep) -> dict[Shard, np.ndarray]:
+        out = {}
+        for ref in refs:
+            if ref.kept:
+                continue
+            storage = dtypes.dtype(opened.layout.spec(ref.shard.tensor).dtype).storage
+            out[ref.shard] = buf[ref.at:ref.at + ref.nbytes].view(storage).reshape(ref.shard.shape)
+        return out
+
+    def _copy_from_segment(self, seg: shared_memory.SharedMemory, refs: list[ShardRef],
+                           arrays: dict[Shard, np.ndarray], digest: str | None, guard: tuple[int, int] | None) -> None:
+        """Copy (and check against ``digest``, if given) the payload of a segment its trainer does not lend; with
+        ``guard`` = (generation, offset) the counter must read that generation before the copy and still after it
+        — else the trainer rewrote the buffer meanwhile."""
         if guard is not None:
             _check_generation(seg, *guard, "before the node read it")
-        # every view of the segment dies with this frame, so the segment can be closed afterwards
-        whole = np.frombuffer(seg.buf, np.uint8)
+        h = xxhash.xxh3_128() if digest is not None else None
+        whole = np.frombuffer(seg.buf, np.uint8)  # every view of the segment dies with this frame
         try:
             for ref in refs:
                 if ref.kept:
                     continue
-                dest = self._destination(opened, ref).reshape(-1).view(np.uint8)
-                # piece by piece: copy with streaming stores (around the cache the trainer's core shares), hash it
-                # while in cache if the sender sent a digest, drop its pages — the node never maps more than one
-                # piece of the trainer's segment (a 32 MiB embedding shard counted as RSS was 0.05x of the state in P7)
+                dest = arrays[ref.shard].reshape(-1).view(np.uint8)
+                # piece by piece: copy around the cache the trainer's core shares, hash it while in cache, drop its
+                # pages (the node never maps more than one piece of a segment it copies)
                 pos, end = ref.at, ref.at + ref.nbytes
                 while pos < end:
                     stop = min(end, (pos // SHM_PIECE + 1) * SHM_PIECE)
@@ -374,21 +454,8 @@ class PushReceiver:
             del whole
         if guard is not None:
             _check_generation(seg, *guard, "while the node read it (a torn copy)")
-
-    def _destination(self, opened: _OpenStep, ref: ShardRef) -> np.ndarray:
-        spec = opened.layout.spec(ref.shard.tensor)
-        if opened.update is not None:
-            if ref.shard not in opened.shards:
-                # the RAM state is cut differently: this step aborts (stale) and the next push replaces it whole
-                raise WireError(f"shard {ref.shard.tensor} {ref.shard.offsets} is not cut as the RAM state's shards")
-            arr = opened.update.array(ref.shard)
-            opened.progress = time.monotonic()
-            return arr
-        opened.progress = time.monotonic()
-        arr = np.empty(ref.shard.shape, dtype=dtypes.dtype(spec.dtype).storage)
-        with opened.cond:
-            opened.fresh[ref.shard] = arr
-        return arr
+        if h is not None and "xxh3-128:" + h.hexdigest() != digest:
+            raise WireError(f"shared memory {seg.name!r}: payload digest does not match the header's {digest}")
 
     # ---- assembling a step -----------------------------------------------------------
     def _join(self, step: int, senders: int, layout: StateLayout) -> _OpenStep:
@@ -401,15 +468,10 @@ class PushReceiver:
                         raise WireError(f"step {step}: senders disagree on the model layout")
                     return current
                 if current is None:
-                    opened = _OpenStep(step, senders)
-                    opened.layout = layout
-                    self._open = opened
+                    opened = self._open = _OpenStep(step, senders, layout)
                     self._applier = threading.Thread(target=self._apply, args=(opened,), name=f"push-step-{step}",
                                                      daemon=True)
                     self._applier.start()
-                    with opened.cond:
-                        while opened.update is None and opened.failed is None and not opened.fresh_ready:
-                            opened.cond.wait()
                     return opened
                 waiting_for = current
             # another step is still being received: wait for it to close (back-pressure on this sender)
@@ -417,80 +479,77 @@ class PushReceiver:
                 waiting_for.cond.wait_for(lambda: self._open is not waiting_for, timeout=self.part_timeout_s)
 
     def _apply(self, opened: _OpenStep) -> None:
-        """Hold the memory tier's update open while parts arrive; publish the step when all are in."""
+        """Wait for every part, then make the step the RAM state in one move; until then the previous complete step
+        stays the state.  A step that cannot complete aborts and gives its parts' memory back."""
         memory = self.store.memory
-        # a stale state of the same tensors is rewritten in place too (a push is every shard, whole): new arrays
-        # beside the old ones would hold the state twice until the push ends
-        in_place = memory._layout is not None and _same_tensors(memory._layout, opened.layout)
+        adopted = False
         try:
-            if in_place:
-                with memory.update(opened.step, rewrite=True) as u:
-                    with opened.cond:
-                        opened.shards = set(u.shards())
-                        opened.state_id = memory.state_id
-                        opened.stale = memory.stale
-                        opened.update = u
-                        opened.cond.notify_all()
-                    self._wait_parts(opened)
-                    u.scalars = opened.scalars
-                if opened.parent is not None:
-                    memory.head = opened.parent
-            else:
-                with opened.cond:
-                    opened.state_id = new_state_id()  # what the received arrays go by once adopted
-                    opened.fresh_ready = True
-                    opened.cond.notify_all()
-                self._wait_parts(opened)
-                self._write_fresh(opened)
-            self.stats.steps += 1
-            self.stats.last_step = opened.step
-            if self.on_step is not None:
-                self.on_step(opened.step)
+            self._wait_parts(opened)
+            opened.state_id = self._adopt(opened)
+            adopted = True
         except Exception as e:  # noqa: BLE001 - an aborted step is reported, the node keeps serving
+            held = memory.step
+            why = f"step {opened.step} aborted ({oneline(e)}); the RAM state stays " + \
+                  (f"step {held}" if held is not None else "empty (no complete push yet)")
             self.stats.aborted_steps += 1
-            self.stats.error(f"step {opened.step} aborted: {e}")
-            log.warning("push: step %d aborted (%s); the RAM state is stale until the next full push", opened.step,
-                        oneline(e))
+            self.stats.last_aborted = why
+            self.stats.error(why)
+            log.warning("push: %s", why, extra={"event": "push_aborted", "step": opened.step, "held": held})
         finally:
             with self._lock:
                 if self._open is opened:
                     self._open = None
             with opened.cond:
+                opened.outcome = ADOPTED if adopted else (self.stats.last_aborted or "aborted")
+                parts = list(opened.parts.values())
                 opened.cond.notify_all()
+            if not adopted:
+                for part in parts:
+                    part.release()
+        if adopted:
+            self.stats.steps += 1
+            self.stats.last_step = opened.step
+            if self.on_step is not None:
+                self.on_step(opened.step)
+
+    def _adopt(self, opened: _OpenStep) -> str:
+        """The complete step becomes the RAM state (its kept shards taken from the state it replaces)."""
+        with opened.cond:
+            parts = list(opened.parts.values())
+        arrays, blocks, kept = {}, {}, []
+        for part in parts:
+            if part.recheck is not None:
+                part.recheck()
+            arrays.update(part.arrays)
+            blocks.update({s: part.block for s in part.arrays} if part.block is not None else {})
+            kept += part.kept
+        bases = {p.base for p in parts if p.kept}
+        if len(bases) > 1:
+            raise FlowcheckError(f"senders kept shards of different node states {sorted(map(str, bases))}")
+        names = {s.tensor for s in arrays} | {s.tensor for s in kept}
+        missing = [t.name for t in opened.layout.tensors if t.name not in names]
+        if missing:
+            raise FlowcheckError(f"step {opened.step}: no sender sent {missing[:5]}")
+        self.pool.cap_bytes = max(self.pool.cap_bytes, sum(a.nbytes for a in arrays.values()))
+        snap = Snapshot(self.store.config.run, opened.step, opened.layout, arrays, opened.scalars or Scalars(),
+                        source="push")
+        return self.store.memory.adopt_push(snap, blocks, kept, base=bases.pop() if bases else None,
+                                            parent=opened.parent)
 
     def _wait_parts(self, opened: _OpenStep) -> None:
-        """Until every sender's part is in. The step aborts when no part began a shard for ``part_timeout_s``
-        — time a part spends waiting for a snapshot to write a shard (the memory tier's back-pressure, bounded
-        by ``cow_wait_s``) is not such a silence."""
-        memory = self.store.memory
+        """Until every sender's part is in; the step aborts when no part began a shard for ``part_timeout_s``."""
         with opened.cond:
             while True:
                 left = self.part_timeout_s - (time.monotonic() - opened.progress)
-                ok = opened.cond.wait_for(lambda: len(opened.done) >= opened.senders or opened.failed is not None,
+                ok = opened.cond.wait_for(lambda: len(opened.parts) >= opened.senders or opened.failed is not None,
                                           timeout=max(left, 0.05))
                 if opened.failed is not None:
                     raise FlowcheckError(opened.failed)
                 if ok:
                     return
-                if memory.cow_waiting:
-                    opened.progress = time.monotonic()
-                idle = time.monotonic() - opened.progress
-                if idle >= self.part_timeout_s:
-                    raise FlowcheckError(f"only {len(opened.done)} of {opened.senders} senders' parts arrived; "
+                if time.monotonic() - opened.progress >= self.part_timeout_s:
+                    raise FlowcheckError(f"only {len(opened.parts)} of {opened.senders} senders' parts arrived; "
                                          f"none progressed within {self.part_timeout_s:.0f} s")
-
-    def _write_fresh(self, opened: _OpenStep) -> None:
-        if opened.parent is not None:  # the trainer resumed from a stored step: a new branch of its lineage
-            self.store.memory.head = opened.parent
-        covered = {s for s in opened.fresh}
-        layout = opened.layout
-        missing = [t.name for t in layout.tensors if not any(s.tensor == t.name for s in covered)]
-        if missing:
-            raise FlowcheckError(f"step {opened.step}: no sender sent {missing[:5]}")
-        snap = Snapshot(self.store.config.run, opened.step, layout, dict(opened.fresh), opened.scalars or Scalars(),
-                        source="push")
-        memory = self.store.memory
-        memory.adopt(snap, memory.head, opened.state_id)  # the received arrays become the RAM state: no second copy
 
     def _fail(self, opened: _OpenStep, reason: str) -> None:
         with opened.cond:
@@ -563,26 +622,3 @@ def _check_generation(seg: shared_memory.SharedMemory, want: int, at: int, when:
     if found != want:
         raise WireError(f"shared memory {seg.name!r}: generation {found}, the header says {want}: "
                         f"the trainer rewrote its buffer {when}")
-
-
-def _close_quietly(seg: shared_memory.SharedMemory) -> None:
-    try:
-        seg.close()
-    except BufferError:  # a copy still running in a daemon thread holds a view; the OS unmaps at exit
-        pass
-
-
-def _attach(name: str) -> shared_memory.SharedMemory:
-    """Open the sender's segment without adopting it (the sender unlinks it, not this process)."""
-    if not isinstance(name, str) or "/" in name or len(name) > 250:
-        raise WireError(f"push header: bad shared memory name {name!r}")
-    try:
-        return shared_memory.SharedMemory(name=name, create=False, track=False)
-    except TypeError:  # Python < 3.13: attaching registers the segment with this process's resource tracker
-        from multiprocessing import resource_tracker
-
-        seg = shared_memory.SharedMemory(name=name, create=False)
-        resource_tracker.unregister(seg._name, "shared_memory")  # noqa: SLF001
-        return seg
-    except FileNotFoundError as e:
-        raise WireError(f"shared memory {name!r} does not exist: is the sender on another host?") from e

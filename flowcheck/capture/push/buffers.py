@@ -1,0 +1,161 @@
+"""Where a push lands on the node: trainers' shared-memory segments lent to it, and reusable TCP receive buffers.
+
+A push is received beside the RAM state, never into it (flowcheck/capture/push/receiver.py); these are the two
+places it is received into, each handed to the memory tier as a ``Block`` it gives back once nothing holds it.
+
+Shared memory (a trainer on this host): the trainer keeps two or more segments and lends the one it filled; the node
+adopts it as its state without a copy.  The segment's lease word (8 bytes after its generation counter) is set by
+the trainer when it lends the segment and cleared by the node when the segment comes back — a trainer never writes a
+segment whose word is set, so the node's state cannot change under it.  Layout of a segment of an n-byte payload::
+
+    [payload: n bytes][pad to 8][generation: u64][lease: u64]
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from multiprocessing import shared_memory
+
+import numpy as np
+
+from flowcheck import _native
+from flowcheck.capture.push.wire import WireError
+from flowcheck.tiers.memory import Block
+
+log = logging.getLogger(__name__)
+
+LENT, FREE = 1, 0  # a segment's lease word: lent to the node by its trainer; free for the trainer to write
+SEGMENTS_KEPT = 4  # segments attached per sender beyond those the state holds (a trainer uses 2 by default)
+
+
+def generation_at(nbytes: int) -> int:
+    """Where a shared-memory segment holding an ``nbytes`` payload keeps its generation counter (8-aligned)."""
+    return (nbytes + 7) // 8 * 8
+
+
+def lease_at(nbytes: int) -> int:
+    """Where it keeps its lease word: right after the generation counter."""
+    return generation_at(nbytes) + 8
+
+
+def segment_size(nbytes: int) -> int:
+    return lease_at(nbytes) + 8
+
+
+class Segments:
+    """The senders' segments this node has attached, each mapped once.  A mapping is closed when its sender has moved
+    on to others (a re-planned or restarted trainer) and no block of it is held by the state or a snapshot."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._maps: dict[str, shared_memory.SharedMemory] = {}
+        self._users: dict[str, int] = {}  # blocks of a segment not yet given back
+        self._recent: dict[int, OrderedDict[str, None]] = {}  # per sender: the segments it pushed from lately
+
+    def attach(self, sender: int, name: str) -> shared_memory.SharedMemory:
+        with self._lock:
+            seg = self._maps.get(name)
+            if seg is None:
+                seg = self._maps[name] = attach(name)
+            recent = self._recent.setdefault(sender, OrderedDict())
+            recent[name] = None
+            recent.move_to_end(name)
+            stale = []
+            while len(recent) > SEGMENTS_KEPT:
+                stale.append(recent.popitem(last=False)[0])
+            closing = [n for n in stale if not self._users.get(n) and not self._wanted(n)]
+            segs = [self._maps.pop(n) for n in closing]
+        for s in segs:
+            close_quietly(s)
+        return seg
+
+    def lend(self, seg: shared_memory.SharedMemory, nbytes: int, at: int) -> Block:
+        """A block over the segment's payload, held by the node until given back: then its lease word is cleared."""
+        with self._lock:
+            self._users[seg.name] = self._users.get(seg.name, 0) + 1
+        return Block(nbytes, lambda: self._give_back(seg, at))
+
+    def give_back(self, name: str, at: object) -> None:
+        """Clear the lease of a segment lent with a push the node did not take (refused before reading it)."""
+        with self._lock:
+            seg = self._maps.get(name)
+        if seg is not None and isinstance(at, int) and 0 <= at and at + 8 <= seg.size and at % 8 == 0:
+            _native.generation_store(seg.buf, at, FREE)
+
+    def _give_back(self, seg: shared_memory.SharedMemory, at: int) -> None:
+        _native.generation_store(seg.buf, at, FREE)
+        with self._lock:
+            self._users[seg.name] -= 1
+            close = not self._users[seg.name] and not self._wanted(seg.name)
+            if close:
+                self._maps.pop(seg.name, None)
+                del self._users[seg.name]
+        if close:
+            close_quietly(seg)
+
+    def _wanted(self, name: str) -> bool:
+        return any(name in recent for recent in self._recent.values())
+
+    def close(self) -> None:
+        with self._lock:
+            segs, self._maps = list(self._maps.values()), {}
+        for s in segs:
+            close_quietly(s)
+
+
+class ReceivePool:
+    """Receive buffers for parts that are copied in (TCP), reused: a replaced state's buffers come back once no
+    snapshot holds them, so a node fed over TCP keeps about two states (its state and the next push) without
+    allocating (and page-faulting) a new one per push."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._free: dict[int, list[np.ndarray]] = {}
+        self.cap_bytes = 0  # buffers kept for reuse, at most: about one state (set by the receiver)
+        self.lent_bytes = 0  # buffers handed out and not yet back
+
+    def take(self, nbytes: int) -> tuple[np.ndarray, Block]:
+        with self._lock:
+            free = self._free.get(nbytes)
+            buf = free.pop() if free else None
+            self.lent_bytes += nbytes
+        if buf is None:
+            buf = np.empty(max(nbytes, 1), np.uint8)
+        return buf, Block(nbytes, lambda: self._give(buf, nbytes))
+
+    def _give(self, buf: np.ndarray, nbytes: int) -> None:
+        with self._lock:
+            self.lent_bytes -= nbytes
+            if self.pooled_bytes + nbytes <= self.cap_bytes:
+                self._free.setdefault(nbytes, []).append(buf)
+
+    @property
+    def pooled_bytes(self) -> int:
+        return sum(b.nbytes for free in self._free.values() for b in free)
+
+
+def close_quietly(seg: shared_memory.SharedMemory) -> None:
+    try:
+        seg.close()
+    except BufferError:
+        # an array still views it (a state or snapshot the node still holds): the mapping lives on with the arrays
+        # and goes with the last of them; this object lets go of it (else its finaliser tries again, and fails)
+        seg._mmap = None  # noqa: SLF001
+
+
+def attach(name: str) -> shared_memory.SharedMemory:
+    """Open the sender's segment without adopting it (the sender unlinks it, not this process)."""
+    if not isinstance(name, str) or "/" in name or len(name) > 250:
+        raise WireError(f"push header: bad shared memory name {name!r}")
+    try:
+        try:
+            return shared_memory.SharedMemory(name=name, create=False, track=False)
+        except TypeError:  # Python < 3.13: attaching registers the segment with this process's resource tracker
+            from multiprocessing import resource_tracker
+
+            seg = shared_memory.SharedMemory(name=name, create=False)
+            resource_tracker.unregister(seg._name, "shared_memory")  # noqa: SLF001
+            return seg
+    except FileNotFoundError as e:
+        raise WireError(f"shared memory {name!r} does not exist: is the sender on another host?") from e
