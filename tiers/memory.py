@@ -359,7 +359,7 @@ class MemoryTier(Tier):
         if self._manifest is None or self._manifest.step != step:
             snap = self.pin()
             try:
-                known = snap._known_digests  # noqa: SLF001 - set by pin() above
+                known = snap.pin.known_digests
                 digests = {**shard_digests(snap, {s: snap.array(s) for s in snap.data if s not in known}),
                            **{s: d for s, d in known.items() if s in snap.data}}
                 self._manifest = make_manifest(snap, node=self.node, parent=self.head, digests=digests,

@@ -302,6 +302,7 @@ class Node:
                      "kept_bytes": rs.kept_bytes, "resends_asked": rs.resends_asked,
                      # an aborted push leaves the previous complete step as the RAM state: which one, and why
                      "last_aborted": rs.last_aborted, "adopted_segments": rs.adopted_segments,
+                     "receiving": self.receiver.receiving,
                      "senders": {str(k): v for k, v in sorted(rs.senders.items())}},
             "policy": {"local_snapshots": ps.local_snapshots[-5:], "promotions": ps.promotions[-5:],
                        "coalesced": ps.coalesced, "errors": ps.errors[-5:]},

@@ -6,12 +6,12 @@ import time
 
 import numpy as np
 import pytest
+from flowcheck.tiers.local import LocalTier
+from flowcheck.tiers.memory import MemoryTier
 
 from flowcheck.config import LocalConfig, MemoryConfig
 from flowcheck.errors import ConfigError, StaleStateError, StepNotFoundError
 from flowcheck.state import Scalars, Shard, Snapshot, StateLayout, TensorSpec
-from flowcheck.tiers.local import LocalTier
-from flowcheck.tiers.memory import MemoryTier
 
 N_TENSORS = 8
 
@@ -205,3 +205,70 @@ def test_an_update_that_fails_during_a_rewrite_stays_stale():
             u.array(shard)[...] = 1.0
         raise RuntimeError("the sender vanished after its last shard")
     assert tier.stale
+
+
+# ---- a push adopted whole, in lent memory ---------------------------------------------------------------------
+def _lent(step: int, released: list[int]) -> tuple[Snapshot, dict]:
+    """Step ``step`` with every shard a view into one buffer lent by a receiver: (snapshot, blocks)."""
+    from flowcheck.tiers.memory import Block
+
+    snap = _state(step)
+    buf = np.empty(sum(a.nbytes for a in snap.data.values()), np.uint8)
+    data, at = {}, 0
+    for shard, arr in snap.data.items():
+        view = buf[at:at + arr.nbytes].view(np.float32).reshape(arr.shape)
+        view[...] = arr
+        data[shard], at = view, at + arr.nbytes
+    block = Block(buf.nbytes, lambda: released.append(step))
+    return Snapshot("r", step, snap.layout, data, snap.scalars), {s: block for s in data}
+
+
+def test_an_adopted_push_is_not_copied_and_its_memory_goes_back_once_replaced():
+    tier = MemoryTier(MemoryConfig(), "r")
+    released: list[int] = []
+    one, blocks = _lent(1, released)
+    state_id = tier.adopt_push(one, blocks)
+    shard = next(iter(one.data))
+    assert tier._arrays[shard] is one.data[shard] and tier.steps() == [1] and released == []
+    assert tier.lent_bytes == next(iter(blocks.values())).nbytes
+    two, blocks2 = _lent(2, released)
+    assert tier.adopt_push(two, blocks2) == state_id  # the same tensors: what senders were told still holds
+    assert released == [1] and tier.steps() == [2] and tier.manifest(2).step == 2
+    tier.delete(2)
+    assert released == [1, 2] and tier.lent_bytes == 0
+
+
+def test_a_snapshot_holds_the_memory_of_the_step_it_pinned_until_it_wrote_it(tmp_path):
+    """A push adopted while a snapshot of the previous step is in flight: the snapshot keeps its step's bytes (nothing
+    is written in place), and that step's memory goes back only once the snapshot wrote (unpinned) every shard."""
+    tier = MemoryTier(MemoryConfig(cow_budget=0.0), "r")
+    released: list[int] = []
+    tier.adopt_push(*_lent(1, released))
+    snap = tier.pin()
+    tier.adopt_push(*_lent(2, released))
+    assert released == [] and tier.step == 2 and tier.cow_copies == 0 and tier.cow_waits == 0
+    assert all(np.all(snap.array(s) == 1.0) for s in snap.data)
+    local = LocalTier(LocalConfig(root=str(tmp_path), fsync=False, workers=2), "r")
+    local.write(snap)  # unpins shard by shard
+    assert released == [1]
+    tier.release(snap)
+    assert released == [1] and local.read(1, "layers.0.weight").max() == 1.0
+
+
+def test_kept_shards_come_from_the_state_they_were_sent_to_copied_out_of_lent_memory():
+    from flowcheck.tiers.memory import KeptShardsGone
+
+    tier = MemoryTier(MemoryConfig(), "r")
+    released: list[int] = []
+    one, blocks = _lent(1, released)
+    base = tier.adopt_push(one, blocks)
+    frozen = Shard.whole(one.layout.tensors[0])
+    two, blocks2 = _lent(2, released)
+    two = Snapshot("r", 2, two.layout, {s: a for s, a in two.data.items() if s != frozen}, two.scalars)
+    with pytest.raises(KeptShardsGone, match="sent to node state 'elsewhere'"):
+        tier.adopt_push(two, blocks2, kept=[frozen], base="elsewhere")
+    assert tier.step == 1 and released == []  # refused: nothing changed
+    tier.adopt_push(two, blocks2, kept=[frozen], base=base)
+    assert released == [1]  # step 1's memory went back: the kept shard was copied out of it first
+    assert np.all(tier.read(2, frozen.tensor) == 1.0) and np.all(tier.read(2, "layers.1.weight") == 2.0)
+    assert tier.lent_bytes == next(iter(blocks2.values())).nbytes

@@ -190,6 +190,12 @@ class PushReceiver:
         self.address = self.server.server_address
         self._thread = threading.Thread(target=self.server.serve_forever, name="push-listener", daemon=True)
 
+    @property
+    def receiving(self) -> int | None:
+        """The step whose parts are being received now (None: none is open)."""
+        current = self._open
+        return None if current is None else current.step
+
     def start(self) -> PushReceiver:
         self._thread.start()
         return self
