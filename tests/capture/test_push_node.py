@@ -255,6 +255,10 @@ def test_a_shared_memory_payload_is_checked_by_its_generation_not_hashed(node):
     assert "did not lend it" in refused({"generation": 0, "generation_at": at,
                                          "lease_at": lease_at(ck.stats.buffer_bytes)}, seg=spare)
     assert "lease_at must be" in refused({"generation": 0, "generation_at": at, "lease_at": spare.size}, seg=spare)
+    # a refused frame naming the segment the node's state lives in does not give that segment back to the trainer
+    assert "the header says 4" in refused({"generation": 4, "generation_at": at,
+                                           "lease_at": lease_at(ck.stats.buffer_bytes)})
+    assert _native.generation_load(held.buf, lease_at(ck.stats.buffer_bytes)) == LENT
     assert node.get("/status")["memory"]["step"] == 1
     # the trainer's own next push still lands, bit for bit
     _train_step(model, opt, gen)

@@ -77,20 +77,25 @@ class Segments:
         return Block(nbytes, lambda: self._give_back(seg, at))
 
     def give_back(self, name: str, at: object) -> None:
-        """Clear the lease of a segment lent with a push the node did not take (refused before reading it)."""
+        """Clear the lease of a segment lent with a push the node did not take (refused before reading it) — unless
+        the node holds that segment (a frame naming the segment of the RAM state must not free it)."""
         with self._lock:
             seg = self._maps.get(name)
-        if seg is not None and isinstance(at, int) and 0 <= at and at + 8 <= seg.size and at % 8 == 0:
+            held = self._users.get(name, 0) > 0
+        if seg is not None and not held and isinstance(at, int) and 0 <= at and at + 8 <= seg.size and at % 8 == 0:
             _native.generation_store(seg.buf, at, FREE)
 
     def _give_back(self, seg: shared_memory.SharedMemory, at: int) -> None:
-        _native.generation_store(seg.buf, at, FREE)
+        """A block of ``seg`` is no longer held; the last one clears the lease (the trainer may write it again)."""
         with self._lock:
             self._users[seg.name] -= 1
-            close = not self._users[seg.name] and not self._wanted(seg.name)
+            free = not self._users[seg.name]
+            if free:
+                _native.generation_store(seg.buf, at, FREE)
+                del self._users[seg.name]
+            close = free and not self._wanted(seg.name)
             if close:
                 self._maps.pop(seg.name, None)
-                del self._users[seg.name]
         if close:
             close_quietly(seg)
 
