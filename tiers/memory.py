@@ -22,13 +22,13 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 
 import numpy as np
-from flowcheck.tiers.base import Tier, make_manifest, normalize_region, shard_digests
 
 from flowcheck import _native, dtypes
 from flowcheck.config import MemoryConfig
 from flowcheck.errors import FlowcheckError, StaleStateError, StepNotFoundError
 from flowcheck.manifest import Manifest, ParentRef
 from flowcheck.state import Pin, Scalars, Shard, Snapshot, StateLayout
+from flowcheck.tiers.base import Tier, make_manifest, normalize_region, shard_digests
 
 log = logging.getLogger(__name__)
 
@@ -149,9 +149,9 @@ class MemoryTier(Tier):
         """Make ``arrays`` the state (under the lock): the replaced state's lent memory is handed back unless a
         snapshot still holds it (``freed`` collects what goes back, released outside the lock)."""
         _drop(self._blocks.values(), freed)
-        _hold(blocks.values())
-        self._layout, self._arrays, self._step = snapshot.layout, arrays, snapshot.step
         self._blocks = {s: b for s, b in blocks.items() if s in arrays}
+        _hold(self._blocks.values())
+        self._layout, self._arrays, self._step = snapshot.layout, arrays, snapshot.step
         self._scalars, self._source, self._stale = snapshot.scalars, snapshot.source, False
         self.state_id = state_id
         self._written = {s: next(self._write_count) for s in arrays}

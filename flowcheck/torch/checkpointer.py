@@ -49,13 +49,7 @@ from flowcheck.torch.device_copy import DeviceCopier, order_after
 from flowcheck.torch.host_buffer import HostBuffers
 from flowcheck.torch.megatron import MEGATRON_KEY, MegatronRank, hook_targets, model_key
 from flowcheck.torch.push_config import PushConfig, push_config
-from flowcheck.torch.state import (
-    OPT_PREFIX,
-    _flatten_optimizer,
-    _json_ready,
-    capture_rng,
-    optimizer_param_names,
-)
+from flowcheck.torch.state import OPT_PREFIX, _flatten_optimizer, _json_ready, capture_rng, optimizer_param_names
 
 log = logging.getLogger(__name__)
 

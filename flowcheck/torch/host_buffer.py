@@ -16,14 +16,7 @@ from multiprocessing import shared_memory
 import torch
 
 from flowcheck import _native
-from flowcheck.capture.push.buffers import (
-    FREE,
-    LENT,
-    close_quietly,
-    generation_at,
-    lease_at,
-    segment_size,
-)
+from flowcheck.capture.push.buffers import FREE, LENT, close_quietly, generation_at, lease_at, segment_size
 
 log = logging.getLogger(__name__)
 

@@ -19,14 +19,7 @@ import torch
 
 from flowcheck import dtypes
 from flowcheck.errors import FlowcheckError
-from flowcheck.state import (
-    ParallelLayout,
-    Scalars,
-    Shard,
-    Snapshot,
-    StateLayout,
-    TensorSpec,
-)
+from flowcheck.state import ParallelLayout, Scalars, Shard, Snapshot, StateLayout, TensorSpec
 
 OPT_PREFIX = "optimizer."
 

@@ -6,12 +6,12 @@ import time
 
 import numpy as np
 import pytest
-from flowcheck.tiers.local import LocalTier
-from flowcheck.tiers.memory import MemoryTier
 
 from flowcheck.config import LocalConfig, MemoryConfig
 from flowcheck.errors import ConfigError, StaleStateError, StepNotFoundError
 from flowcheck.state import Scalars, Shard, Snapshot, StateLayout, TensorSpec
+from flowcheck.tiers.local import LocalTier
+from flowcheck.tiers.memory import MemoryTier
 
 N_TENSORS = 8
 

@@ -37,14 +37,7 @@ from flowcheck.errors import AuthError, FlowcheckError
 from flowcheck.logs import oneline
 from flowcheck.manifest import ParentRef
 from flowcheck.node.limits import BoundedTCPServer, ConnectionLimits, ListenerStats
-from flowcheck.state import (
-    ParallelLayout,
-    Scalars,
-    Shard,
-    Snapshot,
-    StateLayout,
-    TensorSpec,
-)
+from flowcheck.state import ParallelLayout, Scalars, Shard, Snapshot, StateLayout, TensorSpec
 from flowcheck.tiers.memory import Block
 
 log = logging.getLogger(__name__)
