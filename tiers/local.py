@@ -620,7 +620,13 @@ class LocalTier(Tier):
 
 
 def _holds_packs(folder: str) -> bool:
-    return os.path.isdir(os.path.join(folder, zarr_pack.PACKS))
+    """Whether a step folder holds packs a later step may reference: its own, or a DCP step's per part
+    (``nodes/<part>/packs``)."""
+    if os.path.isdir(os.path.join(folder, zarr_pack.PACKS)):
+        return True
+    nodes = os.path.join(folder, "nodes")
+    return os.path.isdir(nodes) and not os.path.islink(nodes) and any(
+        os.path.isdir(os.path.join(nodes, part, zarr_pack.PACKS)) for part in os.listdir(nodes))
 
 
 def _packed(entry: ShardEntry) -> bool:

@@ -274,17 +274,26 @@ def retain(root: str, step: int, manifest_digest: str, needed: set[str] | None, 
 
 
 def prune_folder(folder: str, needed: set[str]) -> None:
-    """Remove a retained folder's packs that hold no needed file (metadata and the manifest stay: they are small
-    and let a plain zarr reader open what is left)."""
+    """Remove what of a retained folder no kept step needs, whatever its layout (a pack holder's ``packs/<i>``, a DCP
+    step's ``nodes/<part>/packs/<i>``): an array folder holding a needed file stays whole, and so does the path to it
+    with its metadata (every ``zarr.json``, the manifest: small, and a plain zarr reader opens what is left).  A
+    symlink is removed, never followed."""
     keep = {f.rpartition("/c/")[0] if "/c/" in f else f.rpartition("/")[0] for f in needed}
-    packs = os.path.join(folder, "packs")
-    for name in sorted(os.listdir(packs)) if os.path.isdir(packs) else ():
-        if f"packs/{name}" not in keep:
-            shutil.rmtree(os.path.join(packs, name), ignore_errors=True)
-    for name in sorted(os.listdir(folder)):
-        if name not in ("packs", "zarr.json", "manifest.json"):
-            path = os.path.join(folder, name)
-            shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.unlink(path)
+    _prune(folder, "", keep)
+
+
+def _prune(folder: str, rel: str, keep: set[str]) -> None:
+    path = os.path.join(folder, rel) if rel else folder
+    for name in sorted(os.listdir(path)):
+        sub = f"{rel}/{name}" if rel else name
+        full = os.path.join(path, name)
+        if sub in keep and not os.path.islink(full):
+            continue  # an array folder (or a file) a kept step reads: whole
+        if os.path.isdir(full) and not os.path.islink(full) and any(k.startswith(sub + "/") for k in keep):
+            _prune(folder, sub, keep)  # on the way to one
+        elif name not in ("zarr.json", "manifest.json") or os.path.islink(full):
+            shutil.rmtree(full, ignore_errors=True) if os.path.isdir(full) and not os.path.islink(full) \
+                else os.unlink(full)
 
 
 def sweep(root: str, branch: str, refs: dict[tuple[str, int, str], set[str]] | None, dry_run: bool) -> list[str]:
