@@ -4,7 +4,7 @@ Model: vocab 16384, width 512, 8 heads, ffn 2048, --layers 14 pre-LN torch Trans
 untied head; --batch x --seq random tokens; torch.set_num_threads(--threads), default 1: the other core is left to the
 checkpoint side threads and the node, as a GPU trainer leaves host cores free. --repeats rounds, alternatives interleaved
 (ABBA: reversed every other round, so a drifting machine favours none); per round --warmup untimed iterations (the first
-save drained), then --iters timed ones; the hypervisor's steal time is recorded per round. Alternatives: no checkpoint
+two saves drained: each fills host buffers touched for the first time), then --iters timed ones; the hypervisor's steal time is recorded per round. Alternatives: no checkpoint
 (baseline); flowcheck Checkpointer(transport="shm" / "tcp") -> a `flowcheck serve` node process on this host; torch.save
 of model + optimizer state dicts to one file (overwritten, no fsync); DCP async_save(no_dist=True, default writer: fsync).
 Blocking per save = training-thread time in checkpoint calls / timed iterations: flowcheck ck.save() + the optimizer
@@ -223,8 +223,10 @@ def main(argv: list[str] | None = None) -> dict:
         blocked = (lambda: alt.ck.stats.blocked_s) if alt.fc else (lambda: 0.0)
         rec = []  # per timed iteration: iteration s, checkpoint call s, flowcheck copy s, send s
         for k in range(-args.warmup, iters):
-            if k == 1 - args.warmup and k <= 0:
-                alt.drain()  # the round's first save (new buffer; the node's first push) is not steady state
+            if k <= 0 and 1 - args.warmup <= k <= 2 - args.warmup:
+                # the round's first two saves are not steady state: each fills a new host buffer (two shared-memory
+                # segments, or the node's two receive buffers over TCP) whose pages are touched for the first time
+                alt.drain()
             if k == 0:  # timed from here
                 b0, cpu0, ncpu0, steal0 = blocked(), sum(me.cpu_times()[:4]), sum(node.ps.cpu_times()[:4]), steal_s()
             if on_iter and k >= 0:

@@ -135,6 +135,11 @@ class ReceivePool:
             if self.pooled_bytes + nbytes <= self.cap_bytes:
                 self._free.setdefault(nbytes, []).append(buf)
 
+    def clear(self) -> None:
+        """Drop the buffers kept for reuse (the node is fed through shared memory now)."""
+        with self._lock:
+            self._free, self.cap_bytes = {}, 0
+
     @property
     def pooled_bytes(self) -> int:
         return sum(b.nbytes for free in self._free.values() for b in free)

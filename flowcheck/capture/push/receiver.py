@@ -529,7 +529,10 @@ class PushReceiver:
         missing = [t.name for t in opened.layout.tensors if t.name not in names]
         if missing:
             raise FlowcheckError(f"step {opened.step}: no sender sent {missing[:5]}")
-        self.pool.cap_bytes = max(self.pool.cap_bytes, sum(a.nbytes for a in arrays.values()))
+        if any(p.recheck is None for p in parts):  # received into buffers: keep about a state of them for reuse
+            self.pool.cap_bytes = max(self.pool.cap_bytes, sum(a.nbytes for a in arrays.values()))
+        else:  # every part a lent segment: buffers kept for TCP pushes would only hold memory
+            self.pool.clear()
         snap = Snapshot(self.store.config.run, opened.step, opened.layout, arrays, opened.scalars or Scalars(),
                         source="push")
         return self.store.memory.adopt_push(snap, blocks, kept, base=bases.pop() if bases else None,
