@@ -12,7 +12,9 @@ segment whose word is set, so the node's state cannot change under it.  Layout o
 """
 from __future__ import annotations
 
+import contextlib
 import logging
+import mmap
 import threading
 from collections import OrderedDict
 from multiprocessing import shared_memory
@@ -74,7 +76,7 @@ class Segments:
         """A block over the segment's payload, held by the node until given back: then its lease word is cleared."""
         with self._lock:
             self._users[seg.name] = self._users.get(seg.name, 0) + 1
-        return Block(nbytes, lambda: self._give_back(seg, at))
+        return Block(nbytes, lambda: self._give_back(seg, at, nbytes))
 
     def give_back(self, name: str, at: object) -> None:
         """Clear the lease of a segment lent with a push the node did not take (refused before reading it) — unless
@@ -85,12 +87,15 @@ class Segments:
         if seg is not None and not held and isinstance(at, int) and 0 <= at and at + 8 <= seg.size and at % 8 == 0:
             _native.generation_store(seg.buf, at, FREE)
 
-    def _give_back(self, seg: shared_memory.SharedMemory, at: int) -> None:
-        """A block of ``seg`` is no longer held; the last one clears the lease (the trainer may write it again)."""
+    def _give_back(self, seg: shared_memory.SharedMemory, at: int, nbytes: int) -> None:
+        """A block of ``seg`` is no longer held; the last one clears the lease (the trainer may write it again), after
+        dropping the node's page-table entries for it: the memory is the trainer's, and a snapshot that read it
+        would otherwise leave it counted in the node's RSS a second time for as long as the segment stays attached."""
         with self._lock:
             self._users[seg.name] -= 1
             free = not self._users[seg.name]
             if free:
+                unmap_pages(seg, 0, nbytes)
                 _native.generation_store(seg.buf, at, FREE)
                 del self._users[seg.name]
             close = free and not self._wanted(seg.name)
@@ -143,6 +148,18 @@ class ReceivePool:
     @property
     def pooled_bytes(self) -> int:
         return sum(b.nbytes for free in self._free.values() for b in free)
+
+
+def unmap_pages(seg: shared_memory.SharedMemory, start: int, end: int) -> None:
+    """Drop this process's page-table entries for bytes [start, end) of a segment (the memory stays, shared)."""
+    mm = getattr(seg, "_mmap", None)  # SharedMemory keeps its mmap here (CPython 3.8+)
+    if mm is None or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    lo = start - start % mmap.PAGESIZE
+    hi = min(-(-end // mmap.PAGESIZE) * mmap.PAGESIZE, len(mm))
+    if hi > lo:
+        with contextlib.suppress(OSError, ValueError):
+            mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
 
 
 def close_quietly(seg: shared_memory.SharedMemory) -> None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import mmap
 import secrets
 import socket
 import socketserver
@@ -31,7 +30,7 @@ import xxhash
 
 from flowcheck import _native, dtypes
 from flowcheck.capture.push.auth import DEFAULT_TOKEN_ENV, PushGate
-from flowcheck.capture.push.buffers import LENT, ReceivePool, Segments
+from flowcheck.capture.push.buffers import LENT, ReceivePool, Segments, unmap_pages
 from flowcheck.capture.push.wire import WireError, recv_exact, recv_header, reply
 from flowcheck.errors import AuthError, FlowcheckError
 from flowcheck.logs import oneline
@@ -447,7 +446,7 @@ class PushReceiver:
                     if h is not None:
                         h.update(src)
                     del src
-                    _unmap_pages(seg, pos, stop)
+                    unmap_pages(seg, pos, stop)
                     pos = stop
         finally:
             del whole
@@ -588,22 +587,6 @@ def _same_tensors(a: StateLayout, b: StateLayout) -> bool:
 
 
 SHM_PIECE = 4 << 20  # bytes of a sender's segment copied (and then unmapped) at a time
-
-
-def _unmap_pages(seg: shared_memory.SharedMemory, start: int, end: int) -> None:
-    """Drop the node's page-table entries for bytes [start, end) of a sender's segment once copied.
-
-    The memory is the trainer's (shared, it stays intact); without this the node's RSS would count
-    the whole buffer a second time for as long as the segment stays attached.
-    """
-    mm = getattr(seg, "_mmap", None)  # SharedMemory keeps its mmap here (CPython 3.8+)
-    if mm is None or not hasattr(mmap, "MADV_DONTNEED"):
-        return
-    lo = start - start % mmap.PAGESIZE
-    hi = min(-(-end // mmap.PAGESIZE) * mmap.PAGESIZE, len(mm))
-    if hi > lo:
-        with contextlib.suppress(OSError, ValueError):
-            mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
 
 
 def _generation_guard(payload: dict[str, Any], size: int, seg_size: int, name: str) -> tuple[int, int] | None:
