@@ -156,3 +156,25 @@ def flip_shard_byte(tier, step: int, tensor: str) -> str:
         f.seek(at)
         f.write(bytes([byte[0] ^ 0xFF]))
     return path
+
+
+def trainer_state(model, opt) -> dict:
+    """A torch trainer's state as the node stores it (canonical names: the state dict, then ``optimizer.<slot>.<p>``),
+    copied to numpy."""
+    from flowcheck.torch.state import _flatten_optimizer, param_names_of
+
+    out = {k: v.detach().clone().numpy() for k, v in model.state_dict().items()}
+    tensors, _, _ = _flatten_optimizer(opt.state_dict(), param_names_of(model))
+    out.update({k: v.detach().clone().numpy() for k, v in tensors.items()})
+    return out
+
+
+def state_digest(state: dict[str, np.ndarray]) -> str:
+    """One digest of a whole state (names and bytes, in name order): a trainer's and a node's must agree."""
+    import xxhash
+
+    h = xxhash.xxh3_128()
+    for name in sorted(state):
+        h.update(name.encode())
+        h.update(np.ascontiguousarray(state[name]).view(np.uint8))
+    return h.hexdigest()

@@ -3,20 +3,18 @@
 Each step it appends ``pushing <step> <digest>`` (the digest of the state it is about to push) before ``save()`` and
 ``acked <step>`` once the node acknowledged it, each line flushed to the OS at once, so a SIGKILL at any instant
 leaves a log that says what this rank had been told.  Usage:
-    python push_kill_trainer.py --node tcp://HOST:PORT --log FILE --base STEP [--transport shm|tcp]
-                                [--rank R --world W --port P]
+    python -m tests.capture.push_kill_trainer --node tcp://HOST:PORT --log FILE --base STEP [--transport shm|tcp]
+                                              [--rank R --world W --port P]     (from the repository root)
 """
 from __future__ import annotations
 
 import argparse
 import os
 
-import numpy as np
 import torch
-import xxhash
 
 from flowcheck.torch.checkpointer import Checkpointer
-from flowcheck.torch.state import _flatten_optimizer, param_names_of
+from tests.helpers import state_digest, trainer_state
 
 WIDTH, LAYERS = 512, 4  # 1M parameters, a 12.6 MB state with AdamW
 
@@ -25,22 +23,6 @@ def model_and_optimizer() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)])
     return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
-
-
-def state_digest(state: dict[str, np.ndarray]) -> str:
-    """One digest of a whole state (names and bytes, in name order): the trainer's and the node's must agree."""
-    h = xxhash.xxh3_128()
-    for name in sorted(state):
-        h.update(name.encode())
-        h.update(np.ascontiguousarray(state[name]).view(np.uint8))
-    return h.hexdigest()
-
-
-def trainer_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, np.ndarray]:
-    out = {k: v.detach().numpy() for k, v in model.state_dict().items()}
-    tensors, _, _ = _flatten_optimizer(opt.state_dict(), param_names_of(model))
-    out.update({k: v.detach().numpy() for k, v in tensors.items()})
-    return out
 
 
 def main() -> None:

@@ -20,18 +20,20 @@ import pytest
 
 from flowcheck.store import open_store
 
-from .conftest import NodeProcess, free_port
-from .push_kill_trainer import state_digest
+from tests.helpers import state_digest
 
-TRAINER = os.path.join(os.path.dirname(__file__), "push_kill_trainer.py")
+from .conftest import NodeProcess, free_port
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ROUND = 10_000  # each round's trainer starts at round * ROUND: step numbers never repeat across rounds
 
 
 def _start(node: NodeProcess, logs: list[str], base: int, transport: str) -> list[subprocess.Popen]:
     port = free_port()
-    return [subprocess.Popen([sys.executable, TRAINER, "--node", node.url, "--log", log, "--base", str(base),
-                              "--transport", transport, "--rank", str(r), "--world", str(len(logs)),
-                              "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return [subprocess.Popen([sys.executable, "-m", "tests.capture.push_kill_trainer", "--node", node.url, "--log", log,
+                              "--base", str(base), "--transport", transport, "--rank", str(r), "--world",
+                              str(len(logs)), "--port", str(port)], cwd=REPO, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
             for r, log in enumerate(logs)]
 
 

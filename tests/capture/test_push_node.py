@@ -14,6 +14,7 @@ from flowcheck.capture.push.auth import PushSigner
 from flowcheck.capture.push.wire import recv_header, send_frame
 from flowcheck.store import open_store
 from flowcheck.torch.checkpointer import Checkpointer
+from tests.helpers import trainer_state
 
 from .conftest import NodeProcess
 
@@ -33,13 +34,7 @@ def _train_step(model, opt, gen) -> float:
     return loss.item()
 
 
-def _expected(model, opt) -> dict[str, np.ndarray]:
-    from flowcheck.torch.state import _flatten_optimizer, param_names_of
-
-    out = {k: v.detach().clone().numpy() for k, v in model.state_dict().items()}
-    tensors, _, _ = _flatten_optimizer(opt.state_dict(), param_names_of(model))
-    out.update({k: v.detach().clone().numpy() for k, v in tensors.items()})
-    return out
+_expected = trainer_state
 
 
 def _stored(node: NodeProcess, step: int) -> dict[str, np.ndarray]:

@@ -28,12 +28,12 @@ import psutil
 import pytest
 import torch
 import torch.multiprocessing as mp
-import xxhash
 
 from flowcheck.demo.ranks import leave_group
 from flowcheck.errors import FlowcheckError
 from flowcheck.store import open_store
 from tests.capture.conftest import NodeProcess, free_port
+from tests.helpers import state_digest, trainer_state
 
 WORLD = 4
 COW_BUDGET = 0.15
@@ -56,22 +56,7 @@ def _model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
 
 
-def _state(model, opt) -> dict[str, np.ndarray]:
-    """The state as the node stores it (canonical names), copied."""
-    from flowcheck.torch.state import _flatten_optimizer, param_names_of
-
-    out = {k: v.detach().clone().numpy() for k, v in model.state_dict().items()}
-    tensors, _, _ = _flatten_optimizer(opt.state_dict(), param_names_of(model))
-    out.update({k: v.detach().clone().numpy() for k, v in tensors.items()})
-    return out
-
-
-def _digest(state: dict[str, np.ndarray]) -> str:
-    h = xxhash.xxh3_128()
-    for name in sorted(state):
-        h.update(name.encode())
-        h.update(np.ascontiguousarray(state[name]).view(np.uint8))
-    return h.hexdigest()
+_state, _digest = trainer_state, state_digest
 
 
 def _trainer(rank: int, port: int, node_url: str, out: str, progress, stop) -> None:

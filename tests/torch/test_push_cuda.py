@@ -12,6 +12,7 @@ import torch
 
 from flowcheck.torch.checkpointer import Checkpointer
 from flowcheck.torch.device_copy import DeviceCopier
+from tests.capture.test_push_node import _ram_state as _held
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -49,14 +50,6 @@ def _push_on_a_side_stream(receiver_url: str, staging) -> tuple[dict[str, np.nda
     assert ck.flush(60), ck.stats.last_error
     torch.cuda.synchronize()
     return {k: v.cpu().numpy() for k, v in want.items()}, ck
-
-
-def _held(store) -> dict[str, np.ndarray]:
-    snap = store.memory.pin()
-    try:
-        return {s.tensor: np.array(snap.array(s)) for s in snap.data}
-    finally:
-        store.memory.release(snap)
 
 
 @pytest.fixture
