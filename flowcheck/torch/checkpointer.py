@@ -556,7 +556,7 @@ class Checkpointer:
 
     def _send(self, job: _Job) -> None:
         """Send the job's push; a node that lacks the frozen tensors it carries as kept (it restarted, went stale or
-        holds another state) answers ``resend`` and gets the whole buffer at once (it still holds their bytes)."""
+        holds another state) answers ``resend`` and gets the whole part at once (copied into the region then)."""
         kept = job.kept if self._node_state is not None else frozenset()
         try:
             header, answer, sent, kept = self._push(job, kept)

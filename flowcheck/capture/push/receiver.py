@@ -508,7 +508,11 @@ class PushReceiver:
             self.stats.steps += 1
             self.stats.last_step = opened.step
             if self.on_step is not None:
-                self.on_step(opened.step)
+                try:
+                    self.on_step(opened.step)
+                except Exception as e:  # noqa: BLE001 - the step is the RAM state; what follows it is reported
+                    self.stats.error(f"step {opened.step}: after it was adopted: {e}")
+                    log.warning("push: step %d adopted, then: %s", opened.step, oneline(e))
 
     def _adopt(self, opened: _OpenStep) -> str:
         """The complete step becomes the RAM state (its kept shards taken from the state it replaces)."""
