@@ -192,3 +192,23 @@ def test_gc_prints_states_with_their_branch_and_why_each_goes(tmp_path):
     assert lines[0] == "local: would delete steps [1]; keeps [2, 2@b1-2, 3]"
     assert lines[1] == "local:   1: superseded on the current branch"
     assert make_store(tmp_path).local.steps() == [1, 2, 3]  # a dry run
+
+
+def test_export_never_writes_inside_a_tier(tmp_path):
+    """`export --out` naming a committed step's manifest.json (or any path in a tier's folder) is refused in one
+    line, exit 2, and the step stays intact (issue 34, item 7)."""
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"run: r\ntiers:\n  local: {{root: {tmp_path / 'l'}}}\n  object: {{url: 'file://{tmp_path / 'o'}'}}\n")
+    import torch
+
+    torch.save({"w": torch.ones(64, 64)}, tmp_path / "state.pt")
+    assert _run("snapshot", "--state", str(tmp_path / "state.pt"), "--step", "5", "--config", str(cfg)).exit_code == 0
+    assert _run("promote", "--config", str(cfg)).exit_code == 0
+    manifest = tmp_path / "l" / "r" / "step-000000005" / "manifest.json"
+    before = manifest.read_bytes()
+    for out in (manifest, tmp_path / "o" / "r" / "x.safetensors", tmp_path / "l" / "new.safetensors"):
+        result = _run("export", "--step", "5", "--out", str(out), "--config", str(cfg))
+        assert result.exit_code == 2 and "expected a path outside the store" in result.output, result.output
+        assert result.output.count("\n") == 1
+    assert manifest.read_bytes() == before and _run("audit", "--config", str(cfg)).exit_code == 0
+    assert _run("export", "--step", "5", "--out", str(tmp_path / "x.safetensors"), "--config", str(cfg)).exit_code == 0

@@ -95,6 +95,25 @@ def reading_store(config_path: str | None, run: str | None, progress: bool = Fal
     return store
 
 
+def outside_tiers(store, path: str, flag: str) -> None:
+    """A file the CLI writes never lands inside a tier's folder: it could replace a committed step's files (an
+    ``export --out`` naming a step's manifest.json overwrote it)."""
+    import os
+
+    from flowcheck.errors import ConfigError
+
+    roots = [store.config.tiers.local.root]
+    url = store.config.tiers.object.url
+    if url.startswith("file://"):
+        roots.append(url[len("file://"):])
+    target = os.path.realpath(path)
+    for root in roots:
+        real = os.path.realpath(root)
+        if target == real or target.startswith(real.rstrip(os.sep) + os.sep):
+            raise ConfigError(f"{flag} {path}: expected a path outside the store, found one inside the tier folder "
+                              f"{root} (writing there could replace a stored step's files); choose another path")
+
+
 STEP_HELP = "Step number, 'latest', or a manifest digest prefix sha256:<hex> (see `flowcheck ls --json`)."
 _DIGEST_PREFIX = re.compile(r"sha256:[0-9a-fA-F]{1,64}")
 

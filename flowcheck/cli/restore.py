@@ -15,6 +15,7 @@ from flowcheck.cli.common import (
     config_option,
     handled,
     human,
+    outside_tiers,
     reading_store,
     step_arg,
     store_for,
@@ -49,6 +50,7 @@ def export(config_path, step, branch, run, fmt, out, prefer, no_optim):
 
     fmt = _export_format(out, fmt)
     store = reading_store(config_path, run)
+    outside_tiers(store, out, "--out")
     tier, m = open_step(store, step_arg(step), prefer, branch)
     at = at_text(m, tier)
     with bytes_bar(f"export step {at} from the {tier.name} tier") as bar:
