@@ -305,14 +305,19 @@ class MegatronRank:
         groups, step = [], None
         for leaf in self.leaves:
             inner = leaf.optimizer
-            steps = [t["step"] for t in inner.state.values() if "step" in t]
-            leaf_step = int(steps[0]) if steps else None
             for g in inner.param_groups:
                 group = {k: v for k, v in g.items() if k != "params"}
-                group["step"] = int(group["step"]) if group.get("step") is not None else leaf_step
+                # a group's own step first: a per-parameter step tensor on a device costs a sync to read
+                group["step"] = int(group["step"]) if group.get("step") is not None else _leaf_step(inner)
                 groups.append(group)
                 step = group["step"] if group["step"] is not None else step
         return groups, step
+
+
+def _leaf_step(optimizer: torch.optim.Optimizer) -> int | None:
+    """The step of an optimizer whose param groups do not carry it: its first parameter's ``step`` state."""
+    steps = [t["step"] for t in optimizer.state.values() if "step" in t]
+    return int(steps[0]) if steps else None
 
 
 class _PlainLeaf:
