@@ -9,10 +9,11 @@ branch) and further root lineages are information, not findings.
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from flowcheck.branches import MAIN, RECORD, History, Located
+from flowcheck.branches import BRANCHES, MAIN, RECORD, History, Located
 from flowcheck.errors import FlowcheckError, ManifestError, StepNotFoundError
 from flowcheck.manifest import Manifest
 from flowcheck.progress import Progress, counter
@@ -253,7 +254,21 @@ def audit(store: Store, *, verify: bool = True, data: bool = True, progress: Pro
     on_bytes = counter(progress, _verify_total(store, data)) if verify and progress is not None else None
     manifests = collect(store, report, verify=verify, data=data, on_bytes=on_bytes)
     check_chain(store, manifests, report)
+    _check_linked_branches(store, report)
     return report
+
+
+def _check_linked_branches(store: Store, report: AuditReport) -> None:
+    """A symlink among the local tier's branch folders is never a branch (nothing follows it): an error to remove."""
+    local = getattr(store, "local", None)
+    if local is None or not hasattr(local, "linked_branches"):
+        return
+    top = os.path.join(local.config.root, local.run, BRANCHES)
+    for name in local.linked_branches():
+        path = top if name == BRANCHES else os.path.join(top, name)
+        report.problems.append(Problem("local", None, f"{path} is a symlink (to {os.readlink(path)}), not a branch "
+                                       "folder: flowcheck lists, deletes and collects nothing through it; remove it",
+                                       path))
 
 
 def lineage(store: Store, *, verify: bool = False, progress: Progress | None = None) -> AuditReport:

@@ -212,3 +212,29 @@ def test_export_never_writes_inside_a_tier(tmp_path):
         assert result.output.count("\n") == 1
     assert manifest.read_bytes() == before and _run("audit", "--config", str(cfg)).exit_code == 0
     assert _run("export", "--step", "5", "--out", str(tmp_path / "x.safetensors"), "--config", str(cfg)).exit_code == 0
+
+
+@pytest.mark.parametrize("target", ["..", "outside", "other-run"])
+def test_a_symlinked_branch_folder_is_never_a_branch(tmp_path, target):
+    """`branches/x` as a symlink (to main's folder, outside the store, another run's folder): not listed, a delete
+    naming it is refused, GC collects nothing through it, and audit reports it as an error (issue 34, item 4)."""
+    import torch
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"run: r\ntiers:\n  local: {{root: {tmp_path / 'l'}}}\n  object: {{url: 'file://{tmp_path / 'o'}'}}\n")
+    torch.save({"w": torch.ones(8, 8)}, tmp_path / "state.pt")
+    assert _run("snapshot", "--state", str(tmp_path / "state.pt"), "--step", "10", "--config", str(cfg)).exit_code == 0
+    victim = {"..": tmp_path / "l" / "r", "outside": tmp_path / "elsewhere", "other-run": tmp_path / "l" / "other"}[target]
+    (victim / "step-000000010").mkdir(parents=True, exist_ok=True)
+    (victim / "step-000000010" / "manifest.json").write_text("{}") if target != ".." else None
+    (tmp_path / "l" / "r" / "branches").mkdir()
+    (tmp_path / "l" / "r" / "branches" / "x").symlink_to(victim if target != ".." else "..")
+    listing = _run("ls", "--config", str(cfg))
+    assert listing.exit_code == 0 and listing.output.count("step 10") <= 1 and "@x" not in listing.output
+    deleted = _run("delete", "--step", "10", "--branch", "x", "--tier", "local", "--config", str(cfg))
+    assert deleted.exit_code == 2 and "has no branch 'x'" in deleted.output, deleted.output
+    assert (victim / "step-000000010").exists()
+    _run("gc", "--config", str(cfg))
+    assert (victim / "step-000000010").exists() and (tmp_path / "l" / "r" / "step-000000010").exists()
+    result = _run("audit", "--config", str(cfg))
+    assert result.exit_code == 1 and "is a symlink" in result.output and "not a branch folder" in result.output

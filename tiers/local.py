@@ -28,6 +28,7 @@ import numpy as np
 
 from flowcheck import dtypes
 from flowcheck.config import LocalConfig
+from flowcheck.branches import BRANCHES, MAIN
 from flowcheck.digest import file_digest
 from flowcheck.errors import (
     FlowcheckError,
@@ -73,6 +74,23 @@ class LocalTier(Tier):
     def at_branch(self, branch: str) -> LocalTier:
         return LocalTier(self.config, self.run, branch=branch, **self._same_kw())
 
+    def linked_branches(self) -> list[str]:
+        """Entries of the branches folder that are symlinks (or the folder itself, if it is one): never branches —
+        a link to ``..`` would list main twice, one to another run's folder would let a delete or GC act there."""
+        top = os.path.join(self.config.root, self.run, BRANCHES)
+        if os.path.islink(top):
+            return [BRANCHES]
+        try:
+            return sorted(n for n in os.listdir(top) if os.path.islink(os.path.join(top, n)))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+
+    def _refuse_linked_branch(self) -> None:
+        if self.branch != MAIN and (os.path.islink(os.path.dirname(self.root)) or os.path.islink(self.root)):
+            raise TierError(f"local tier: the folder of branch {self.branch!r} ({self.root}) is a symlink; a branch "
+                            "folder must be a real folder under the store root (flowcheck never follows a link "
+                            "there): remove the link")
+
     def exists(self) -> bool:
         """Whether ``tiers.local.root`` exists. A missing root is a store not created yet (False): the first
         snapshot creates it, and reading it finds nothing. A file where the folder should be: TierMissingError."""
@@ -84,6 +102,7 @@ class LocalTier(Tier):
 
     # ---- listing / manifests ---------------------------------------------
     def _committed_steps(self) -> list[int]:
+        self._refuse_linked_branch()
         try:
             names = os.listdir(self.root)
         except FileNotFoundError:
@@ -480,6 +499,7 @@ class LocalTier(Tier):
     # ---- delete / verify / clean -------------------------------------------
     def _delete(self, step: int) -> None:
         """Delete a step; the bytes of it a committed step of the run references stay (tiers/local_refs.py)."""
+        self._refuse_linked_branch()
         if _holds_packs(os.path.join(self.root, step_dir(step))):
             refs = local_refs.references(self._search_order(), exclude=(self.branch, step))
             try:
@@ -610,8 +630,14 @@ class LocalTier(Tier):
             return None
 
     def _list_records(self, prefix: str) -> list[str]:
+        if prefix == BRANCHES and self.branch == MAIN:
+            linked = set(self.linked_branches())
+            if BRANCHES in linked:
+                return []
+        else:
+            linked = set()
         try:
-            return sorted(os.listdir(os.path.join(self.root, prefix)))
+            return sorted(n for n in os.listdir(os.path.join(self.root, prefix)) if n not in linked)
         except FileNotFoundError:
             return []
 
