@@ -303,6 +303,8 @@ class Node:
                      # an aborted push leaves the previous complete step as the RAM state: which one, and why
                      "last_aborted": rs.last_aborted, "adopted_segments": rs.adopted_segments,
                      "receiving": self.receiver.receiving,
+                     # the launch of the job pushes are taken from (older launches' pushes are refused)
+                     "launch": self.receiver.launches.to_json(),
                      "senders": {str(k): v for k, v in sorted(rs.senders.items())}},
             "policy": {"local_snapshots": ps.local_snapshots[-5:], "promotions": ps.promotions[-5:],
                        "coalesced": ps.coalesced, "errors": ps.errors[-5:]},

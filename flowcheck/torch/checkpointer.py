@@ -40,6 +40,7 @@ import xxhash
 from flowcheck import _native
 from flowcheck.capture.push.auth import DEFAULT_TOKEN_ENV, PushSigner, read_token
 from flowcheck.capture.push.buffers import generation_at  # noqa: F401 - where a segment's counter is (tests, tools)
+from flowcheck.capture.push.launch import Superseded
 from flowcheck.capture.push.wire import encode_header, recv_header
 from flowcheck.errors import AuthError, ConfigError, FlowcheckError
 from flowcheck.logs import oneline
@@ -47,6 +48,7 @@ from flowcheck.torch import dtensor
 from flowcheck.torch.coords import Coordinates
 from flowcheck.torch.device_copy import DeviceCopier, order_after
 from flowcheck.torch.host_buffer import HostBuffers
+from flowcheck.torch.launch import agree_launch
 from flowcheck.torch.megatron import MEGATRON_KEY, MegatronRank, hook_targets, model_key
 from flowcheck.torch.push_config import PushConfig, push_config
 from flowcheck.torch.state import OPT_PREFIX, _flatten_optimizer, _json_ready, capture_rng, optimizer_param_names
@@ -143,6 +145,8 @@ class Checkpointer:
         self.model, self.optimizer, self.lr_scheduler = model, optimizer, lr_scheduler
         self.address, self.run, self.extra, self.rng = config.address, config.run, extra, config.rng
         self.coords = coords or Coordinates.detect()
+        self.launch = agree_launch(self.coords)  # which launch of the job this is: a newer one supersedes it at the node
+        self.superseded: str | None = None  # why the node refuses this trainer's pushes (a newer launch took over)
         self.arch = arch  # flowcheck.restore.arch.ModelArch: needed for TP/PP trainers (global offsets)
         self.budget, self.on_busy, self.timeout_s, self.shm = config.budget_bytes, config.on_busy, config.timeout_s, config.shm
         self.stats = CheckpointerStats()
@@ -180,6 +184,9 @@ class Checkpointer:
         ``step`` is the iteration just finished; a Megatron trainer also gives the samples consumed so far (the data
         position), which restore writes back as Megatron's ``consumed_train_samples``."""
         self.stats.saves += 1
+        if self.superseded is not None:
+            self.stats.coalesced += 1
+            return False
         with self._lock:
             job = self._job
         if job is not None and not self._may_follow(job, step):
@@ -572,6 +579,11 @@ class Checkpointer:
             if answer.get("reason") == "unauthorised":  # the node closed the connection
                 self._drop()
                 raise AuthError(f"node refused step {job.step}: {answer.get('message')}")
+            if answer.get("reason") == "superseded":  # a newer launch of this job pushes: this copy stops pushing
+                self._drop()
+                self.superseded = f"node refused step {job.step}: {answer.get('message')}"
+                log.error("checkpoint push stopped: %s", self.superseded)
+                raise Superseded(self.superseded)
             raise FlowcheckError(f"node refused step {job.step}: {answer.get('message')}")
         self._acknowledged(job, answer, sent, kept)
         if header["parent"] is not None and header["parent"] is self.parent:
@@ -603,6 +615,7 @@ class Checkpointer:
             "shards": [{"tensor": e.name, "offsets": e.offsets, "shape": list(e.tensor.shape), "at": e.at,
                         **({"kept": True} if i in kept else {})} for i, e in enumerate(self._entries)],
             "scalars": job.scalars, "parent": self.parent,
+            **({"launch": self.launch.to_json()} if self.launch is not None else {}),
             "payload": payload, "trainer": self._trainer_report(),
         }
         if kept:

@@ -31,6 +31,7 @@ import xxhash
 from flowcheck import _native, dtypes
 from flowcheck.capture.push.auth import DEFAULT_TOKEN_ENV, PushGate
 from flowcheck.capture.push.buffers import LENT, ReceivePool, Segments, unmap_pages
+from flowcheck.capture.push.launch import Launch, Launches, Superseded
 from flowcheck.capture.push.wire import WireError, recv_exact, recv_header, reply
 from flowcheck.errors import AuthError, FlowcheckError
 from flowcheck.logs import oneline
@@ -128,9 +129,10 @@ class _Part:
 class _OpenStep:
     """One step being received: its parts so far, and how it ended (``outcome``) once it did."""
 
-    def __init__(self, step: int, senders: int, layout: StateLayout) -> None:
-        self.step, self.senders, self.layout = step, senders, layout
+    def __init__(self, step: int, senders: int, layout: StateLayout, launch: Launch | None) -> None:
+        self.step, self.senders, self.layout, self.launch = step, senders, layout, launch
         self.parts: dict[int, _Part] = {}
+        self.claims: dict[int, tuple[str, socket.socket]] = {}  # sender place -> the connection sending it
         self.failed: str | None = None
         self.outcome: str | None = None  # ADOPTED, or why the step aborted
         self.cond = threading.Condition()
@@ -172,6 +174,7 @@ class PushReceiver:
         self.segments = Segments()
         self.pool = ReceivePool()
         self.node_id = secrets.token_hex(8)  # this receiver: a trainer that sees another one takes its segments back
+        self.launches = Launches()  # the launch of the job pushes are taken from (a requeued job's zombie is refused)
         receiver = self
 
         class Handler(socketserver.BaseRequestHandler):
@@ -245,6 +248,13 @@ class PushReceiver:
                 reply(sock, "error", reason="resend", message=str(e))
             except StepAborted as e:
                 reply(sock, "error", reason="aborted", message=str(e))
+            except Superseded as e:
+                self.stats.rejected += 1
+                self.stats.error(str(e))
+                log.warning("push: %s (from %s)", oneline(e), _peer(sock))
+                with contextlib.suppress(OSError):
+                    reply(sock, "error", reason="superseded", message=str(e))
+                return
             except WireError as e:
                 self.stats.rejected += 1
                 self.stats.error(str(e))
@@ -303,6 +313,12 @@ class PushReceiver:
         if not (isinstance(senders, int) and isinstance(sender, int) and 0 <= sender < senders):
             self._drain(sock, header, size)
             raise WireError(f"push header: expected 0 <= sender < senders, found sender {sender!r} of {senders!r}")
+        try:
+            launch = Launch.from_json(header.get("launch"))
+        except WireError:
+            self._drain(sock, header, size)
+            raise
+        self._admit(launch, sock)
         kept = [r.shard for r in refs if r.kept]
         base = header.get("base")
         if kept:
@@ -310,7 +326,12 @@ class PushReceiver:
             if lacking is not None:
                 self._drain(sock, header, size)
                 raise Lacking(f"step {step} part {sender}: {lacking}; send the part again with every shard's bytes")
-        opened = self._join(step, senders, layout)
+        try:
+            opened = self._join(step, senders, layout, launch)
+        except WireError:
+            self._drain(sock, header, size)
+            raise
+        self._claim(opened, sender, sock, header, size)
         try:
             arrays, block, recheck = self._read_payload(sock, header, refs, full, opened)
         except BaseException as e:
@@ -335,6 +356,30 @@ class PushReceiver:
             self.stats.senders[sender] = header["trainer"]
         part.opened = opened
         return part
+
+    def _admit(self, launch: Launch | None, sock: socket.socket) -> None:
+        """Superseded unless ``launch`` may push; a newer launch aborts the older one's open step."""
+        older = self.launches.admit(launch, _peer(sock))
+        if older is None:
+            return
+        log.warning("push: %s supersedes %s: pushes of the older are refused from now on", launch.describe(),
+                    older.describe(), extra={"event": "launch_superseded"})
+        with self._lock:
+            current = self._open
+        if current is not None and current.launch == older:
+            self._fail(current, f"superseded by {launch.describe()}")
+
+    def _claim(self, opened: _OpenStep, sender: int, sock: socket.socket, header: dict[str, Any], size: int) -> None:
+        """Sender place ``sender`` of the step is this connection's, or WireError (the payload left unread) naming the
+        connection that holds it: two trainers pushing as one sender never both write a step."""
+        who = _peer(sock) + (f" ({opened.launch.describe()})" if opened.launch is not None else "")
+        with opened.cond:
+            holder, holder_sock = opened.claims.setdefault(sender, (who, sock))
+        if holder_sock is not sock:
+            self._drain(sock, header, size)
+            log.warning("push: step %d part %d is being sent by %s; refused from %s", opened.step, sender, holder, who)
+            raise WireError(f"step {opened.step}: part {sender} is already being sent by {holder}; refused from {who} "
+                            "(two trainers pushing as one sender?)")
 
     def _await_step(self, part: _Part, header: dict[str, Any]) -> str | None:
         """Wait until the part's step is the RAM state (the ack) or aborted (StepAborted)."""
@@ -456,17 +501,21 @@ class PushReceiver:
             raise WireError(f"shared memory {seg.name!r}: payload digest does not match the header's {digest}")
 
     # ---- assembling a step -----------------------------------------------------------
-    def _join(self, step: int, senders: int, layout: StateLayout) -> _OpenStep:
+    def _join(self, step: int, senders: int, layout: StateLayout, launch: Launch | None) -> _OpenStep:
         """The open step ``step`` (opening it, after the previous one closed, if this is its first part)."""
         while True:
             with self._lock:
                 current = self._open
-                if current is not None and current.step == step:
+                if current is not None and current.step == step and current.failed is None:
+                    if launch != current.launch:
+                        raise WireError(f"step {step} is being pushed by "
+                                        f"{current.launch.describe() if current.launch else 'a trainer without a launch'}"
+                                        f"; this part is from {launch.describe() if launch else 'one without a launch'}")
                     if layout.digest() != current.layout.digest() and not _same_tensors(layout, current.layout):
                         raise WireError(f"step {step}: senders disagree on the model layout")
                     return current
                 if current is None:
-                    opened = self._open = _OpenStep(step, senders, layout)
+                    opened = self._open = _OpenStep(step, senders, layout, launch)
                     self._applier = threading.Thread(target=self._apply, args=(opened,), name=f"push-step-{step}",
                                                      daemon=True)
                     self._applier.start()
