@@ -212,6 +212,9 @@ class ServeConfig:
     # connections each listener (push, HTTP) holds at once; one more is refused at once and counted.  Keep
     # 2 x max_connections + a few hundred under the node's file descriptor limit (ulimit -n)
     max_connections: int = 256
+    # push frame headers the node reads and parses at once, over all connections (MiB); a connection that has not
+    # proved it holds the token may send headers of 16 KiB at most, so unauthenticated clients cannot fill it
+    header_memory_mib: float = 256.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.auth_token_env, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", self.auth_token_env):
@@ -222,7 +225,7 @@ class ServeConfig:
             host, _, port = str(value).rpartition(":")
             if not host or not port.isdigit() or not 0 <= int(port) < 65536:
                 raise ConfigError(f"serve.{name}: expected HOST:PORT, found {value!r}")
-        for name in ("part_timeout_s", "header_timeout_s", "idle_timeout_s", "max_connections"):
+        for name in ("part_timeout_s", "header_timeout_s", "idle_timeout_s", "max_connections", "header_memory_mib"):
             _positive("serve", name, getattr(self, name))
         if isinstance(self.max_connections, float):
             raise ConfigError(f"serve.max_connections: expected a whole number, found {self.max_connections!r}")

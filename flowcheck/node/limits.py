@@ -20,7 +20,7 @@ import socket
 import socketserver
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,11 +34,38 @@ class ConnectionLimits:
     header_timeout_s: float = 10.0
     idle_timeout_s: float = 900.0
     max_connections: int = 256
+    header_memory_bytes: int = 256 << 20  # push frame headers being read at once, over all connections
 
     @classmethod
     def of(cls, serve: Any) -> ConnectionLimits:
         """The limits a ``ServeConfig`` sets."""
-        return cls(serve.header_timeout_s, serve.idle_timeout_s, serve.max_connections)
+        return cls(serve.header_timeout_s, serve.idle_timeout_s, serve.max_connections,
+                   int(serve.header_memory_mib * (1 << 20)))
+
+
+class HeaderMemory:
+    """The bytes of push frame headers the node reads and parses at once, bounded over all connections: a header
+    waits for room (until its connection's header deadline), so a flood of large headers cannot exhaust the node."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.used = limit, 0
+        self._cond = threading.Condition()
+
+    @contextlib.contextmanager
+    def hold(self, nbytes: int, deadline: float) -> Iterator[None]:
+        """Room for ``nbytes`` while the block runs; TimeoutError if none frees by ``deadline``."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self.used + nbytes <= self.limit,
+                                       timeout=max(deadline - time.monotonic(), 0)):
+                raise TimeoutError(f"no room to read a {nbytes}-byte frame header: {self.used} of {self.limit} bytes "
+                                   "(serve.header_memory_mib) in use by other connections")
+            self.used += nbytes
+        try:
+            yield
+        finally:
+            with self._cond:
+                self.used -= nbytes
+                self._cond.notify_all()
 
 
 FD_RESERVE = 256  # descriptors the node needs besides its connections: tier files, zarr writers, the object store

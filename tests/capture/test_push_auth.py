@@ -8,17 +8,19 @@ trainer's state.  The authorised trainer's pushes land bit for bit (here and in 
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import socket
+import struct
 
 import numpy as np
 import pytest
 import torch
 import xxhash
 
-from flowcheck.capture.push.auth import DEFAULT_TOKEN_ENV, PushSigner, push_mac
-from flowcheck.capture.push.wire import recv_header, send_frame
+from flowcheck.capture.push.auth import DEFAULT_TOKEN_ENV, UNAUTHENTICATED_HEADER, PushSigner, push_mac
+from flowcheck.capture.push.wire import MAGIC, encode_header, recv_header, send_frame
 from flowcheck.errors import AuthError
 from flowcheck.store import open_store
 from flowcheck.torch.checkpointer import Checkpointer, generation_at
@@ -230,3 +232,52 @@ def test_the_handshake_errors_name_the_fix():
         send_frame(b, {"kind": "ack", "nonce": "cd" * 16, "auth": "token", "proof": "0" * 64})
         with pytest.raises(AuthError, match="requires a token"):
             PushSigner.handshake(a, None, "gpt", "node:1")
+
+
+def _rss(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) << 10 for line in f if line.startswith("VmRSS:"))
+
+
+def test_a_flood_of_large_unauthenticated_headers_is_refused_unread_and_node_memory_stays_bounded(trained):
+    """40 connections announce a 60 MiB header (half of them after a hello, none holding the token): each is refused
+    from its first 12 bytes, before the node reads or parses anything, and the node's memory does not grow."""
+    node, model, opt, _, _, digest = trained
+    before = _rss(node.proc.pid)
+    socks = []
+    try:
+        for i in range(40):
+            s = socket.create_connection(("127.0.0.1", node.push_port), timeout=20)
+            socks.append(s)
+            if i % 2:
+                send_frame(s, {"kind": "hello", "run": "gpt", "nonce": "cd" * 16})
+                recv_header(s)
+            s.sendall(MAGIC + struct.pack("<I", 60 << 20) + b"{" * (256 << 10))
+        for s in socks:
+            answer = recv_header(s)
+            assert answer["kind"] == "error" and "has not authenticated" in answer["message"], answer
+            with contextlib.suppress(OSError):
+                s.sendall(b"x" * (4 << 20))  # the node reads no more of it: the connection is closed
+    finally:
+        for s in socks:
+            s.close()
+    assert _rss(node.proc.pid) - before < 24 << 20
+    _unchanged(node, model, opt, digest, rejected=40)
+
+
+def test_a_wrong_trainer_proof_is_refused_and_a_proven_trainer_sends_headers_past_the_unauthenticated_bound(node):
+    with socket.create_connection(("127.0.0.1", node.push_port), timeout=20) as s:
+        send_frame(s, {"kind": "hello", "run": "gpt", "nonce": "ef" * 16})
+        recv_header(s)
+        send_frame(s, {"kind": "auth", "proof": "0" * 64})
+        _refused(recv_header(s), "auth refused: the proof does not match")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(2, 2) for _ in range(150)])
+    opt = torch.optim.AdamW(model.parameters())
+    with Checkpointer(model, opt, node=node.url, run="gpt", transport="tcp", timeout_s=20) as ck:
+        model(torch.ones(1, 2)).sum().backward()
+        opt.step()
+        ck.save(1)
+        assert ck.flush(20), ck.stats.last_error
+        assert len(encode_header(_header_like(ck, 1))) > UNAUTHENTICATED_HEADER
+    node.wait_step(1)

@@ -3,8 +3,10 @@
 When the node has a token (``serve.auth_token_env``, ``FLOWCHECK_NODE_TOKEN`` by default) every push must
 be signed with it.  A connection opens with the sender's ``hello`` carrying a fresh client nonce; the node
 answers with a fresh node nonce and ``proof`` = HMAC(token, both nonces), so a trainer holding the token
-never streams its state to a process that merely took the port.  Every push header then carries
-``auth: {seq, mac}`` with
+never streams its state to a process that merely took the port.  The trainer answers with its own proof over
+both nonces (an ``auth`` frame): until it did, the node reads no frame header over a few KiB from the connection
+(``UNAUTHENTICATED_HEADER``), so a client without the token cannot make it buffer or parse anything large.
+Every push header then carries ``auth: {seq, mac}`` with
 
     mac = HMAC-SHA256(token, "flowcheck-push-v1" | node nonce | seq | canonical JSON of the header less "auth")
 
@@ -24,12 +26,14 @@ import secrets
 import socket
 from typing import Any
 
-from flowcheck.capture.push.wire import recv_header, send_frame
+from flowcheck.capture.push.wire import MAX_HEADER, recv_header, send_frame
 from flowcheck.errors import AuthError, ConfigError, FlowcheckError
 
 DEFAULT_TOKEN_ENV = "FLOWCHECK_NODE_TOKEN"
 MIN_TOKEN_CHARS = 16  # a guessable token protects nothing; secrets.token_urlsafe(32) gives 43
-_PUSH, _NODE = b"flowcheck-push-v1\0", b"flowcheck-node-v1\0"
+_PUSH, _NODE, _TRAINER = b"flowcheck-push-v1\0", b"flowcheck-node-v1\0", b"flowcheck-trainer-v1\0"
+# the largest frame header a connection may send before it proved it holds the token (a hello, an auth frame)
+UNAUTHENTICATED_HEADER = 16 << 10
 
 
 def read_token(env_var: str = DEFAULT_TOKEN_ENV) -> str | None:
@@ -54,9 +58,14 @@ def push_mac(token: str, node_nonce: str, seq: int, header: dict[str, Any]) -> s
     return hmac.new(token.encode(), msg, hashlib.sha256).hexdigest()
 
 
-def node_proof(token: str, client_nonce: str, node_nonce: str) -> str:
-    msg = _NODE + client_nonce.encode() + b"\0" + node_nonce.encode()
+def node_proof(token: str, client_nonce: str, node_nonce: str, tag: bytes = _NODE) -> str:
+    msg = tag + client_nonce.encode() + b"\0" + node_nonce.encode()
     return hmac.new(token.encode(), msg, hashlib.sha256).hexdigest()
+
+
+def trainer_proof(token: str, client_nonce: str, node_nonce: str) -> str:
+    """What the trainer's ``auth`` frame carries: HMAC over both nonces under its own tag (never the node's proof)."""
+    return node_proof(token, client_nonce, node_nonce, _TRAINER)
 
 
 class PushGate:
@@ -65,7 +74,14 @@ class PushGate:
     def __init__(self, token: str | None, env_var: str = DEFAULT_TOKEN_ENV) -> None:
         self.token, self.env_var = token, env_var
         self.nonce: str | None = None
+        self.client: str | None = None  # the sender's hello nonce
         self.seq = 0
+        self.authenticated = token is None  # a node without a token trusts its (loopback) senders
+
+    @property
+    def header_limit(self) -> int:
+        """The largest frame header the connection may send now."""
+        return MAX_HEADER if self.authenticated else UNAUTHENTICATED_HEADER
 
     def greet(self, hello: dict[str, Any]) -> dict[str, Any]:
         """The fields of the answer to ``hello``: a fresh nonce (restarting the sequence) and, with a token, the proof."""
@@ -73,8 +89,22 @@ class PushGate:
         if self.token is None:
             return {"nonce": self.nonce, "auth": "none"}
         client = hello.get("nonce")
-        proof = node_proof(self.token, client, self.nonce) if isinstance(client, str) else None
+        self.client = client if isinstance(client, str) else None
+        proof = node_proof(self.token, client, self.nonce) if self.client is not None else None
         return {"nonce": self.nonce, "auth": "token", "proof": proof}
+
+    def authenticate(self, frame: dict[str, Any]) -> None:
+        """Check the sender's ``auth`` frame (its proof over both nonces); AuthError if it does not hold the token."""
+        if self.token is None:
+            return
+        if self.nonce is None or self.client is None:
+            raise AuthError("auth refused: send hello (with a nonce) on this connection first")
+        proof = frame.get("proof")
+        want = trainer_proof(self.token, self.client, self.nonce)
+        if not isinstance(proof, str) or not hmac.compare_digest(proof.encode(), want.encode()):
+            raise AuthError(f"auth refused: the proof does not match this connection: the trainer's token differs "
+                            f"from the node's (check ${self.env_var} on both sides)")
+        self.authenticated = True
 
     def check(self, header: dict[str, Any]) -> None:
         """AuthError unless the push is signed for this connection, in sequence; a no-op on a node without a token."""
@@ -130,6 +160,10 @@ class PushSigner:
         if not isinstance(proof, str) or not hmac.compare_digest(proof.encode(), node_proof(token, client, nonce).encode()):
             raise AuthError(f"the node at {where} cannot prove it holds this trainer's token: the tokens differ "
                             f"(check {env_var} on both sides) or another process holds the port")
+        send_frame(sock, {"kind": "auth", "proof": trainer_proof(token, client, nonce)})
+        ok = recv_header(sock)
+        if ok.get("kind") != "ack":
+            raise AuthError(f"the node at {where} refused this trainer's proof: {ok.get('message')}")
         return cls(token, nonce)._greeted(answer)
 
     def _greeted(self, answer: dict[str, Any]) -> PushSigner:

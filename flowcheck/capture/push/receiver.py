@@ -8,7 +8,9 @@ adopted), the memory tier adopts the step whole; until then the previous complet
 sender that dies half-way, a damaged part or a timeout loses nothing acknowledged.  Each sender's ack is sent only
 once the step is the RAM state (or, with an error, once it aborted).  With a token
 (flowcheck/capture/push/auth.py) a push is checked before any of it is read: an unsigned, wrongly signed or replayed
-frame is refused and its connection closed, its payload never read.  Every connection is bounded
+frame is refused and its connection closed, its payload never read; a connection that has not proved it holds
+the token sends no frame header over 16 KiB, and headers are read within ``serve.header_memory_mib`` over all
+connections, so unauthenticated clients cannot exhaust the node's memory.  Every connection is bounded
 (flowcheck/node/limits.py): a frame header must arrive within ``header_timeout_s``, a connection idles between
 frames only once it pushed, and the listener refuses connections past ``max_connections``.
 """
@@ -32,11 +34,11 @@ from flowcheck import _native, dtypes
 from flowcheck.capture.push.auth import DEFAULT_TOKEN_ENV, PushGate
 from flowcheck.capture.push.buffers import LENT, ReceivePool, Segments, unmap_pages
 from flowcheck.capture.push.launch import Launch, Launches, Superseded
-from flowcheck.capture.push.wire import WireError, recv_exact, recv_header, reply
+from flowcheck.capture.push.wire import WireError, recv_exact, recv_header_body, recv_header_size, reply
 from flowcheck.errors import AuthError, FlowcheckError
 from flowcheck.logs import oneline
 from flowcheck.manifest import ParentRef
-from flowcheck.node.limits import BoundedTCPServer, ConnectionLimits, ListenerStats
+from flowcheck.node.limits import BoundedTCPServer, ConnectionLimits, HeaderMemory, ListenerStats
 from flowcheck.state import ParallelLayout, Scalars, Shard, Snapshot, StateLayout, TensorSpec
 from flowcheck.tiers.memory import Block
 
@@ -175,6 +177,7 @@ class PushReceiver:
         self.pool = ReceivePool()
         self.node_id = secrets.token_hex(8)  # this receiver: a trainer that sees another one takes its segments back
         self.launches = Launches()  # the launch of the job pushes are taken from (a requeued job's zombie is refused)
+        self.header_memory = HeaderMemory(limits.header_memory_bytes)
         receiver = self
 
         class Handler(socketserver.BaseRequestHandler):
@@ -212,7 +215,7 @@ class PushReceiver:
         pushed = False  # until its first push is accepted, a connection gets header_timeout_s per frame
         while True:
             try:
-                header = self._next_header(sock, pushed)
+                header = self._next_header(sock, pushed, gate.header_limit)
             except TimeoutError:
                 self.connections.timeout()
                 return
@@ -230,6 +233,14 @@ class PushReceiver:
                 reply(sock, "ack", node=self.store.config.node or socket.gethostname(), run=self.store.config.run,
                       node_id=self.node_id, adopts_segments=True,
                       **({"kept_shards": True} if self.offers_kept else {}), **gate.greet(header))
+                continue
+            if kind == "auth":
+                try:
+                    gate.authenticate(header)
+                except AuthError as e:
+                    self._refuse(sock, e)
+                    return
+                reply(sock, "ack")
                 continue
             if kind != "push":
                 reply(sock, "error", message=f"unknown frame kind {kind!r}")
@@ -265,15 +276,19 @@ class PushReceiver:
                 log.warning("push: sender lost mid-part: %s", oneline(e))
                 return
 
-    def _next_header(self, sock: socket.socket, pushed: bool) -> dict[str, Any]:
+    def _next_header(self, sock: socket.socket, pushed: bool, limit: int) -> dict[str, Any]:
         """The next frame's header: TimeoutError unless it starts within the idle bound (``idle_timeout_s`` once the
-        connection pushed, else ``header_timeout_s``) and is complete ``header_timeout_s`` after it started."""
+        connection pushed, else ``header_timeout_s``) and is complete ``header_timeout_s`` after it started.  A
+        header longer than ``limit`` is refused unread; the others are read within the node's header memory."""
         limits = self.limits
         if pushed:
             sock.settimeout(limits.idle_timeout_s)
             if not sock.recv(1, socket.MSG_PEEK):
                 raise ConnectionError("the sender closed the connection")
-        header = recv_header(sock, deadline=time.monotonic() + limits.header_timeout_s)
+        deadline = time.monotonic() + limits.header_timeout_s
+        size = recv_header_size(sock, deadline, limit)
+        with self.header_memory.hold(size, deadline):
+            header = recv_header_body(sock, size, deadline)
         sock.settimeout(limits.header_timeout_s)  # the payload: no wait for its next bytes may be longer
         return header
 

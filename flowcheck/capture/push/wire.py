@@ -73,12 +73,23 @@ def recv_exact(sock: socket.socket, n: int, into: memoryview | None = None,
 
 def recv_header(sock: socket.socket, deadline: float | None = None) -> dict[str, Any]:
     """The next frame's header; ``deadline``: see ``recv_exact``."""
+    return recv_header_body(sock, recv_header_size(sock, deadline), deadline)
+
+
+def recv_header_size(sock: socket.socket, deadline: float | None = None, limit: int = MAX_HEADER) -> int:
+    """The next frame's header length, read from its first bytes; WireError past ``limit`` (nothing more is read)."""
     head = bytes(recv_exact(sock, len(MAGIC) + 4, deadline=deadline))
     if head[: len(MAGIC)] != MAGIC:
         raise WireError(f"expected frame magic {MAGIC!r}, found {head[:len(MAGIC)]!r}: not a flowcheck push peer")
     (size,) = _LEN.unpack(head[len(MAGIC):])
-    if size > MAX_HEADER:
-        raise WireError(f"frame header of {size} bytes exceeds the {MAX_HEADER}-byte limit")
+    if size > limit:
+        raise WireError(f"frame header of {size} bytes exceeds the {limit}-byte limit"
+                        + ("" if limit == MAX_HEADER else " of a connection that has not authenticated (hello, auth)"))
+    return size
+
+
+def recv_header_body(sock: socket.socket, size: int, deadline: float | None = None) -> dict[str, Any]:
+    """The header of ``size`` bytes whose length ``recv_header_size`` read, checked and parsed."""
     raw = bytes(recv_exact(sock, size + 4, deadline=deadline))
     body, crc = raw[:size], _LEN.unpack(raw[size:])[0]
     if google_crc32c.value(body) != crc:
