@@ -119,12 +119,24 @@ def collect(store: Store, report: AuditReport, *, verify: bool, data: bool,
 
 def _check_latest(tier: Tier, report: AuditReport) -> None:
     """The newest step a branch folder committed (its 'latest' record) must still be there, or pruned on record:
-    a newest step deleted by hand would otherwise leave the audit clean and "latest" silently older."""
-    newest = tier.latest_record()
+    a newest step deleted by hand would otherwise leave the audit clean and "latest" silently older.  With signing
+    on, the record itself is evidence: one missing beside committed steps, or not sealed with the store's key (a
+    hand-written step number), is an error — else deleting the newest step and rewriting the record would hide it."""
+    newest, where = tier.latest_record(), place(tier.name, tier.branch)
+    if newest is None and tier.has_latest_record():
+        report.problems.append(Problem(
+            where, None, "expected a 'latest' record sealed with this store's signing key, found one unreadable or "
+            "unsigned: it was altered or written by hand (the newest committed steps may have been deleted)", "latest"))
+        return
+    if newest is None and tier.signing_key and tier.steps():
+        report.problems.append(Problem(
+            where, None, "expected a 'latest' record naming the newest step this tier committed, found none: it was "
+            "removed by hand (the newest committed steps may have been deleted with it)", "latest"))
+        return
     if newest is None or newest in tier.steps() or any(s == newest for s, _ in tier.pruned_records()):
         return
     report.problems.append(Problem(
-        place(tier.name, tier.branch), newest,
+        where, newest,
         f"expected step {newest} (the newest this tier committed, per its 'latest' record), found neither the step "
         "nor a pruning record: a committed step was deleted outside flowcheck or lost", "latest"))
 

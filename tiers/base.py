@@ -376,7 +376,8 @@ class Tier(ABC):
 
     def latest_record(self) -> int | None:
         """The newest step this branch folder ever committed, by its 'latest' record (sealed when signing is on;
-        a plain number from before records were JSON is read when signing is off)."""
+        a plain number from before records were JSON is read when signing is off).  None when there is no record
+        or it is unreadable, unsigned or forged (``has_latest_record`` tells these apart)."""
         raw = self._get_record("latest")
         if raw is None:
             return None
@@ -385,6 +386,10 @@ class Tier(ABC):
         body = self._unsealed(raw, "latest")
         step = None if body is None else body.get("step")
         return step if isinstance(step, int) and not isinstance(step, bool) and step >= 0 else None
+
+    def has_latest_record(self) -> bool:
+        """Whether a 'latest' record exists at all (readable or not)."""
+        return self._get_record("latest") is not None
 
     def verify(self, step: int, *, data: bool = True, on_bytes: Callable[[int], None] | None = None) -> list[Problem]:
         """Check one step: manifest, every file's size and digest, every shard's data digest.

@@ -156,6 +156,27 @@ def test_a_forged_latest_record_is_ignored_when_signing_is_on(tmp_path, monkeypa
     assert Store(store.config).local.latest_record() == 3
 
 
+@pytest.mark.parametrize("hide", ["previous step written into latest", "latest removed"])
+def test_a_newest_step_deleted_and_hidden_through_the_latest_record_is_an_audit_error(tmp_path, monkeypatch, hide):
+    """With signing on, the 'latest' record is evidence, not trust: deleting the newest step and then writing the
+    previous step's number into 'latest' (no key to seal it) or removing 'latest' no longer leaves audit clean."""
+    import shutil
+
+    monkeypatch.setenv("FLOWCHECK_HMAC_KEY", "k" * 32)
+    store = _committed(make_store(tmp_path, local_keep=5), (1, 2, 3))
+    assert _audit_errors(store) == []
+    shutil.rmtree(os.path.join(store.local.root, "step-000000003"))
+    latest = os.path.join(store.local.root, "latest")
+    if hide == "latest removed":
+        os.remove(latest)
+    else:
+        with open(latest, "w") as f:
+            f.write("2\n")
+    errors = _audit_errors(store)
+    assert any("'latest' record" in e for e in errors), errors
+    assert Store(store.config).locate("latest")[1] == 2  # readers still resolve latest from what is committed
+
+
 # ---- item 10: a host whose clock runs ahead ------------------------------------------------------------
 def test_a_gc_on_a_host_whose_clock_runs_ahead_keeps_another_writers_fresh_tmp(tmp_path, monkeypatch):
     """The grace of a .tmp folder (local) or a manifest-less step prefix (object) is measured on the clock that
