@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from flowcheck import config as config_mod
-from flowcheck import pruning, tier_check
+from flowcheck import identity, pruning, tier_check
 from flowcheck.branches import MAIN, BranchRecord, History, Located, StateInfo, check_branch, parse_time
 from flowcheck.config import Config
 from flowcheck.errors import FlowcheckError, ManifestError, StepNotFoundError, StepPrunedError, TierError
@@ -53,6 +53,20 @@ class Store:
         # one writer per target tier: a slow upload never holds up local snapshots
         self._locks = {name: threading.RLock() for name in TIER_NAMES}
         self._in_use: set[tuple[str, Located]] = set()  # (tier, step) being read by a promotion: GC skips them
+        self._unrecorded: bool | None = None  # None: this config's identity not yet checked against the run's
+        self._read_checked = False  # whether reads were checked against the run's identity (a warning, once)
+
+    def bind(self) -> None:
+        """Before anything that writes or deletes: the run is this experiment's (flowcheck/identity.py), or
+        RunIdentityError naming the experiment it belongs to."""
+        if self._unrecorded is None:
+            self._unrecorded = identity.claim(self.config, self.local)
+
+    def _bound(self) -> None:
+        """After a write: the run's identity is this config's (recorded once)."""
+        if self._unrecorded:
+            identity.record(self.config, self.local)
+            self._unrecorded = False
 
     @property
     def object(self) -> Tier | None:
@@ -167,6 +181,7 @@ class Store:
         """The tier opened at the branch a new state at ``step`` descending from ``parent`` goes to (the rule of
         ``commit``, flowcheck/branches.py), that branch's fork record written first when the state starts one.
         For writers that store a state in pieces instead of through ``commit`` (flowcheck/dcp: a part per rank)."""
+        self.bind()
         with self._locks[tier]:
             listed = self._unbranched()
             if listed is not None and not any(parent is None or n > parent.step or n == step
@@ -177,6 +192,7 @@ class Store:
             target = self.tier(tier, branch)
             if record is not None:
                 target.put_branch_record(record)
+            self._bound()
             return target
 
     def commit(self, snapshot: Snapshot, tier: str, parent: ParentRef | None, *,
@@ -187,6 +203,7 @@ class Store:
         at an existing step is never dropped or overwritten: it goes to a new branch. ``hist``: a listing
         the caller just took with ``tier`` live, under its lock (not listed again).
         """
+        self.bind()
         with self._locks[tier]:
             hist = hist or self.history(live={tier})
             if snapshot.origin is not None:  # a stored state copied between tiers keeps its branch
@@ -212,7 +229,9 @@ class Store:
                 log.info("%s tier: step %d starts branch %s (fork: %s)", tier, snapshot.step, branch, record.fork)
             elif branch != MAIN and branch not in hist.records:
                 log.warning("%s tier: branch %s has no fork record; audit will report it", tier, branch)
-            return target.write(snapshot, parent, progress=progress)
+            m = target.write(snapshot, parent, progress=progress)
+            self._bound()
+            return m
 
     def _origin_branch(self, hist: History, origin: Manifest) -> tuple[str, BranchRecord | None]:
         held = hist.by_digest(origin.digest())
@@ -319,6 +338,9 @@ class Store:
         ``step``: a number or ``latest`` (on ``branch``, default the current branch: see flowcheck/branches.py)
         or a ``sha256:`` manifest-digest prefix. A state that was deleted on purpose raises StepPrunedError
         (a StepNotFoundError) saying when and by what."""
+        if not self._read_checked:
+            self._read_checked = True
+            identity.warn_if_foreign(self.config, self.local)
         tiers = self.tiers() if prefer == "auto" else [self.tier(prefer)]
         found = self._on_unbranched_main(step, branch, tiers)
         if found is not None:
@@ -499,6 +521,8 @@ class Store:
         """Apply each tier's retention policy along the current branch; clean abandoned partial writes.
 
         ``progress`` counts committed states (listed first, for the total) as each is kept or deleted."""
+        if not dry_run:
+            self.bind()
         return pruning.gc(self, dry_run, tiers, progress=progress)
 
     def delete(self, step: int | str, tier: str | None = None, branch: str | None = None, *,
@@ -507,6 +531,7 @@ class Store:
         record GC leaves (audit then reads the gap as deliberate). ``step``: a number or ``latest`` on ``branch``
         (default the current branch) or a ``sha256:`` digest prefix. The newest state of the current branch
         (the head) is refused with a FlowcheckError unless ``force=True``; StepNotFoundError when it is not held."""
+        self.bind()
         return pruning.delete(self, step, tier, branch, force=force)
 
     def pruned(self, step: int | str, branch: str | None = None) -> PrunedRecord | None:

@@ -131,6 +131,13 @@ class Tier(ABC):
     def _list_records(self, prefix: str) -> list[str]:
         return []
 
+    def get_record(self, name: str) -> bytes | None:
+        """A small record under the run root by name (e.g. the run's identity, flowcheck/identity.py)."""
+        return self._get_record(name)
+
+    def put_record(self, name: str, data: bytes) -> None:
+        self._put_record(name, data)
+
     # ---- the interface ---------------------------------------------------
     def steps(self) -> list[int]:
         return self._committed_steps()

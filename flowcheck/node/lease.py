@@ -118,3 +118,89 @@ def _read(fd: int) -> dict[str, Any]:
         except (OSError, ValueError):
             time.sleep(0.05)
     return {}
+
+
+STALE_S = 6 * REFRESH_S  # an object-tier lease not refreshed this long is a dead node's (clock skew included)
+
+
+class ObjectLease:
+    """The lease on a run in the object tier (``<url>/<run>/.lease.json``): one node per run and object store.
+
+    Two nodes with separate local roots (each with its own local lease) sharing one object URL would interleave two
+    trainings' steps in one run.  An object store has no lock a dying process drops, so this lease is a record
+    refreshed every REFRESH_S: a node finding another node's record refreshed within STALE_S refuses to start,
+    naming it; a stale or released record is taken over, and so is one naming this node's own local root (this
+    node holds that root's lease, so the node that wrote the record is gone).  A cluster's nodes share their run on purpose and take
+    none (their steps are committed together, flowcheck/tiers/cluster.py)."""
+
+    NAME = LEASE
+
+    def __init__(self, tier: Any, run: str, node: str, local_root: str) -> None:
+        self.tier, self.run = tier, run
+        self._record = {"run": run, "node": node, "id": os.urandom(8).hex(), "pid": os.getpid(),
+                        "host": socket.gethostname(), "local_root": os.path.abspath(local_root), "started": _now()}
+        self._stop = threading.Event()
+        self._refresher: threading.Thread | None = None
+
+    def acquire(self) -> ObjectLease:
+        try:
+            holder = self._holder()
+        except TierError as e:  # unreachable now: the node starts, and the refresher writes the lease when it can
+            log.warning("node: cannot read the object-tier lease of run %s (%s); taking it when the store answers",
+                        self.run, e)
+            holder = None
+        if holder and holder.get("id") != self._record["id"] and not holder.get("released_at") \
+                and holder.get("local_root") != self._record["local_root"] \
+                and time.time() - _parse(holder.get("refreshed_at")) < STALE_S:
+            raise LeaseHeldError(
+                f"run {self.run!r} in object tier {self.tier.url} is already served by node {holder.get('node')!r} "
+                f"(pid {holder.get('pid')} on host {holder.get('host')}, local root {holder.get('local_root')}, last "
+                f"refreshed {holder.get('refreshed_at')}): one node writes a run's object tier at a time.  Stop that "
+                "node, or give this one another run name or object URL (a cluster lists its nodes in cluster.nodes)")
+        if holder and holder.get("pid") and not holder.get("released_at"):
+            log.warning("node: took over the object-tier lease of run %s from node %s (on %s): not refreshed since %s",
+                        self.run, holder.get("node"), holder.get("host"), holder.get("refreshed_at"))
+        if holder is not None:
+            self._write(refreshed_at=_now())
+        self._refresher = threading.Thread(target=self._refresh, name="fc-object-lease", daemon=True)
+        self._refresher.start()
+        return self
+
+    def release(self) -> None:
+        self._stop.set()
+        if self._refresher is not None:
+            self._refresher.join(5)
+            with contextlib.suppress(Exception):
+                if (self._holder() or {}).get("id") == self._record["id"]:
+                    self._write(refreshed_at=_now(), released_at=_now())
+
+    def _refresh(self) -> None:
+        while not self._stop.wait(REFRESH_S):
+            try:
+                holder = self._holder()
+                if holder and holder.get("id") != self._record["id"]:
+                    log.error("node: node %s (on %s) took over the object-tier lease of run %s: this node stalled "
+                              "past %.0f s; stop one of them", holder.get("node"), holder.get("host"), self.run, STALE_S)
+                    return
+                self._write(refreshed_at=_now())
+            except Exception as e:  # noqa: BLE001 - the object store may be briefly unreachable; next refresh retries
+                log.warning("node: cannot refresh the object-tier lease of run %s: %s", self.run, e)
+
+    def _holder(self) -> dict[str, Any]:
+        raw = self.tier.get_record(self.NAME)
+        try:
+            record = json.loads(raw) if raw else {}
+        except ValueError:
+            return {}
+        return record if isinstance(record, dict) else {}
+
+    def _write(self, **fields: Any) -> None:
+        self.tier.put_record(self.NAME, json.dumps({**self._record, **fields}, indent=1).encode() + b"\n")
+
+
+def _parse(stamp: Any) -> float:
+    """Unix seconds of an ISO time in a lease record (0: none or unreadable, i.e. stale)."""
+    try:
+        return dt.datetime.fromisoformat(stamp).timestamp()
+    except (TypeError, ValueError):
+        return 0.0

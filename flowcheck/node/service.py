@@ -23,7 +23,7 @@ from flowcheck.capture.mirror.stats import CaptureStats
 from flowcheck.capture.push.receiver import PushReceiver
 from flowcheck.config import Config, ServeConfig
 from flowcheck.logs import oneline
-from flowcheck.node.lease import RunLease
+from flowcheck.node.lease import ObjectLease, RunLease
 from flowcheck.node.limits import ConnectionLimits, check_fd_limit
 from flowcheck.policy import PolicyRunner
 from flowcheck.store import Store
@@ -92,6 +92,9 @@ class Node:
 
     def _build(self, config: Config) -> None:
         self.store = Store(config)
+        self.object_lease = None
+        if self.store.object is not None and not config.cluster.nodes:
+            self.object_lease = ObjectLease(self.store.object, config.run, config.node, config.tiers.local.root).acquire()
         self.started = time.time()
         self.resync: dict[str, Any] | None = None  # a pending request for a full state push
         self.resync_requests = 0
@@ -242,6 +245,8 @@ class Node:
             if self.api is not None:
                 self.api.stop()
         finally:
+            if self.object_lease is not None:
+                self.object_lease.release()
             self.lease.release()  # last: nothing of this node writes the run any more
             self._finished.set()
 

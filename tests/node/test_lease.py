@@ -87,3 +87,24 @@ def test_a_node_that_fails_to_start_frees_the_lease(tmp_path):
         with pytest.raises(FlowcheckError, match="control API cannot listen"):
             Node(cfg).start()
     RunLease(str(tmp_path / "local"), "gpt", "next").acquire().release()
+
+
+def test_a_second_node_with_its_own_local_root_on_the_same_object_url_and_run_is_refused(tmp_path):
+    """Separate local roots (so separate local leases), one object URL: the object-tier lease refuses the second."""
+    first = NodeProcess(str(tmp_path), name="node-a", local=str(tmp_path / "local-a")).start()
+    second = None
+    try:
+        second = NodeProcess(str(tmp_path), name="node-b", local=str(tmp_path / "local-b"))
+        with pytest.raises(RuntimeError, match="exited 2"):
+            second.start()
+        message = second.tail()
+        assert "in object tier" in message and "already served by node 'node-a'" in message, message
+        assert str(tmp_path / "local-a") in message and "Traceback" not in message
+        first.stop()  # a clean stop releases it: the next node takes the run at once
+        second = NodeProcess(str(tmp_path), name="node-b", local=str(tmp_path / "local-b")).start()
+        with open(tmp_path / "object" / "gpt" / LEASE) as f:
+            assert json.load(f)["node"] == "node-b"
+    finally:
+        first.stop()
+        if second is not None and second.proc is not None:
+            second.stop()
