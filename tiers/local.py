@@ -10,6 +10,7 @@ in the attributes).
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import glob
 import logging
@@ -500,7 +501,13 @@ class LocalTier(Tier):
     def _delete(self, step: int) -> None:
         """Delete a step; the bytes of it a committed step of the run references stay (tiers/local_refs.py)."""
         self._refuse_linked_branch()
-        if _holds_packs(os.path.join(self.root, step_dir(step))):
+        path = os.path.join(self.root, step_dir(step))
+        if os.path.islink(path):  # never deleted through: the link goes, what it points at stays
+            log.warning("local tier %s: step folder %s is a symlink; removing the link only", self.root, step_dir(step))
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            return
+        if _holds_packs(path):
             refs = local_refs.references(self._search_order(), exclude=(self.branch, step))
             try:
                 digest: str | None = self.manifest(step, check_signature=False).digest()
@@ -510,11 +517,13 @@ class LocalTier(Tier):
             if digest is not None and (refs is None or needed):  # None: a manifest unreadable, keep all packs
                 local_refs.retain(self.root, step, digest, needed, self.config.fsync)
                 return
-        path = os.path.join(self.root, step_dir(step))
         trash = f"{path}.{uuid.uuid4().hex[:8]}.deleting.tmp"
-        os.rename(path, trash)  # the step vanishes atomically; the data follows
+        try:
+            os.rename(path, trash)  # the step vanishes atomically; the data follows
+        except FileNotFoundError:
+            return  # another gc or delete took it meanwhile
         fsync_dir(self.root)
-        shutil.rmtree(trash, ignore_errors=True)
+        _remove_tree(trash)
 
     def _verify_files(self, manifest: Manifest, on_bytes: Callable[[int], None] = lambda n: None) -> list[Problem]:
         problems = []
@@ -589,10 +598,16 @@ class LocalTier(Tier):
         cutoff = self._disk_now(dry_run) - older_than_s
         for n in names:
             path = os.path.join(self.root, n)
-            if n.endswith(".tmp") and n.startswith("step-") and os.path.getmtime(path) < cutoff:
+            if not (n.endswith(".tmp") and n.startswith("step-")):
+                continue
+            try:
+                old = os.lstat(path).st_mtime < cutoff  # a link's own time: never followed
+            except FileNotFoundError:
+                continue  # removed meanwhile by another gc
+            if old:
                 removed.append(path)
                 if not dry_run:
-                    shutil.rmtree(path, ignore_errors=True)
+                    _remove_tree(path)
         return removed
 
     def _disk_now(self, dry_run: bool) -> float:
@@ -643,6 +658,16 @@ class LocalTier(Tier):
 
     def size(self, step: int) -> int:
         return self.manifest(step).nbytes
+
+
+def _remove_tree(path: str) -> None:
+    """Remove a folder being deleted; a symlink is unlinked, never followed (rmtree refuses links, which would
+    leave one behind for every GC to report cleaned)."""
+    if os.path.islink(path):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+    else:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _holds_packs(folder: str) -> bool:

@@ -263,6 +263,9 @@ def open_pack(array_dir: str, data_file: str | None) -> PackFile:
     except TypeError as e:
         raise IntegrityError(f"local tier: {array_dir}/zarr.json: unknown data_type {storage!r}") from e
     info = PackInfo(storage, meta["shape"][0], chunk[0] * itemsize)
+    if info.chunk_bytes != CHUNK_BYTES:  # checked before any chunk is read: a read allocates whole chunks
+        raise IntegrityError(f"local tier: {array_dir}/zarr.json: chunks of {info.chunk_bytes} bytes, expected the "
+                             f"{CHUNK_BYTES} flowcheck writes; the file was altered or not written by flowcheck")
     n = math.ceil(info.length / chunk[0])
     if n and data_file is None:
         raise IntegrityError(f"local tier: {array_dir} holds {info.length} elements but the manifest lists no data file")

@@ -47,6 +47,16 @@ def object_name(key: str) -> str:
         return _hashed(OBJECTS + "key-", key)
 
 
+MAX_PATH = 64  # names/indices in a planner_data path: far deeper than any state dict nests
+MAX_INDEX = 1 << 20  # a list index in a planner_data path: DCP extends a list to it when it rebuilds the state dict
+
+
+def _path_ok(path: Any) -> bool:
+    """A planner_data path: a non-empty list of names and list indices, bounded (read from a stored manifest)."""
+    return isinstance(path, (list, tuple)) and 0 < len(path) <= MAX_PATH and all(
+        (isinstance(x, str) and len(x) <= 4096) or (type(x) is int and 0 <= x < MAX_INDEX) for x in path)
+
+
 @dataclass(frozen=True)
 class DcpIndex:
     """What the tensors of a step written through ``flowcheck.dcp`` stand for (``scalars.extra.dcp``)."""
@@ -60,8 +70,7 @@ class DcpIndex:
         renamed = {tensor_name(k): k for k in tensor_keys if tensor_name(k) != k}
         paths = {}
         if isinstance(planner_data, Mapping):  # DefaultSavePlanner's flattening: key -> (str | int, ...)
-            paths = {k: tuple(p) for k, p in planner_data.items() if isinstance(k, str) and isinstance(p, (tuple, list))
-                     and all(isinstance(x, (str, int)) and not isinstance(x, bool) for x in p)}
+            paths = {k: tuple(p) for k, p in planner_data.items() if isinstance(k, str) and _path_ok(p)}
         return cls(renamed, {object_name(k): k for k in object_keys}, paths)
 
     def key(self, name: str) -> str:
@@ -85,8 +94,13 @@ class DcpIndex:
                                 f"{raw.get('format') if isinstance(raw, Mapping) else type(raw).__name__!r}; "
                                 "a newer flowcheck wrote this step: upgrade flowcheck")
         paths = raw.get("planner_data", {})
-        if not isinstance(paths, Mapping) or not all(isinstance(p, list) for p in paths.values()):
-            raise ManifestError(f"{where}: scalars.extra.{KEY}.planner_data: expected an object of key -> path list")
+        if not isinstance(paths, Mapping):
+            raise ManifestError(f"{where}: scalars.extra.{KEY}.planner_data: expected an object of key -> path, found "
+                                f"{type(paths).__name__}")
+        bad = next((k for k, p in paths.items() if not _path_ok(p)), None)
+        if bad is not None:  # DCP rebuilds nested containers from these paths: an index becomes a list's length
+            raise ManifestError(f"{where}: scalars.extra.{KEY}.planner_data[{bad!r:.80}]: expected a path of up to "
+                                f"{MAX_PATH} names or list indices below {MAX_INDEX}, found {paths[bad]!r:.80}")
         return cls(strings("renamed"), strings("objects"), {k: tuple(p) for k, p in paths.items()})
 
 

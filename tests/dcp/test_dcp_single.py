@@ -345,3 +345,25 @@ def test_an_identical_resave_is_a_no_op_and_another_state_at_that_step_is_a_new_
     done = subprocess.run([sys.executable, "-m", "flowcheck", "--config", cfg, "audit"], check=False,
                           capture_output=True, text=True)
     assert done.returncode == 0 and " 0 errors" in done.stdout, done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("path", [[10**12], [["nested"]], [], ["x"] * 100, "model"])
+def test_a_forged_planner_data_path_in_a_stored_step_is_a_manifest_error_before_dcp_rebuilds_anything(tmp_path, path):
+    """DCP's ``_load_state_dict_from_keys`` rebuilds the nested state dict from the metadata's planner_data: a huge
+    list index there was a MemoryError, a nested list a TypeError.  The stored index is checked when it is read."""
+    import json
+
+    from flowcheck.digest import sha256
+    from flowcheck.manifest import canonical_json
+    from flowcheck.errors import ManifestError
+
+    cfg = config(str(tmp_path))
+    save(cfg, state(1), 3)
+    manifest = tmp_path / "local" / "gpt" / "step-000000003" / "manifest.json"
+    body = json.loads(manifest.read_text())
+    body["scalars"]["extra"]["dcp"]["planner_data"]["model.w"] = path
+    body.pop("integrity")
+    body["integrity"] = sha256(canonical_json(body))  # the attacker re-seals it (no signing key set)
+    manifest.write_bytes(canonical_json(body))
+    with pytest.raises(ManifestError, match=r"planner_data\['model.w'\]: expected a path of up to 64 names"):
+        flowcheck.dcp.Reader(cfg, step=3).read_metadata()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 
 import google_crc32c
@@ -211,3 +212,24 @@ def test_load_hands_out_shards_in_the_order_they_lie_on_disk(tmp_path):
     assert places == sorted(places) and len(places) == len(snap.data)
     assert {(s.tensor, s.offsets): back.array(s).tobytes() for s in back.data} == {
         (s.tensor, s.offsets): a.tobytes() for s, a in snap.data.items()}
+
+
+def test_a_pack_claiming_huge_chunks_over_a_sparse_file_is_refused_before_any_chunk_is_read(tmp_path):
+    """The attack: zarr.json says 256 MiB chunks and a sparse shard file of the matching size carries a valid dense
+    index, so every reader would allocate and read a whole chunk before its CRC failed; refused from the metadata."""
+    tier, m, step = _step(tmp_path)
+    pack = step / "packs" / "0"
+    meta = json.loads((pack / "zarr.json").read_text())
+    length, dtype = meta["shape"][0], meta["data_type"]
+    chunk = (256 << 20) // np.dtype(dtype).itemsize
+    (pack / "zarr.json").write_bytes(array_json((length,), dtype, (chunk,), (chunk,), {"flowcheck": {"layout": zarr_pack.LAYOUT}}))
+    chunk_bytes = chunk * np.dtype(dtype).itemsize
+    index = np.array([[0, chunk_bytes + 4]], dtype="<u8").tobytes()
+    with open(pack / "c" / "0", "wb") as f:
+        f.truncate(chunk_bytes + 4)  # sparse: no bytes on disk
+        f.seek(chunk_bytes + 4)
+        f.write(index + google_crc32c.value(index).to_bytes(4, "little"))
+    fresh = LocalTier(LocalConfig(root=str(tmp_path)), "r1")
+    name = next(n for n, t in m.tensors.items() if t.shards and t.shards[0].location[0].path.endswith("packs/0"))
+    with pytest.raises(IntegrityError, match=f"chunks of {chunk_bytes} bytes, expected the 65536"):
+        fresh.read(10, name)
