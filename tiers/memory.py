@@ -95,7 +95,7 @@ class MemoryTier(Tier):
         return manifest
 
     def adopt_push(self, snapshot: Snapshot, blocks: dict[Shard, Block], kept: Iterable[Shard] = (),
-                   base: str | None = None, parent: ParentRef | None = None) -> str:
+                   base: str | None = None, parent: ParentRef | None = None, root: bool = False) -> str:
         """Make a complete push the RAM state in one move, without copying it: its arrays (``blocks``: the lent memory
         each lives in), plus the ``kept`` shards (bytes the sender did not send again) taken from the state it
         replaces, which must still be the state ``base`` names.  A kept array that lives in lent memory is copied
@@ -104,7 +104,8 @@ class MemoryTier(Tier):
         The replaced state stays whole until this call: a push that never completes never reaches it.  Raises
         KeptShardsGone (nothing changed) when ``base`` no longer holds the kept shards.  Returns the new state's id:
         the replaced state's when the push has the same tensors (what senders were told stays true), else a new one.
-        ``parent``: the committed step the state descends from (a trainer that resumed); None keeps the current."""
+        ``parent``: the committed step the state descends from (a trainer that resumed); None keeps the current;
+        ``root``: it descends from nothing stored (a trainer's fresh start): its first commit starts a new root."""
         kept = list(kept)
         freed: list[Block] = []
         with self._cond:
@@ -122,7 +123,7 @@ class MemoryTier(Tier):
             known = {s: d for s, d in self._digests.items() if s in kept}  # kept arrays: not written, still true
             self._install(snapshot, arrays, blocks, state_id, freed)
             self._digests = known
-            if parent is not None:
+            if parent is not None or root:
                 self.head = parent
             self._manifest = None  # made (and the new shards hashed) when first asked: by the next snapshot
         _release(freed)

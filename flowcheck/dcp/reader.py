@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from flowcheck import dtypes
+from flowcheck import dtypes, evidence
 from flowcheck.config import Config
 from flowcheck.dcp import objects
 from flowcheck.dcp.index import PUSH_KEYS, PushKeys, View, view_of
@@ -167,6 +167,8 @@ class Reader(StorageReader):
                                          f"{list(piece.size())} into a tensor of {list(dest.size())}")
                 dest.copy_(piece)
                 planner.commit_tensor(req, dest)
+        if self.resumed is not None:  # what this process's next save of the run descends from (flowcheck/evidence.py)
+            evidence.loaded(self.config.run, self.resumed)
         future: Future[None] = Future()
         future.set_result(None)
         return future

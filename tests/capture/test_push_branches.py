@@ -211,3 +211,36 @@ def test_rollback_end_to_end_with_the_node_policy_on_a_file_object_store(tmp_pat
 @pytest.mark.s3
 def test_rollback_end_to_end_with_the_node_policy_on_s3(tmp_path, s3_bucket):
     _rollback_end_to_end(tmp_path, s3_bucket)
+
+
+def test_a_fresh_trainer_is_a_new_root_and_one_that_names_its_parent_continues_it(tmp_path):
+    """A trainer that loaded nothing descends from nothing stored, even when the node holds another job's steps
+    (recovered as its head); one that resumed by other means and says ``parent=N`` descends from step N."""
+    from flowcheck import evidence
+
+    node = NodeProcess(str(tmp_path)).start()
+    try:
+        model, opt = _model()
+        gen = torch.Generator().manual_seed(1)
+        with Checkpointer(model, opt, node=node.url, run="gpt", timeout_s=20) as ck:
+            _push(node, ck, model, opt, gen, range(1, 6), snap_at={3, 5})
+        node.stop()
+        node.start()  # a restarted node recovers step 5 as its head
+        evidence.forget()  # a second process: resumed from step 5 (a directory `flowcheck restore` wrote), says so
+        with Checkpointer(model, opt, node=node.url, run="gpt", timeout_s=20, parent=5) as ck2:
+            _push(node, ck2, model, opt, gen, range(6, 8), snap_at={7})
+        evidence.forget()  # a third: it trains a freshly initialised model
+        model3, opt3 = _model(seed=3)
+        with Checkpointer(model3, opt3, node=node.url, run="gpt", timeout_s=20) as ck3:
+            _push(node, ck3, model3, opt3, gen, range(1, 4), snap_at={2, 3})
+    finally:
+        node.stop()
+    store = open_store(node.config)
+    assert store.local.steps() == [3, 5, 7]
+    assert store.local.manifest(7).parent == store.local.manifest(5).parent_ref()
+    hist = store.history()
+    roots = [b for b in hist.branches() if b.startswith("root-")]
+    assert len(roots) == 1 and hist.fork(roots[0]) is None, hist.branches()
+    fresh = store.tier("local", roots[0])
+    assert fresh.steps() == [2, 3] and fresh.manifest(2).parent is None
+    assert fresh.manifest(3).parent == fresh.manifest(2).parent_ref()
