@@ -434,7 +434,15 @@ def read_yaml(path: str, error: type[Exception], what: str, hint: str = "") -> A
     except OSError as e:
         raise error(f"{what} {path!r}: cannot read ({e.strerror})") from e
     except yaml.YAMLError as e:
-        raise error(f"{what} {path!r}: not valid YAML: {e}") from e
+        raise error(f"{what} {path!r}: not valid YAML: {_yaml_problem(e)}") from e
+
+
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    """A YAML error as one line: the problem and where (1-based line and column), without PyYAML's excerpt lines."""
+    mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+    problem = getattr(e, "problem", None) or getattr(e, "context", None) or str(e)
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    return where + " ".join(str(problem).split())
 
 
 def load(path: str | None = None) -> Config:

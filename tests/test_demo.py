@@ -222,3 +222,19 @@ def test_demo_with_an_s3_object_store_over_http(tmp_path, s3_env):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "from the object tier" in proc.stdout and proc.stdout.strip().splitlines()[-1].startswith("demo: PASSED")
     assert "s3://demo-bucket/ckpt" in (tmp_path / "w" / "flowcheck.yaml").read_text()
+
+
+def test_a_second_demo_on_one_store_is_a_second_root_in_lineage(demo_run):
+    """The second run trains a freshly initialised model from the step after the first run's last: it descends from
+    nothing the first run stored (runs last here: it adds to the shared demo's store)."""
+    workdir, _, _ = demo_run
+    again = subprocess.run([EXE, "demo", "--workdir", str(workdir), "--steps", "10", "--local-every", "5",
+                            "--object-seconds", "0.5"], check=False, capture_output=True, text=True, timeout=600,
+                           env=_env())
+    assert again.returncode == 0, again.stdout + again.stderr
+    done = subprocess.run([EXE, "lineage", "--format", "json", "--config", str(workdir / "flowcheck.yaml")],
+                          check=True, capture_output=True, text=True, env=_env())
+    view = json.loads(done.stdout)
+    second = min((n for n in view["nodes"] if n["step"] > STEPS), key=lambda n: n["step"])
+    assert second["parent"] is None, second  # not the first run's last step: it does not descend from it
+    assert str(second["step"]) in [r.split("@")[0] for r in view["roots"]], view["roots"]
