@@ -25,7 +25,7 @@ import numpy as np
 
 from flowcheck import _native, dtypes
 from flowcheck.config import MemoryConfig
-from flowcheck.errors import FlowcheckError, StaleStateError, StepNotFoundError
+from flowcheck.errors import FlowcheckError, StaleStateError, StepNotFoundError, TensorNotFoundError
 from flowcheck.manifest import Manifest, ParentRef
 from flowcheck.state import Pin, Scalars, Shard, Snapshot, StateLayout
 from flowcheck.tiers.base import Tier, make_manifest, normalize_region, shard_digests
@@ -374,7 +374,7 @@ class MemoryTier(Tier):
         try:
             if snap.step != step:
                 raise StepNotFoundError(f"memory tier: holds step {snap.step}, not {step}")
-            spec = snap.layout.spec(tensor)
+            spec = _spec(snap, tensor)
             reg = normalize_region(region, spec.shape, tensor)
             out = np.empty(tuple(s.stop - s.start for s in reg), dtype=dtypes.dtype(spec.dtype).storage)
             for shard in snap.data:
@@ -410,6 +410,14 @@ class MemoryTier(Tier):
         finally:
             self.release(snap)
         return Snapshot(self.run, step, snap.layout, data, snap.scalars, source=snap.source, origin=manifest)
+
+
+def _spec(snap: Snapshot, tensor: str):
+    try:
+        return snap.layout.spec(tensor)
+    except KeyError:
+        raise TensorNotFoundError(f"step {snap.step} has no tensor {tensor!r} (memory tier); see `flowcheck show "
+                                  f"--step {snap.step} --json`") from None
 
 
 class _Update:
