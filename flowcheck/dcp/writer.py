@@ -85,6 +85,8 @@ class Writer(StorageWriter, AsyncStager):
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state["_staged"] = None  # a process-based async save: the staged copy stays this process's (never reused)
+        # and what this process loaded or saved goes with it: the saving process knows nothing of it otherwise
+        state["_known"] = evidence.parent_for(self.config.run, self.step)
         return state
 
     def synchronize_staging(self) -> None:
@@ -194,7 +196,7 @@ class Writer(StorageWriter, AsyncStager):
         """What this process loaded or last saved in the run (flowcheck/evidence.py), held by this store; else a new
         root, said in one line when the run already holds states (where the newest would have been taken)."""
         run = self.config.run
-        known = evidence.parent_for(run, self.step)
+        known = evidence.parent_for(run, self.step) or getattr(self, "_known", None)
         if known is not None and known.ref is None:  # this process pushed the run: the node committed it
             return store.head_before(self.step)
         hist = store.history()

@@ -156,7 +156,7 @@ class Checkpointer:
         self._token = config.token if config.token is not None else read_token(DEFAULT_TOKEN_ENV)
         self._signer: PushSigner | None = None
         # set by load(): the first push accepted after it tells the node the state descends from that step
-        self.parent: dict[str, Any] | None = None
+        self.parent: ParentRef | None = None
         self._parent_arg = parent  # what the first push descends from when load() was not called
         self._lineage_told = False  # a push was acknowledged: the node chains later steps to what it commits
         self._root_logged = False
@@ -297,8 +297,8 @@ class Checkpointer:
             self.lr_scheduler.load_state_dict(snap.scalars.lr_scheduler)
         if self.rng and snap.scalars.rng:
             restore_rng(snap.scalars.rng)
-        self.parent = {"step": manifest.step, "manifest_digest": manifest.digest()}
-        evidence.loaded(self.run, manifest.parent_ref())
+        self.parent = manifest.parent_ref()
+        evidence.loaded(self.run, self.parent)
         self.mark_changed()
         return manifest.step
 
@@ -628,8 +628,10 @@ class Checkpointer:
     def _header_parent(self, step: int) -> dict[str, Any] | str | None:
         """The push header's ``parent``: a stored state (``{step, manifest_digest}``; ``{step}``: the node's current
         branch's state at that step), ``ROOT`` (a new lineage), or None once the node was told (it continues)."""
-        if self.parent is not None or self._lineage_told:
-            return self.parent
+        if self.parent is not None:
+            return _ref_json(self.parent)
+        if self._lineage_told:
+            return None
         p = self._parent_arg
         if hasattr(p, "resumed"):  # a flowcheck.dcp.Reader: what it loaded
             p = p.resumed if p.resumed is not None else "auto"
