@@ -233,6 +233,9 @@ def test_a_fresh_trainer_is_a_new_root_and_one_that_names_its_parent_continues_i
         model3, opt3 = _model(seed=3)
         with Checkpointer(model3, opt3, node=node.url, run="gpt", timeout_s=20) as ck3:
             _push(node, ck3, model3, opt3, gen, range(1, 4), snap_at={2, 3})
+        with Checkpointer(model3, opt3, node=node.url, run="gpt", timeout_s=20, parent=99) as ck4:
+            assert ck4.save(4) and not ck4.flush(20)  # a parent the node does not hold: refused, said in one line
+            assert "parent step 99: step 99 is not committed" in ck4.stats.last_error, ck4.stats.last_error
     finally:
         node.stop()
     store = open_store(node.config)

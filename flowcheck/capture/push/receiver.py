@@ -303,6 +303,11 @@ class PushReceiver:
         if not (isinstance(senders, int) and isinstance(sender, int) and 0 <= sender < senders):
             self._drain(sock, header, size)
             raise WireError(f"push header: expected 0 <= sender < senders, found sender {sender!r} of {senders!r}")
+        try:
+            parent = _parent(header.get("parent"), self.store)
+        except WireError:
+            self._drain(sock, header, size)
+            raise
         kept = [r.shard for r in refs if r.kept]
         base = header.get("base")
         if kept:
@@ -317,7 +322,6 @@ class PushReceiver:
             self._fail(opened, f"part {sender} of step {step}: {e}")
             raise
         part = _Part(sender, arrays, kept, base, block, recheck)
-        parent = _parent(header.get("parent"), self.store) if sender == 0 or opened.scalars is None else None
         with opened.cond:
             if sender in opened.parts or opened.outcome is not None:
                 part.release()
