@@ -72,6 +72,16 @@ def forget(run: str | None = None) -> None:
             _known.pop(run, None)
 
 
+def check_parent(who: str, parent: object) -> None:
+    """A ``parent=`` argument: ``"auto"``, None, a step number, a ``ParentRef`` or a Reader (it has ``resumed``)."""
+    from flowcheck.errors import ConfigError
+
+    step = isinstance(parent, int) and not isinstance(parent, bool) and parent >= 0
+    if not (step or parent is None or parent == "auto" or isinstance(parent, ParentRef) or hasattr(parent, "resumed")):
+        raise ConfigError(f"{who}: parent: expected 'auto', None, a step number, a ParentRef or a flowcheck.dcp.Reader, "
+                          f"found {parent!r}")
+
+
 def root_hint(who: str, run: str, step: int) -> str:
     """The one line a fresh start logs: what it does, and how to name the parent of a job that resumed otherwise."""
     return (f"{who}: step {step} of run {run!r} starts a new root lineage: this process loaded no state of the run "

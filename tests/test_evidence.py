@@ -88,6 +88,17 @@ def test_an_explicit_parent_step_is_taken_from_the_store(tmp_path):
     assert open_store(cfg).local.branch_names() == []  # it continues main
 
 
+def test_a_parent_that_names_nothing_is_refused_when_the_writer_is_made(tmp_path):
+    import pytest
+
+    from flowcheck.errors import ConfigError
+
+    cfg = config(str(tmp_path))
+    for bad in ("latest", -1, True, 2.5):
+        with pytest.raises(ConfigError, match="parent: expected 'auto', None, a step number"):
+            flowcheck.dcp.Writer(cfg, step=3, parent=bad)
+
+
 # ---- random jobs: fresh starts, loads and rollbacks ---------------------------------------------------------------
 
 _action = st.one_of(

@@ -69,6 +69,7 @@ class Writer(StorageWriter, AsyncStager):
                  tier: str | None = None, parent: Any = "auto", reuse_staging: bool = True) -> None:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ConfigError(f"flowcheck.dcp.Writer: step: expected a non-negative integer, found {step!r}")
+        evidence.check_parent("flowcheck.dcp.Writer", parent)
         self.config, default_tier = open_config(where, run)
         self.tier = check_tier(tier or default_tier, self.config)
         self.step, self.parent, self.reuse_staging = step, parent, reuse_staging
@@ -184,13 +185,10 @@ class Writer(StorageWriter, AsyncStager):
             p = p.resumed if p.resumed is not None else "auto"
         if p == "auto":
             return self._auto_parent(store)
-        if isinstance(p, int) and not isinstance(p, bool) and p >= 0:
+        if isinstance(p, int):  # checked in the constructor: a step number
             tier, n = store.locate(p)  # StepNotFoundError names the branches that hold it
             return tier.manifest(n).parent_ref()
-        if p is None or isinstance(p, ParentRef):
-            return p
-        raise ConfigError(f"flowcheck.dcp.Writer: parent: expected 'auto', None, a step number, a ParentRef or a "
-                          f"flowcheck.dcp.Reader, found {p!r}")
+        return p  # None or a ParentRef
 
     def _auto_parent(self, store: Store) -> ParentRef | None:
         """What this process loaded or last saved in the run (flowcheck/evidence.py), held by this store; else a new

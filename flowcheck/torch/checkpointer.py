@@ -142,7 +142,7 @@ class Checkpointer:
         earlier save of this process brought the run to, flowcheck/evidence.py; none: a new root, logged), None (a
         new root), a step number N (step N of the node's current branch: a job that resumed from a directory
         ``flowcheck restore`` wrote), a ``ParentRef``, or the ``Reader`` the trainer loaded with."""
-        _check_parent(parent)
+        evidence.check_parent("Checkpointer", parent)
         self.config = config = push_config(config, node=node, run=run, budget_mib=budget_mib, on_busy=on_busy,
                                            timeout_s=timeout_s, transport=transport, hook=hook, rng=rng, token=token,
                                            gpu_staging=gpu_staging)
@@ -716,14 +716,6 @@ class Checkpointer:
         self.stats.failures += 1
         self.stats.last_error = f"step {job.step}: {type(e).__name__}: {e}"
         log.warning("checkpoint push of step %d failed (%s); training continues", job.step, oneline(e))
-
-
-def _check_parent(parent: Any) -> None:
-    ok = parent is None or parent == "auto" or isinstance(parent, ParentRef) or hasattr(parent, "resumed") or (
-        isinstance(parent, int) and not isinstance(parent, bool) and parent >= 0)
-    if not ok:
-        raise ConfigError(f"Checkpointer: parent: expected 'auto', None, a step number, a ParentRef or a "
-                          f"flowcheck.dcp.Reader, found {parent!r}")
 
 
 def _ref_json(ref: ParentRef) -> dict[str, Any]:
