@@ -8,6 +8,8 @@ import shutil
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from flowcheck.branches import MAIN
 from flowcheck.store import Store, open_store
@@ -247,3 +249,70 @@ def test_a_fresh_trainer_is_a_new_root_and_one_that_names_its_parent_continues_i
     fresh = store.tier("local", roots[0])
     assert fresh.steps() == [2, 3] and fresh.manifest(2).parent is None
     assert fresh.manifest(3).parent == fresh.manifest(2).parent_ref()
+
+
+def _in_process_node(tmp_path, token: str):
+    from flowcheck.capture.push.receiver import PushReceiver
+
+    store = open_store(NodeProcess(str(tmp_path)).config)
+    return store, PushReceiver(store, part_timeout_s=10, token=token).start()
+
+
+def _pushed_and_committed(store, ck, model, opt, gen, step: int):
+    """Train, push ``step``, wait until it is the RAM state, snapshot it: the committed manifest."""
+    import time
+
+    _train_step(model, opt, gen)
+    assert ck.save(step) and ck.flush(20), ck.stats.last_error
+    deadline = time.monotonic() + 10
+    while store.memory.step != step and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return store.snapshot()
+
+
+_job = st.one_of(
+    st.tuples(st.just("fresh"), st.integers(1, 3)),  # a new process training a new model: pushes n steps from 1
+    st.tuples(st.just("load"), st.integers(0, 30), st.integers(1, 3)),  # a new process: loads a stored state, n more
+    st.tuples(st.just("more"), st.integers(1, 2)),  # the same process pushes n more steps
+)
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                 HealthCheck.too_slow])
+@given(jobs=st.lists(_job, min_size=2, max_size=5))
+def test_every_pushed_states_parent_is_what_its_trainer_loaded_or_pushed_before(tmp_path_factory, node_token, jobs):
+    """Through a node: a fresh trainer's first state has no parent, a loaded one's first the state it loaded
+    (older or not: a rollback), every later one the state its own trainer pushed before — never what the node held
+    from another job."""
+    from flowcheck import evidence
+
+    store, receiver = _in_process_node(tmp_path_factory.mktemp("node"), node_token)
+    url = f"tcp://127.0.0.1:{receiver.address[1]}"
+    gen = torch.Generator().manual_seed(5)
+    committed, expect = [], {}
+    ck, step, last, seed = None, 0, None, 0
+    try:
+        for job in jobs:
+            if job[0] != "more" or ck is None:
+                if ck is not None:
+                    ck.close()
+                evidence.forget()  # a new process
+                seed += 1
+                model, opt = _model(seed=seed)
+                ck = Checkpointer(model, opt, node=url, run="gpt", transport="tcp", timeout_s=20)
+                step, last = 0, None
+                if job[0] == "load" and committed:
+                    m = committed[job[1] % len(committed)]
+                    step = ck.load(m.digest()[:30], store=store)
+                    last = m.parent_ref()
+            for _ in range(job[-1]):
+                step += 1
+                m = _pushed_and_committed(store, ck, model, opt, gen, step)
+                expect[m.digest()] = last
+                committed.append(m)
+                last = m.parent_ref()
+        ck.close()
+    finally:
+        receiver.close()
+    for m in committed:
+        assert m.parent == expect[m.digest()], (m.step, jobs)
