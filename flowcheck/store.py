@@ -197,7 +197,7 @@ class Store:
                     at, origin = same
                     held = self.tier(tier, at.branch)
                     if at.step in held.steps():
-                        log.info("%s tier: step %s is already committed with this state", tier, at)
+                        log.info("%s tier: step %s %s", tier, at, _same_state_note(hist, at))
                         return held.manifest(at.step)
                     # held by another tier only (RAM restored from it): copy it with its identity, as a
                     # promotion does; a second manifest (parent: itself) would split one state in two
@@ -544,6 +544,16 @@ class Store:
         of the run is ``empty``. A configured tier that does not exist raises TierMissingError (no such S3
         bucket; a ``file://`` folder whose parent is missing too), refused credentials TierAccessError."""
         return tier_check.check_tiers(self)
+
+
+def _same_state_note(hist: History, at: Located) -> str:
+    """Why committing a state again forms no branch: a retry, or a deterministic replay after a rollback (the same
+    state again: kept once, as every copy of one state is)."""
+    later = [s.step for s in hist.states if s.branch == at.branch and s.step > at.step]
+    if later:
+        return (f"is the same state as before the rollback (step {max(later)} on {at.branch} was committed after "
+                f"it): kept once, no branch forms")
+    return "is already committed with this state"
 
 
 def _same_data(m: Manifest, shards: set, scalars: dict, layout_digest: str) -> bool:

@@ -189,3 +189,16 @@ def test_reading_a_name_or_region_a_step_lacks_is_a_flowcheck_error_in_every_tie
             store.read(4, "no.such.tensor", prefer=prefer)
         with pytest.raises(RegionError, match="expected a region of at most 2 dimensions"):
             store.read(4, name, (slice(0, 1), slice(0, 1), slice(0, 1)), prefer=prefer)
+
+
+def test_a_replay_to_the_same_state_after_a_rollback_says_why_no_branch_forms(tmp_path, caplog):
+    import logging
+
+    store = make_store(tmp_path)
+    for n in (1, 2, 3):
+        store.write(make_snapshot(step=n, seed=n))
+    with caplog.at_level(logging.INFO, logger="flowcheck.store"):
+        again = store.write(make_snapshot(step=2, seed=2), parent=store.local.manifest(1).parent_ref())
+    assert again.digest() == store.local.manifest(2).digest() and store.local.branch_names() == []
+    assert "step 2 is the same state as before the rollback (step 3 on main was committed after it): kept once, " \
+           "no branch forms" in caplog.text, caplog.text
