@@ -30,6 +30,11 @@ def _positive(owner: str, name: str, value: Any, *, allow_none: bool = False) ->
         raise ConfigError(f"{owner}.{name}: expected a positive number{' or null' if allow_none else ''}, found {value!r}")
 
 
+# a TierPolicy does not know its tier: its errors name this section, which a config file's loader replaces with the
+# section it read (policy.local, policy.object)
+TIER_POLICY = "policy.<tier>"
+
+
 @dataclass(frozen=True)
 class TierPolicy:
     """When a tier takes a snapshot and which of its steps it keeps."""
@@ -44,18 +49,19 @@ class TierPolicy:
     keep_abandoned_hours: float = 24.0
 
     def __post_init__(self) -> None:
-        _positive("policy", "every_steps", self.every_steps, allow_none=True)
-        _positive("policy", "every_seconds", self.every_seconds, allow_none=True)
+        _positive(TIER_POLICY, "every_steps", self.every_steps, allow_none=True)
+        _positive(TIER_POLICY, "every_seconds", self.every_seconds, allow_none=True)
         for name in ("keep_last", "keep_hourly", "keep_daily"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ConfigError(f"policy.{name}: expected an integer >= 0, found {v!r}")
+                raise ConfigError(f"{TIER_POLICY}.{name}: expected an integer >= 0, found {v!r}")
         if self.keep_last < 1:
-            raise ConfigError("policy.keep_last: expected >= 1 (the newest committed step is never deleted)")
-        _positive("policy", "tmp_grace_seconds", self.tmp_grace_seconds)
+            raise ConfigError(f"{TIER_POLICY}.keep_last: expected >= 1 (the newest committed step is never deleted), "
+                              f"found {self.keep_last}")
+        _positive(TIER_POLICY, "tmp_grace_seconds", self.tmp_grace_seconds)
         v = self.keep_abandoned_hours
         if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
-            raise ConfigError(f"policy.keep_abandoned_hours: expected a number of hours >= 0, found {v!r}")
+            raise ConfigError(f"{TIER_POLICY}.keep_abandoned_hours: expected a number of hours >= 0, found {v!r}")
 
 
 @dataclass(frozen=True)
@@ -367,7 +373,11 @@ def check_storage_apart(tiers: TiersConfig) -> None:
 
 # ---- loading -------------------------------------------------------------
 def _build(cls: type, raw: Any, where: str, path: str) -> Any:
-    return _construct(cls, _fields(cls, raw, where, path), where)
+    kwargs = _fields(cls, raw, where, path)
+    try:
+        return cls(**kwargs)
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {str(e).replace(TIER_POLICY, path)}") from e
 
 
 def _construct(cls: type, kwargs: dict[str, Any], where: str) -> Any:
@@ -437,7 +447,15 @@ def read_yaml(path: str, error: type[Exception], what: str, hint: str = "") -> A
     except OSError as e:
         raise error(f"{what} {path!r}: cannot read ({e.strerror})") from e
     except yaml.YAMLError as e:
-        raise error(f"{what} {path!r}: not valid YAML: {e}") from e
+        raise error(f"{what} {path!r}: not valid YAML: {_yaml_problem(e)}") from e
+
+
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    """A YAML error as one line: the problem and where (1-based line and column), without PyYAML's excerpt lines."""
+    mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+    problem = getattr(e, "problem", None) or getattr(e, "context", None) or str(e)
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    return where + " ".join(str(problem).split())
 
 
 def load(path: str | None = None) -> Config:

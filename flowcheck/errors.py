@@ -58,6 +58,10 @@ class TensorNotFoundError(FlowcheckError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
+class RegionError(FlowcheckError, IndexError):
+    """A region asked of a tensor that does not fit it: more dimensions than the tensor, or not contiguous slices."""
+
+
 class StepExistsError(FlowcheckError, FileExistsError):
     """A committed step with that number already exists and differs."""
 

@@ -214,7 +214,7 @@ class Store:
                     at, origin = same
                     held = self.tier(tier, at.branch)
                     if at.step in held.steps():
-                        log.info("%s tier: step %s is already committed with this state", tier, at)
+                        log.info("%s tier: step %s %s", tier, at, _same_state_note(hist, at))
                         return held.manifest(at.step)
                     # held by another tier only (RAM restored from it): copy it with its identity, as a
                     # promotion does; a second manifest (parent: itself) would split one state in two
@@ -311,7 +311,11 @@ class Store:
         branch to object); ``progress`` counts the bytes written (left at zero when the target holds it)."""
         with self._locks[src]:
             hist = self.history(live={src})
-            at = hist.resolve("latest" if step is None else step, branch)
+            ref = "latest" if step is None else step
+            try:
+                at = hist.resolve(ref, branch)
+            except StepNotFoundError as e:
+                raise self._not_held(src, ref, branch, e) from None
             source = self.tier(src, at.branch)
             if at.step not in source.steps():
                 raise StepNotFoundError(f"{src} tier has no committed step {at} of run {self.config.run!r} to promote")
@@ -329,6 +333,17 @@ class Store:
                                    hist=hist)
         finally:
             self._in_use.discard((src, at))
+
+    def _not_held(self, src: str, ref: int | str, branch: str | None, e: StepNotFoundError) -> StepNotFoundError:
+        """Why a promotion has nothing to copy, naming the tiers that do hold the state when another one does."""
+        hist = self.history()
+        try:
+            at = hist.resolve(ref, branch)
+        except StepNotFoundError:
+            return e
+        holders = sorted({s.tier for s in hist.states if Located(s.step, s.branch) == at})
+        return StepNotFoundError(f"step {at} of run {self.config.run!r} is not committed in {src} (held by: "
+                                 f"{', '.join(holders)}): a promotion copies from {src}; nothing to promote")
 
     # ---- reading ---------------------------------------------------------------
     def locate(self, step: int | str, prefer: str = "auto", branch: str | None = None) -> tuple[Tier, int]:
@@ -400,6 +415,15 @@ class Store:
         except FlowcheckError:
             return None
 
+    def _absent(self) -> str:
+        """The configured tier folders that do not exist, as a note for "nothing stored" (a mistyped path reads as
+        an empty store otherwise)."""
+        try:
+            missing = [f"{t.tier} folder {t.where} does not exist" for t in self.check_tiers() if not t.created]
+        except FlowcheckError as e:  # a folder and its parent missing, a bucket that does not exist: say that
+            return f" ({e})"
+        return f" ({'; '.join(missing)})" if missing else ""
+
     @staticmethod
     def _vouched(holders: list[Tier], step: int) -> bool:
         """Whether a tier holding the step can vouch for it, as the history counts it (its manifest reads and
@@ -419,8 +443,8 @@ class Store:
         try:
             if not hist.states:
                 what = "any step" if step == "latest" else f"step {step}"
-                raise StepNotFoundError(f"run {self.config.run!r} has no committed step in any tier (asked for "
-                                        f"{what}); run `flowcheck snapshot` or the demo first")
+                raise StepNotFoundError(f"run {self.config.run!r} has no committed step in any tier{self._absent()} "
+                                        f"(asked for {what}); run `flowcheck snapshot` or the demo first")
             return hist.resolve(step, branch)
         except StepNotFoundError as e:
             gone = pruning.pruned_message(self, step, branch)
@@ -545,6 +569,16 @@ class Store:
         of the run is ``empty``. A configured tier that does not exist raises TierMissingError (no such S3
         bucket; a ``file://`` folder whose parent is missing too), refused credentials TierAccessError."""
         return tier_check.check_tiers(self)
+
+
+def _same_state_note(hist: History, at: Located) -> str:
+    """Why committing a state again forms no branch: a retry, or a deterministic replay after a rollback (the same
+    state again: kept once, as every copy of one state is)."""
+    later = [s.step for s in hist.states if s.branch == at.branch and s.step > at.step]
+    if later:
+        return (f"is the same state as before the rollback (step {max(later)} on {at.branch} was committed after "
+                f"it): kept once, no branch forms")
+    return "is already committed with this state"
 
 
 def _same_data(m: Manifest, shards: set, scalars: dict, layout_digest: str) -> bool:

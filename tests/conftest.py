@@ -95,3 +95,12 @@ def s3_bucket(s3_env):
 @pytest.fixture
 def snapshot():
     return make_snapshot()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_lineage_evidence():
+    """Each test is a job of its own: what an earlier test loaded or saved is no evidence of its lineage."""
+    from flowcheck import evidence
+
+    evidence.forget()
+    yield

@@ -238,3 +238,81 @@ def test_a_symlinked_branch_folder_is_never_a_branch(tmp_path, target):
     assert (victim / "step-000000010").exists() and (tmp_path / "l" / "r" / "step-000000010").exists()
     result = _run("audit", "--config", str(cfg))
     assert result.exit_code == 1 and "is a symlink" in result.output and "not a branch folder" in result.output
+
+
+# ---- every error a user can cause: one line, a documented exit status -------------------------------------------
+
+def _cli(*args: str, cwd=None, close_stdout: bool = False):
+    """A real `flowcheck` process: (exit status, stdout, stderr).  ``close_stdout``: its reader goes away at once,
+    as `| head -1` does once it has its line."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "flowcheck", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=cwd)
+    if close_stdout:
+        proc.stdout.close()
+        err = proc.stderr.read()
+        proc.wait(120)
+        return proc.returncode, "", err
+    out, err = proc.communicate(timeout=120)
+    return proc.returncode, out, err
+
+
+@pytest.fixture
+def two_runs(tmp_path):
+    """Run r1: steps 1 and 2 in local, step 1 promoted to object; run other: step 7 in local."""
+    from dataclasses import replace
+
+    from flowcheck.store import Store
+    from tests.helpers import make_snapshot
+    from tests.test_store import make_store
+
+    store = make_store(tmp_path)
+    store.write(make_snapshot(step=1))
+    store.promote(1)
+    store.write(make_snapshot(step=2, seed=1))
+    Store(replace(store.config, run="other")).write(make_snapshot(run="other", step=7))
+    return _config(tmp_path)
+
+
+def test_every_error_a_user_can_cause_is_one_line_with_a_documented_exit_status(tmp_path, two_runs):
+    cfg = two_runs
+    (tmp_path / "bad.yaml").write_text("run: r1\ntiers:\n  local: [oops\n")
+    (tmp_path / "keep.yaml").write_text("policy:\n  object:\n    keep_last: 0\n")
+    (tmp_path / "gone.yaml").write_text(f"run: r1\ntiers:\n  local: {{root: {tmp_path / 'gone' / 'local'}}}\n"
+                                        f"  object: {{url: 'file://{tmp_path / 'gone' / 'object'}'}}\n")
+    gone = str(tmp_path / "gone")
+    cases = [  # (argv, expected exit status, what the line must say)
+        (["ls", "--config", str(tmp_path / "bad.yaml")], 2, "bad.yaml': not valid YAML: line 4, column 1"),
+        (["ls", "--config", str(tmp_path / "keep.yaml")], 2, "policy.object.keep_last: expected >= 1"),
+        (["show", "--step", "abc", "--config", cfg], 2, "Invalid value for --step"),
+        (["show", "--step", "9", "--config", cfg], 2, "step 9 is not committed"),
+        (["promote", "--step", "2", "--to", "local", "--config", cfg], 2, "not committed in object (held by: local)"),
+        (["lineage", "--config", str(tmp_path / "gone.yaml")], 2, gone),
+        (["gc", "--config", str(tmp_path / "gone.yaml")], 2, gone),
+        (["audit", "--config", str(tmp_path / "gone.yaml")], 2, gone),
+        (["show", "--step", "1", "--config", str(tmp_path / "gone.yaml")], 2, gone),
+        (["export", "--step", "1", "--out", str(tmp_path / "x.safetensors"), "--config", str(tmp_path / "gone.yaml")],
+         2, gone),
+        (["restore", "--step", "1", "--tp", "1", "--pp", "1", "--out", str(tmp_path / "r"), "--config",
+          str(tmp_path / "gone.yaml")], 2, gone),
+    ]
+    for argv, status, said in cases:
+        code, _, err = _cli(*argv)
+        assert code == status and err.startswith("error: ") and err.count("\n") == 1 and said in err, (argv, code, err)
+    for argv in (["show", "--step", "1", "--config", cfg], ["ls", "--config", cfg]):  # `| head -1`
+        code, _, err = _cli(*argv, close_stdout=True)
+        assert code == 141 and err == "", (argv, code, err)
+
+
+def test_audit_lineage_and_gc_take_run_like_ls(two_runs):
+    cfg = two_runs
+    view = json.loads(_run("lineage", "--run", "other", "--format", "json", "--config", cfg).output)
+    assert [n["step"] for n in view["nodes"]] == [7]
+    result = _run("audit", "--run", "other", "--no-data", "--config", cfg)
+    assert result.exit_code == 0 and "1 distinct states" in result.output, result.output
+    result = _run("gc", "--run", "other", "--dry-run", "--config", cfg)
+    assert result.exit_code == 0 and "keeps [7]" in result.output, result.output
+    result = _run("show", "--run", "other", "--step", "7", "--config", cfg)
+    assert result.exit_code == 0 and result.output.startswith("run other step 7"), result.output

@@ -142,7 +142,7 @@ def test_a_given_config_wins_where_it_speaks_and_the_demo_fills_in_the_rest(tmp_
     cfg.parent.mkdir()
     cfg.write_text("run: keepall\ntiers:\n  local: {root: ./store}\npolicy:\n  local: {keep_last: 100}\n")
     got = demo_config(DemoOptions(str(tmp_path / "w"), config=str(cfg)))
-    assert got.run == "keepall" and got.tiers.local.root == str(tmp_path / "conf" / "store")
+    assert got.run == "keepall" and got.tiers.local.root == str(tmp_path / "w" / "store")  # under --workdir
     assert got.policy.local.keep_last == 100 and got.policy.local.every_steps == 25  # the demo's, where silent
     assert got.tiers.object.url == "file://" + str(tmp_path / "w" / "object")
     assert got.policy.object.every_seconds == 2.0
@@ -151,6 +151,28 @@ def test_a_given_config_wins_where_it_speaks_and_the_demo_fills_in_the_rest(tmp_
     assert given.policy.local.keep_last == 100
     help_text = " ".join(_run("demo", "--help").output.split())
     assert "--config FILE" in help_text and "an option given here wins, then this file" in help_text
+
+
+def test_the_hourly_config_keeps_the_store_under_the_workdir_and_the_verdict_says_the_object_tier_was_idle(tmp_path):
+    """configs/hourly.yaml names ./flowcheck-data: the demo's store goes under --workdir, never beside the config (in
+    the checkout); its hourly promotion never runs in a demo of seconds, and PASSED says the object tier was not
+    exercised."""
+    import shutil
+
+    conf = tmp_path / "checkout" / "configs"
+    conf.mkdir(parents=True)
+    hourly = conf / "hourly.yaml"
+    shutil.copy(os.path.join(os.path.dirname(__file__), "..", "configs", "hourly.yaml"), hourly)
+    work = tmp_path / "w"
+    proc = subprocess.run([EXE, "demo", "--workdir", str(work), "--config", str(hourly), "--steps", "10",
+                           "--local-every", "5"], check=False, capture_output=True, text=True, timeout=600,
+                          env=_env(), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert os.listdir(conf) == ["hourly.yaml"]  # nothing written beside the config
+    assert (work / "flowcheck-data" / "local" / "default").is_dir()
+    last = proc.stdout.strip().splitlines()[-1]
+    assert last.startswith("demo: PASSED — ") and "object tier NOT exercised (no promotion ran: policy.object " \
+        "every 3600 s)" in last, last
 
 
 def _flip_one_bit_of_the_legacy_checkpoint(real_restore):
@@ -222,3 +244,19 @@ def test_demo_with_an_s3_object_store_over_http(tmp_path, s3_env):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "from the object tier" in proc.stdout and proc.stdout.strip().splitlines()[-1].startswith("demo: PASSED")
     assert "s3://demo-bucket/ckpt" in (tmp_path / "w" / "flowcheck.yaml").read_text()
+
+
+def test_a_second_demo_on_one_store_is_a_second_root_in_lineage(demo_run):
+    """The second run trains a freshly initialised model from the step after the first run's last: it descends from
+    nothing the first run stored (runs last here: it adds to the shared demo's store)."""
+    workdir, _, _ = demo_run
+    again = subprocess.run([EXE, "demo", "--workdir", str(workdir), "--steps", "10", "--local-every", "5",
+                            "--object-seconds", "0.5"], check=False, capture_output=True, text=True, timeout=600,
+                           env=_env())
+    assert again.returncode == 0, again.stdout + again.stderr
+    done = subprocess.run([EXE, "lineage", "--format", "json", "--config", str(workdir / "flowcheck.yaml")],
+                          check=True, capture_output=True, text=True, env=_env())
+    view = json.loads(done.stdout)
+    second = min((n for n in view["nodes"] if n["step"] > STEPS), key=lambda n: n["step"])
+    assert second["parent"] is None, second  # not the first run's last step: it does not descend from it
+    assert str(second["step"]) in [r.split("@")[0] for r in view["roots"]], view["roots"]

@@ -172,3 +172,33 @@ def test_a_run_that_never_branched_is_located_without_reading_every_manifest_and
         f.truncate(os.path.getsize(path) - 20)
     reader = Store(store.config)
     assert reader.locate("latest") == (reader.local, 11)
+
+
+def test_reading_a_name_or_region_a_step_lacks_is_a_flowcheck_error_in_every_tier(tmp_path):
+    """The memory tier too: a name not in the step held in RAM is TensorNotFoundError (not a bare KeyError), and a
+    region with more dimensions than the tensor a RegionError (not a bare IndexError)."""
+    from flowcheck.errors import RegionError, TensorNotFoundError
+
+    store = make_store(tmp_path)
+    snap = make_snapshot(run="r1", step=4)
+    store.push(snap)
+    store.snapshot()  # held in RAM and in the local tier
+    name = next(t.name for t in snap.layout.tensors if len(t.shape) == 2)
+    for prefer in ("memory", "local"):
+        with pytest.raises(TensorNotFoundError, match="step 4 has no tensor 'no.such.tensor'"):
+            store.read(4, "no.such.tensor", prefer=prefer)
+        with pytest.raises(RegionError, match="expected a region of at most 2 dimensions"):
+            store.read(4, name, (slice(0, 1), slice(0, 1), slice(0, 1)), prefer=prefer)
+
+
+def test_a_replay_to_the_same_state_after_a_rollback_says_why_no_branch_forms(tmp_path, caplog):
+    import logging
+
+    store = make_store(tmp_path)
+    for n in (1, 2, 3):
+        store.write(make_snapshot(step=n, seed=n))
+    with caplog.at_level(logging.INFO, logger="flowcheck.store"):
+        again = store.write(make_snapshot(step=2, seed=2), parent=store.local.manifest(1).parent_ref())
+    assert again.digest() == store.local.manifest(2).digest() and store.local.branch_names() == []
+    assert "step 2 is the same state as before the rollback (step 3 on main was committed after it): kept once, " \
+           "no branch forms" in caplog.text, caplog.text

@@ -25,7 +25,7 @@ import numpy as np
 
 from flowcheck import _native, dtypes
 from flowcheck.config import MemoryConfig
-from flowcheck.errors import FlowcheckError, StaleStateError, StepNotFoundError
+from flowcheck.errors import FlowcheckError, StaleStateError, StepNotFoundError, TensorNotFoundError
 from flowcheck.manifest import Manifest, ParentRef
 from flowcheck.state import Pin, Scalars, Shard, Snapshot, StateLayout
 from flowcheck.tiers.base import Tier, make_manifest, normalize_region, shard_digests
@@ -95,7 +95,7 @@ class MemoryTier(Tier):
         return manifest
 
     def adopt_push(self, snapshot: Snapshot, blocks: dict[Shard, Block], kept: Iterable[Shard] = (),
-                   base: str | None = None, parent: ParentRef | None = None) -> str:
+                   base: str | None = None, parent: ParentRef | None = None, root: bool = False) -> str:
         """Make a complete push the RAM state in one move, without copying it: its arrays (``blocks``: the lent memory
         each lives in), plus the ``kept`` shards (bytes the sender did not send again) taken from the state it
         replaces, which must still be the state ``base`` names.  A kept array that lives in lent memory is copied
@@ -104,7 +104,8 @@ class MemoryTier(Tier):
         The replaced state stays whole until this call: a push that never completes never reaches it.  Raises
         KeptShardsGone (nothing changed) when ``base`` no longer holds the kept shards.  Returns the new state's id:
         the replaced state's when the push has the same tensors (what senders were told stays true), else a new one.
-        ``parent``: the committed step the state descends from (a trainer that resumed); None keeps the current."""
+        ``parent``: the committed step the state descends from (a trainer that resumed); None keeps the current;
+        ``root``: it descends from nothing stored (a trainer's fresh start): its first commit starts a new root."""
         kept = list(kept)
         freed: list[Block] = []
         with self._cond:
@@ -122,7 +123,7 @@ class MemoryTier(Tier):
             known = {s: d for s, d in self._digests.items() if s in kept}  # kept arrays: not written, still true
             self._install(snapshot, arrays, blocks, state_id, freed)
             self._digests = known
-            if parent is not None:
+            if parent is not None or root:
                 self.head = parent
             self._manifest = None  # made (and the new shards hashed) when first asked: by the next snapshot
         _release(freed)
@@ -373,7 +374,7 @@ class MemoryTier(Tier):
         try:
             if snap.step != step:
                 raise StepNotFoundError(f"memory tier: holds step {snap.step}, not {step}")
-            spec = snap.layout.spec(tensor)
+            spec = _spec(snap, tensor)
             reg = normalize_region(region, spec.shape, tensor)
             out = np.empty(tuple(s.stop - s.start for s in reg), dtype=dtypes.dtype(spec.dtype).storage)
             for shard in snap.data:
@@ -409,6 +410,14 @@ class MemoryTier(Tier):
         finally:
             self.release(snap)
         return Snapshot(self.run, step, snap.layout, data, snap.scalars, source=snap.source, origin=manifest)
+
+
+def _spec(snap: Snapshot, tensor: str):
+    try:
+        return snap.layout.spec(tensor)
+    except KeyError:
+        raise TensorNotFoundError(f"step {snap.step} has no tensor {tensor!r} (memory tier); see `flowcheck show "
+                                  f"--step {snap.step} --json`") from None
 
 
 class _Update:

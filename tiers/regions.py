@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 
 from flowcheck import dtypes
-from flowcheck.errors import TooLargeError
+from flowcheck.errors import RegionError, TooLargeError
 
 
 def full_region(shape: tuple[int, ...]) -> tuple[slice, ...]:
@@ -21,11 +21,12 @@ def normalize_region(region: Any, shape: tuple[int, ...], name: str) -> tuple[sl
     if not isinstance(region, tuple):
         region = (region,)
     if len(region) > len(shape):
-        raise IndexError(f"{name}: region has {len(region)} dimensions, tensor has {len(shape)}")
+        raise RegionError(f"{name}: expected a region of at most {len(shape)} dimensions (the tensor's shape is "
+                          f"{list(shape)}), found {len(region)}")
     out = []
     for sl, n in zip(region + (slice(None),) * (len(shape) - len(region)), shape):
         if not isinstance(sl, slice) or sl.step not in (None, 1):
-            raise IndexError(f"{name}: regions are tuples of contiguous slices, found {sl!r}")
+            raise RegionError(f"{name}: expected a region of contiguous slices (step 1), found {sl!r}")
         start, stop, _ = sl.indices(n)
         out.append(slice(start, max(start, stop)))
     return tuple(out)

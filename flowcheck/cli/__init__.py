@@ -16,7 +16,7 @@ import click
 
 from flowcheck import __version__
 from flowcheck import progress as _progress
-from flowcheck.cli.common import handled
+from flowcheck.cli.common import handled, reader_gone
 
 
 class _OneLineErrors(click.Group):
@@ -28,6 +28,9 @@ class _OneLineErrors(click.Group):
             return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         try:
             rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+            sys.stdout.flush()  # a reader that went away (`| head -1`) is met here, not in Python's exit
+        except BrokenPipeError:
+            reader_gone()
         except click.exceptions.NoArgsIsHelpError as e:
             e.show()
             sys.exit(e.exit_code)

@@ -47,6 +47,8 @@ def handled(fn):
         except FlowcheckError as e:
             click.echo(f"error: {e}", err=True)
             sys.exit(2)
+        except BrokenPipeError:
+            reader_gone()
         except (click.ClickException, click.exceptions.Exit, click.Abort):
             raise  # usage errors, ctx.exit(), Ctrl-C: click reports them itself
         except Exception as e:  # noqa: BLE001 - the last resort: one line instead of a traceback
@@ -62,6 +64,19 @@ def handled(fn):
             sys.exit(2)
 
     return wrapper
+
+
+PIPE_CLOSED = 141  # the exit status of a command whose reader closed its output (128 + SIGPIPE, as a shell shows)
+
+
+def reader_gone() -> None:
+    """The reader of stdout closed the pipe (``flowcheck ls | head -1``): stop quietly, as a tool that SIGPIPE ends
+    does; nothing more is written to the closed pipe."""
+    import os
+
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())  # Python's own flush of stdout at exit would fail again
+    sys.exit(PIPE_CLOSED)
 
 
 def verbosity() -> int:
@@ -128,6 +143,13 @@ def step_arg(step: str) -> int | str:
         raise click.BadParameter(f"expected a step number, 'latest' or a manifest digest prefix 'sha256:<hex>', "
                                  f"found {step!r}; `flowcheck ls` lists the run's steps", param_hint="--step")
     return int(step)
+
+
+def run_option(fn):
+    return click.option(
+        "--run", default=None, metavar="NAME",
+        help="Run to read (default: the config's run, or the store's only run when the config's has no step).",
+    )(fn)
 
 
 def branch_option(fn):

@@ -36,8 +36,10 @@ def demo(config_path, workdir, steps, local_every, object_seconds, object_url):
     trainer.  Ends with `demo: PASSED — …` or `demo: FAILED — …` (exit status 1; 2 when it cannot finish).
 
     Every `$ flowcheck …` line it prints runs as printed, from any folder.  With --config, the demo honours
-    the file's run, tiers and policy (keep_last, …) and fills in only what it leaves out; the merged config
-    is written to WORKDIR/flowcheck.yaml.  About a minute on 2 cores.
+    the file's run, tiers and policy (keep_last, …) and fills in only what it leaves out; its relative folders
+    are taken from WORKDIR (the store stays under it); the merged config is written to WORKDIR/flowcheck.yaml.
+    A policy that promotes hourly does not reach the object tier in a demo: the verdict says so.  About 25 s
+    on 2 cores.
 
     \b
     Example:

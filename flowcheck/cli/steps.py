@@ -17,6 +17,7 @@ from flowcheck.cli.common import (
     handled,
     human,
     reading_store,
+    run_option,
     states_text,
     step_arg,
     store_for,
@@ -26,7 +27,7 @@ from flowcheck.errors import FlowcheckError
 
 @click.command("ls")
 @config_option
-@click.option("--run", default=None, help="Run name (default: the config's run, or the store's only run).")
+@run_option
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output (one object per row, with its branch).")
 @handled
 def ls_cmd(config_path, run, as_json):
@@ -83,11 +84,12 @@ def _ls_rows(tier, current: str) -> list[dict]:
 @config_option
 @click.option("--step", required=True, help=STEP_HELP)
 @branch_option
+@run_option
 @click.option("--tier", "prefer", default="auto", type=click.Choice(["auto", "local", "object"]), help="Which tier's manifest.")
 @click.option("--json", "as_json", is_flag=True, help="Print the whole manifest.")
 @click.option("--verify", is_flag=True, help="Also re-read every file and shard and check their digests.")
 @handled
-def show(config_path, step, branch, prefer, as_json, verify):
+def show(config_path, step, branch, run, prefer, as_json, verify):
     """Summarise one state's manifest: producer, branch, parent chain back to the first step (across
     branches), tensors, files, tiers holding it, and its verification status (manifest integrity,
     signature, same digest in every tier; --verify adds file and shard data digests). Exits 1 when a check fails.
@@ -103,7 +105,7 @@ def show(config_path, step, branch, prefer, as_json, verify):
     from flowcheck.branches import Located
     from flowcheck.restore.source import open_step
 
-    store = store_for(config_path)
+    store = reading_store(config_path, run)
     tier, m = open_step(store, step_arg(step), prefer, branch)
     if as_json:
         click.echo(json.dumps(m.to_json(), indent=2))
@@ -178,9 +180,10 @@ def snapshot(config_path, state_path, step, tier):
 @config_option
 @click.option("--step", default="latest", help="Step to promote (default: 'latest', the newest state of the branch). " + STEP_HELP)
 @branch_option
+@run_option
 @click.option("--to", "dst", default="object", type=click.Choice(["object", "local"]), help="Target tier.")
 @handled
-def promote(config_path, step, branch, dst):
+def promote(config_path, step, branch, run, dst):
     """Copy a committed step to a slower tier (local -> object by default), verified shard by shard; it keeps its branch.
 
     \b
@@ -189,7 +192,7 @@ def promote(config_path, step, branch, dst):
       flowcheck promote --step 1200 --branch b1000-1200 --config flowcheck.yaml
     """
     ref = step_arg(step)
-    store = store_for(config_path, progress=True)
+    store = store_for(config_path, progress=True, run=run)
     src = "local" if dst == "object" else "object"
     with bytes_bar(f"promote step {step} {src} -> {dst}") as bar:
         m = store.promote(None if ref == "latest" else ref, src=src, dst=dst, branch=branch, progress=bar)
@@ -200,9 +203,10 @@ def promote(config_path, step, branch, dst):
 
 @click.command()
 @config_option
+@run_option
 @click.option("--dry-run", is_flag=True, help="Only say what would be deleted.")
 @handled
-def gc(config_path, dry_run):
+def gc(config_path, run, dry_run):
     """Apply retention (keep-last-N, hourly, daily along the current branch; abandoned branches after
     keep_abandoned_hours) per tier; clean abandoned partial writes.  States print as step@branch off main.
 
@@ -211,16 +215,20 @@ def gc(config_path, dry_run):
     \b
     Example:
       flowcheck gc --dry-run --config flowcheck.yaml
+      flowcheck gc --run other-run --config flowcheck.yaml
     """
+    store = store_for(config_path, run=run)  # only the run named: gc deletes
+    states = {s.tier: s for s in store.check_tiers()}  # a configured tier that does not exist: exit 2, named
     with _progress.bar(desc="gc" + (" (dry run)" if dry_run else ""), unit="step") as bar:
-        report = store_for(config_path).gc(dry_run=dry_run, progress=bar)
+        report = store.gc(dry_run=dry_run, progress=bar)
     verb = "would delete" if dry_run else "deleted"
     for tier, deleted in report.deleted.items():
         kept = states_text(report.kept.get(tier, {}))
         if deleted:
             click.echo(f"{tier}: {verb} steps {states_text(deleted)}; keeps {kept}")
         else:
-            click.echo(f"{tier}: nothing to delete; keeps {kept}" if report.kept.get(tier) else f"{tier}: no steps")
+            click.echo(f"{tier}: nothing to delete; keeps {kept}" if report.kept.get(tier) else
+                       f"{tier}: no steps" + (f" ({states[tier].describe()})" if tier in states else ""))
         for at in deleted:
             click.echo(f"{tier}:   {at}: {report.why.get(tier, {}).get(at, 'no reason recorded')}")
         for path in report.cleaned.get(tier, []):
@@ -234,8 +242,9 @@ def gc(config_path, dry_run):
 @click.option("--tier", default=None, type=click.Choice(["local", "object"]),
               help="Delete it from this tier only (default: every tier holding it).")
 @click.option("--force", is_flag=True, help="Also delete the newest state of the current branch (its head).")
+@run_option
 @handled
-def delete(config_path, step, branch, tier, force):
+def delete(config_path, step, branch, tier, force, run):
     """Delete one stored state, leaving the pruned record GC leaves (audit then reads the gap as deliberate).
 
     The newest state of the current branch is refused without --force: it is what a restart resumes from.
@@ -245,7 +254,7 @@ def delete(config_path, step, branch, tier, force):
       flowcheck delete --step 1200 --config flowcheck.yaml
       flowcheck delete --step 40 --branch main --tier local --config flowcheck.yaml
     """
-    store = store_for(config_path)
+    store = store_for(config_path, run=run)
     rep = store.delete(step_arg(step), tier=tier, branch=branch, force=force)
     head = " (it was the current branch's head)" if rep.was_head else ""
     click.echo(f"deleted step {rep.state} of run {rep.run} from the {' and '.join(rep.tiers)} tier"

@@ -15,8 +15,8 @@ from flowcheck.cli.common import (
     config_option,
     handled,
     reading_store,
+    run_option,
     step_arg,
-    store_for,
 )
 
 
@@ -59,10 +59,11 @@ def diff(config_path, step, branch, run, reference, prefer, as_json):
 
 @click.command()
 @config_option
+@run_option
 @click.option("--no-data", is_flag=True, help="Check manifests, files and chain, skip re-reading shard data.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable report.")
 @handled
-def audit(config_path, no_data, as_json):
+def audit(config_path, run, no_data, as_json):
     """Verify every state of every branch in every tier: manifests, file digests, shard digests, hash chain
     (across branches), gaps; forks (a rollback or restore starting a branch) are reported as information.
 
@@ -71,12 +72,13 @@ def audit(config_path, no_data, as_json):
     \b
     Example:
       flowcheck audit --config /tmp/fc-demo/flowcheck.yaml
+      flowcheck audit --run other-run --config /tmp/fc-demo/flowcheck.yaml
     """
     from flowcheck.audit import audit as run_audit
     from flowcheck.audit import info_lines
     from flowcheck.lineage_view import to_json
 
-    store = store_for(config_path)
+    store = reading_store(config_path, run)
     states = store.check_tiers()  # a configured tier that does not exist is an error (exit 2), not "0 steps OK"
     with bytes_bar("audit: re-reading every file" + ("" if no_data else " and shard")) as bar:
         report = run_audit(store, data=not no_data, progress=bar)
@@ -101,11 +103,12 @@ def audit(config_path, no_data, as_json):
 
 @click.command()
 @config_option
+@run_option
 @click.option("--format", "fmt", default="text", type=click.Choice(["text", "json", "dot", "png"]), help="Output format.")
 @click.option("--out", default=None, type=click.Path(dir_okay=False), help="Output file (required for png; default: stdout).")
 @click.option("--verify", is_flag=True, help="Also check every file's size and digest (green = verified); default: manifests and links only.")
 @handled
-def lineage(config_path, fmt, out, verify):
+def lineage(config_path, run, fmt, out, verify):
     """Draw the run's lineage tree: one node per state (step@branch off main, source, tiers holding it),
     coloured by audit status (green verified, yellow warning, red damaged, grey unverified); a rollback or
     restore forks a branch (text: ├─ per branch; dot/png: a box per branch, bold edges out of the fork).
@@ -116,18 +119,24 @@ def lineage(config_path, fmt, out, verify):
     Example:
       flowcheck lineage --format png --out lineage.png --verify --config flowcheck.yaml
       flowcheck lineage --format dot --config flowcheck.yaml | dot -Tsvg > lineage.svg
+      flowcheck lineage --run other-run --config flowcheck.yaml
     """
     from flowcheck.audit import lineage as run_lineage
     from flowcheck.lineage_view import dumps, render_png, to_dot
 
     if fmt == "png" and out is None:
         raise click.UsageError("--format png writes an image file: expected --out FILE.png, found none")
+    store = reading_store(config_path, run)
+    states = store.check_tiers()  # a configured tier that does not exist is an error (exit 2), not an empty tree
     if verify:
         with bytes_bar("lineage: verifying files") as bar:
-            report = run_lineage(store_for(config_path), verify=True, progress=bar)
+            report = run_lineage(store, verify=True, progress=bar)
     else:
         with _progress.activity("lineage"):
-            report = run_lineage(store_for(config_path))
+            report = run_lineage(store)
+    if not report.nodes:
+        for state in states:
+            click.echo(f"({state.describe()})", err=True)
     if fmt == "png":
         render_png(to_dot(report), out)
         forks = len(report.forks)

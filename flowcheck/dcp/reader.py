@@ -16,6 +16,7 @@ import io
 import logging
 import math
 import os
+import re
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -38,7 +39,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from flowcheck import dtypes
+from flowcheck import dtypes, evidence
 from flowcheck.config import Config
 from flowcheck.dcp import objects
 from flowcheck.dcp.index import PUSH_KEYS, PushKeys, View, view_of
@@ -85,7 +86,10 @@ class Reader(StorageReader):
         if prefer not in ("auto", "local", "object"):
             raise ConfigError(f"flowcheck.dcp.Reader: prefer: expected 'auto', 'local' or 'object', found {prefer!r}")
         self.config, _ = open_config(where, run)
-        self.step, self.branch, self.prefer = step, branch, prefer
+        self.step, self.branch, self.prefer = _checked_step(step), branch, prefer
+        # what can be checked now is: a missing folder, an unknown run, branch, step or digest is one FlowcheckError
+        # here, not DCP's CheckpointException (a BaseException) after two logged tracebacks inside dcp.load
+        Store(self.config).stored(self.step, prefer, branch)
         self.trust_pickle, self.safe_globals = trust_pickle, tuple(safe_globals)
         self.push_keys, self.direct, self.prefetch = push_keys, direct, prefetch
         self._resumed: ParentRef | Manifest | None = None  # the loaded manifest; its digest once asked for
@@ -167,6 +171,8 @@ class Reader(StorageReader):
                                          f"{list(piece.size())} into a tensor of {list(dest.size())}")
                 dest.copy_(piece)
                 planner.commit_tensor(req, dest)
+        if self.resumed is not None:  # what this process's next save of the run descends from (flowcheck/evidence.py)
+            evidence.loaded(self.config.run, self.resumed)
         future: Future[None] = Future()
         future.set_result(None)
         return future
@@ -263,6 +269,19 @@ class Reader(StorageReader):
         where = f"{self._tier.name} tier step {self._manifest.step} ({name})"
         return objects.for_planner(src.numpy().tobytes(), key, where, trust_pickle=self.trust_pickle,
                                    safe_globals=self.safe_globals)
+
+
+def _checked_step(step: Any) -> int | str:
+    """A step reference as the store resolves it: a number, ``latest``, or a ``sha256:<hex>`` digest prefix."""
+    if isinstance(step, int) and not isinstance(step, bool) and step >= 0:
+        return step
+    if isinstance(step, str) and (step == "latest" or _DIGEST_PREFIX.fullmatch(step)):
+        return step.lower()
+    raise ConfigError(f"flowcheck.dcp.Reader: step: expected a step number, 'latest' or a manifest digest prefix "
+                      f"'sha256:<hex>', found {step!r}")
+
+
+_DIGEST_PREFIX = re.compile(r"sha256:[0-9a-fA-F]{1,64}")
 
 
 def _prefetch(tier: Any, n: int) -> None:

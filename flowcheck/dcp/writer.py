@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
+from flowcheck import evidence
 from flowcheck.config import Config
 from flowcheck.dcp import parts, staging
 from flowcheck.dcp.index import object_name, tensor_name
@@ -52,9 +53,10 @@ class Writer(StorageWriter, AsyncStager):
     """Save a DCP checkpoint as step ``step`` of ``run``, in the local tier (zarr) or the object tier (safetensors).
 
     ``where``: a ``Config``, a config file, an fsspec URL (the object tier there) or a folder (a local tier root).
-    ``parent``: ``"auto"`` (the current branch's newest step before this one), None (a new lineage), a
-    ``ParentRef``, or the ``Reader`` the trainer resumed with (its step, once: a save after a resume is a branch
-    of the resumed step, see README "Branches").  ``reuse_staging``: ``dcp.async_save`` stages the state into the
+    ``parent``: ``"auto"`` (what this process loaded or last saved in the run, flowcheck/evidence.py; a process that
+    did neither starts a new root and logs how to name the parent), None (a new lineage), a step number (that step
+    of the current branch), a ``ParentRef``, or the ``Reader`` the trainer resumed with (its step, once: a save
+    after a resume is a branch of the resumed step, see README "Branches").  ``reuse_staging``: ``dcp.async_save`` stages the state into the
     CPU copy the previous async save of this run and tier used, once that save has stored it (flowcheck/dcp/staging.py;
     False: a fresh copy each time).  Example::
 
@@ -67,6 +69,7 @@ class Writer(StorageWriter, AsyncStager):
                  tier: str | None = None, parent: Any = "auto", reuse_staging: bool = True) -> None:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ConfigError(f"flowcheck.dcp.Writer: step: expected a non-negative integer, found {step!r}")
+        evidence.check_parent("flowcheck.dcp.Writer", parent)
         self.config, default_tier = open_config(where, run)
         self.tier = check_tier(tier or default_tier, self.config)
         self.step, self.parent, self.reuse_staging = step, parent, reuse_staging
@@ -83,6 +86,8 @@ class Writer(StorageWriter, AsyncStager):
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state["_staged"] = None  # a process-based async save: the staged copy stays this process's (never reused)
+        # and what this process loaded or saved goes with it: the saving process knows nothing of it otherwise
+        state["_known"] = evidence.parent_for(self.config.run, self.step)
         return state
 
     def synchronize_staging(self) -> None:
@@ -164,6 +169,7 @@ class Writer(StorageWriter, AsyncStager):
             self.committed = same
         else:
             self.committed = parts.commit(store, target, manifest)
+        evidence.saved(self.config.run, self.committed.parent_ref())
         consumed = getattr(self.parent, "resumed", None)
         if consumed is not None and self.committed.parent == consumed:
             self.parent.resumed = None  # the resume point is in the lineage now: later saves continue this branch
@@ -178,11 +184,25 @@ class Writer(StorageWriter, AsyncStager):
         if hasattr(p, "resumed"):  # a flowcheck.dcp.Reader: its step, until a save recorded it
             p = p.resumed if p.resumed is not None else "auto"
         if p == "auto":
+            return self._auto_parent(store)
+        if isinstance(p, int):  # checked in the constructor: a step number
+            tier, n = store.locate(p)  # StepNotFoundError names the branches that hold it
+            return tier.manifest(n).parent_ref()
+        return p  # None or a ParentRef
+
+    def _auto_parent(self, store: Store) -> ParentRef | None:
+        """What this process loaded or last saved in the run (flowcheck/evidence.py), held by this store; else a new
+        root, said in one line when the run already holds states (where the newest would have been taken)."""
+        run = self.config.run
+        known = evidence.parent_for(run, self.step) or getattr(self, "_known", None)
+        if known is not None and known.ref is None:  # this process pushed the run: the node committed it
             return store.head_before(self.step)
-        if p is None or isinstance(p, ParentRef):
-            return p
-        raise ConfigError(f"flowcheck.dcp.Writer: parent: expected 'auto', None, a ParentRef or a flowcheck.dcp.Reader, "
-                          f"found {type(p).__name__}")
+        hist = store.history()
+        if known is not None and hist.by_digest(known.ref.manifest_digest):
+            return known.ref
+        if hist.states:
+            log.warning("%s", evidence.root_hint("flowcheck.dcp.Writer", run, self.step))
+        return None
 
 
 def _part(stored: Any, step: int) -> Manifest:

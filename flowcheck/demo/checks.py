@@ -73,7 +73,23 @@ def verify(push: PushResult, on_check: Callable[[Check], None] = lambda c: None)
                 for fmt in RESTORE_FORMATS]
     for check in with_megatron_core(push, restores, expected):
         done(check)
+    done(object_check(push))
     return DemoSummary(tuple(checks))
+
+
+def object_check(push: PushResult) -> Check:
+    """Whether the object tier took part: with a policy in hours (configs/hourly.yaml) no promotion runs in a demo
+    of seconds, and a PASSED that does not say so would claim what was not shown."""
+    promotions = push.status.get("policy", {}).get("promotions", 0)
+    if promotions:
+        return Check("object tier", True, "")
+    obj = push.config.policy.object
+    why = ("tiers.object is disabled" if not push.config.tiers.object.enabled else
+           f"no promotion ran: policy.object every {obj.every_seconds:g} s" if obj.every_seconds else
+           "no promotion ran: policy.object has no timer")
+    line = (f"object tier NOT exercised ({why}); every check above read the local tier; "
+            f"--object-seconds 2 exercises it")
+    return Check("object tier", True, line, report=(line,))
 
 
 def _guarded(name: str, run: Callable[[], Check]) -> Check:

@@ -3,7 +3,9 @@
 Precedence, field by field: an option given on the command line (``--local-every``,
 ``--object-seconds``, ``--object-url``), then the ``--config`` file, then the
 demo's defaults (run ``demo``, tiers in the workdir, a policy in seconds instead
-of hours).  The merged config is written to ``WORKDIR/flowcheck.yaml`` with
+of hours).  Relative folders in the ``--config`` file are taken from the workdir, not from the file's folder: the
+demo's store is always under ``--workdir`` (``configs/hourly.yaml`` names ``./flowcheck-data``, which would be
+inside the checkout).  The merged config is written to ``WORKDIR/flowcheck.yaml`` with
 absolute paths; the node, the trainers and every command the demo prints use it.
 """
 from __future__ import annotations
@@ -96,7 +98,7 @@ def demo_config(opts: DemoOptions) -> Config:
              "tiers": {"object": {"url": opts.object_url}}}
     merged = _merge(merged, _drop_none(given))
     where = opts.config or "demo"
-    base = os.path.dirname(os.path.abspath(opts.config)) if opts.config else None
+    base = opts.root  # the demo's store lives under --workdir: a config's relative folders are taken from there
     cfg = from_dict(merged, where, base=base)
     serve = raw.get("serve") or {}
     push = serve.get("push") or f"127.0.0.1:{free_port()}"

@@ -37,7 +37,8 @@ def _train(cfg, args: argparse.Namespace) -> int:
     # as `flowcheck import` stores them); not arch=: that is for megatron-core trainers, which push TP/PP boxes
     ck = Checkpointer(model, opt, sched, node=f"tcp://{cfg.serve.push}", run=cfg.run, timeout_s=10,
                       extra={"model": ARCH.to_json(), "megatron": {"args": megatron_args(args.last)}},
-                      token=read_token(cfg.serve.auth_token_env))
+                      token=read_token(cfg.serve.auth_token_env),
+                      parent="auto" if args.resume else None)  # without --resume it trains a fresh model: a new root
     first = args.first
     if args.resume:
         first = ck.load("latest", config=args.config) + 1

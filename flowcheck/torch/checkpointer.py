@@ -37,13 +37,14 @@ from typing import Any
 import torch
 import xxhash
 
-from flowcheck import _native
+from flowcheck import _native, evidence
 from flowcheck.capture.push.auth import DEFAULT_TOKEN_ENV, PushSigner, read_token
 from flowcheck.capture.push.buffers import generation_at  # noqa: F401 - where a segment's counter is (tests, tools)
 from flowcheck.capture.push.launch import Superseded
-from flowcheck.capture.push.wire import encode_header, recv_header
+from flowcheck.capture.push.wire import ROOT, encode_header, recv_header
 from flowcheck.errors import AuthError, ConfigError, FlowcheckError
 from flowcheck.logs import oneline
+from flowcheck.manifest import ParentRef
 from flowcheck.torch import dtensor
 from flowcheck.torch.coords import Coordinates
 from flowcheck.torch.device_copy import DeviceCopier, order_after
@@ -135,10 +136,15 @@ class Checkpointer:
                  extra: Any = None, coords: Coordinates | None = None, budget_mib: float | None = None,
                  on_busy: str | None = None, timeout_s: float | None = None, transport: str | None = None,
                  hook: bool | None = None, rng: bool | None = None, arch: Any = None, token: str | None = None,
-                 gpu_staging: int | str | None = None) -> None:
+                 gpu_staging: int | str | None = None, parent: Any = "auto") -> None:
         """``config`` (a PushConfig) or its fields as keywords (a keyword given with ``config`` overrides that field);
         ``extra``: JSON scalars (or a callable returning them) pushed with each step; ``coords``: where this rank sits
-        (default: detected); ``arch``: a Megatron trainer's model description (flowcheck.restore.arch.ModelArch)."""
+        (default: detected); ``arch``: a Megatron trainer's model description (flowcheck.restore.arch.ModelArch);
+        ``parent``: what the first push descends from — ``"auto"`` (what ``load()``, a ``flowcheck.dcp.Reader`` or an
+        earlier save of this process brought the run to, flowcheck/evidence.py; none: a new root, logged), None (a
+        new root), a step number N (step N of the node's current branch: a job that resumed from a directory
+        ``flowcheck restore`` wrote), a ``ParentRef``, or the ``Reader`` the trainer loaded with."""
+        evidence.check_parent("Checkpointer", parent)
         self.config = config = push_config(config, node=node, run=run, budget_mib=budget_mib, on_busy=on_busy,
                                            timeout_s=timeout_s, transport=transport, hook=hook, rng=rng, token=token,
                                            gpu_staging=gpu_staging)
@@ -154,7 +160,10 @@ class Checkpointer:
         self._token = config.token if config.token is not None else read_token(DEFAULT_TOKEN_ENV)
         self._signer: PushSigner | None = None
         # set by load(): the first push accepted after it tells the node the state descends from that step
-        self.parent: dict[str, Any] | None = None
+        self.parent: ParentRef | None = None
+        self._parent_arg = parent  # what the first push descends from when load() was not called
+        self._lineage_told = False  # a push was acknowledged: the node chains later steps to what it commits
+        self._root_logged = False
         self._entries: list[_Entry] = []
         self._specs: list[dict[str, Any]] = []
         self._signature: tuple | None = None
@@ -295,7 +304,8 @@ class Checkpointer:
             self.lr_scheduler.load_state_dict(snap.scalars.lr_scheduler)
         if self.rng and snap.scalars.rng:
             restore_rng(snap.scalars.rng)
-        self.parent = {"step": manifest.step, "manifest_digest": manifest.digest()}
+        self.parent = manifest.parent_ref()
+        evidence.loaded(self.run, self.parent)
         self.mark_changed()
         return manifest.step
 
@@ -586,10 +596,10 @@ class Checkpointer:
                 raise Superseded(self.superseded)
             raise FlowcheckError(f"node refused step {job.step}: {answer.get('message')}")
         self._acknowledged(job, answer, sent, kept)
-        if header["parent"] is not None and header["parent"] is self.parent:
-            # the node now knows where this run resumed from; later steps descend from what it commits
-            # next (sending the resume point with every push re-parented each snapshot onto it)
-            self.parent = None
+        # the node now knows where this state descends from; later steps descend from what it commits next (sending
+        # the resume point with every push re-parented each snapshot onto it)
+        self.parent, self._lineage_told = None, True
+        evidence.pushed(self.run, job.step)
 
     def _push(self, job: _Job, kept: frozenset[int]) -> tuple[dict[str, Any], dict[str, Any], int, frozenset[int]]:
         """One push frame and the node's answer (sent once the node holds the step as its RAM state): (header, answer,
@@ -614,7 +624,7 @@ class Checkpointer:
             "source_layout": {"tp": c.tp, "pp": c.pp, "dp": c.dp, "vpp": c.vpp}, "tensors": self._specs,
             "shards": [{"tensor": e.name, "offsets": e.offsets, "shape": list(e.tensor.shape), "at": e.at,
                         **({"kept": True} if i in kept else {})} for i, e in enumerate(self._entries)],
-            "scalars": job.scalars, "parent": self.parent,
+            "scalars": job.scalars, "parent": self._header_parent(job.step),
             **({"launch": self.launch.to_json()} if self.launch is not None else {}),
             "payload": payload, "trainer": self._trainer_report(),
         }
@@ -627,6 +637,28 @@ class Checkpointer:
             for piece in pieces:
                 sock.sendall(piece)
         return header, recv_header(sock), sent, kept
+
+    def _header_parent(self, step: int) -> dict[str, Any] | str | None:
+        """The push header's ``parent``: a stored state (``{step, manifest_digest}``; ``{step}``: the node's current
+        branch's state at that step), ``ROOT`` (a new lineage), or None once the node was told (it continues)."""
+        if self.parent is not None:
+            return _ref_json(self.parent)
+        if self._lineage_told:
+            return None
+        p = self._parent_arg
+        if hasattr(p, "resumed"):  # a flowcheck.dcp.Reader: what it loaded
+            p = p.resumed if p.resumed is not None else "auto"
+        if p == "auto":
+            known = evidence.parent_for(self.run, step)
+            if known is None:
+                if not self._root_logged:
+                    self._root_logged = True
+                    log.warning("%s", evidence.root_hint("Checkpointer", self.run, step))
+                return ROOT
+            return None if known.ref is None else _ref_json(known.ref)
+        if p is None:
+            return ROOT
+        return {"step": p} if isinstance(p, int) else _ref_json(p)
 
     def _pieces(self, region: int, kept: frozenset[int]) -> list[memoryview]:
         """What a push of ``region`` carries: the whole buffer, or the entries not kept, in order."""
@@ -697,6 +729,10 @@ class Checkpointer:
         self.stats.failures += 1
         self.stats.last_error = f"step {job.step}: {type(e).__name__}: {e}"
         log.warning("checkpoint push of step %d failed (%s); training continues", job.step, oneline(e))
+
+
+def _ref_json(ref: ParentRef) -> dict[str, Any]:
+    return {"step": ref.step, "manifest_digest": ref.manifest_digest}
 
 
 def _key(piece: torch.Tensor, whole: Any) -> tuple:

@@ -8,6 +8,8 @@ import shutil
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from flowcheck.branches import MAIN
 from flowcheck.store import Store, open_store
@@ -211,3 +213,106 @@ def test_rollback_end_to_end_with_the_node_policy_on_a_file_object_store(tmp_pat
 @pytest.mark.s3
 def test_rollback_end_to_end_with_the_node_policy_on_s3(tmp_path, s3_bucket):
     _rollback_end_to_end(tmp_path, s3_bucket)
+
+
+def test_a_fresh_trainer_is_a_new_root_and_one_that_names_its_parent_continues_it(tmp_path):
+    """A trainer that loaded nothing descends from nothing stored, even when the node holds another job's steps
+    (recovered as its head); one that resumed by other means and says ``parent=N`` descends from step N."""
+    from flowcheck import evidence
+
+    node = NodeProcess(str(tmp_path)).start()
+    try:
+        model, opt = _model()
+        gen = torch.Generator().manual_seed(1)
+        with Checkpointer(model, opt, node=node.url, run="gpt", timeout_s=20) as ck:
+            _push(node, ck, model, opt, gen, range(1, 6), snap_at={3, 5})
+        node.stop()
+        node.start()  # a restarted node recovers step 5 as its head
+        evidence.forget()  # a second process: resumed from step 5 (a directory `flowcheck restore` wrote), says so
+        with Checkpointer(model, opt, node=node.url, run="gpt", timeout_s=20, parent=5) as ck2:
+            _push(node, ck2, model, opt, gen, range(6, 8), snap_at={7})
+        evidence.forget()  # a third: it trains a freshly initialised model
+        model3, opt3 = _model(seed=3)
+        with Checkpointer(model3, opt3, node=node.url, run="gpt", timeout_s=20) as ck3:
+            _push(node, ck3, model3, opt3, gen, range(1, 4), snap_at={2, 3})
+        with Checkpointer(model3, opt3, node=node.url, run="gpt", timeout_s=20, parent=99) as ck4:
+            assert ck4.save(4) and not ck4.flush(20)  # a parent the node does not hold: refused, said in one line
+            assert "parent step 99: step 99 is not committed" in ck4.stats.last_error, ck4.stats.last_error
+    finally:
+        node.stop()
+    store = open_store(node.config)
+    assert store.local.steps() == [3, 5, 7]
+    assert store.local.manifest(7).parent == store.local.manifest(5).parent_ref()
+    hist = store.history()
+    roots = [b for b in hist.branches() if b.startswith("root-")]
+    assert len(roots) == 1 and hist.fork(roots[0]) is None, hist.branches()
+    fresh = store.tier("local", roots[0])
+    assert fresh.steps() == [2, 3] and fresh.manifest(2).parent is None
+    assert fresh.manifest(3).parent == fresh.manifest(2).parent_ref()
+
+
+def _in_process_node(tmp_path, token: str):
+    from flowcheck.capture.push.receiver import PushReceiver
+
+    store = open_store(NodeProcess(str(tmp_path)).config)
+    return store, PushReceiver(store, part_timeout_s=10, token=token).start()
+
+
+def _pushed_and_committed(store, ck, model, opt, gen, step: int):
+    """Train, push ``step``, wait until it is the RAM state, snapshot it: the committed manifest."""
+    import time
+
+    _train_step(model, opt, gen)
+    assert ck.save(step) and ck.flush(20), ck.stats.last_error
+    deadline = time.monotonic() + 10
+    while store.memory.step != step and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return store.snapshot()
+
+
+_job = st.one_of(
+    st.tuples(st.just("fresh"), st.integers(1, 3)),  # a new process training a new model: pushes n steps from 1
+    st.tuples(st.just("load"), st.integers(0, 30), st.integers(1, 3)),  # a new process: loads a stored state, n more
+    st.tuples(st.just("more"), st.integers(1, 2)),  # the same process pushes n more steps
+)
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                 HealthCheck.too_slow])
+@given(jobs=st.lists(_job, min_size=2, max_size=5))
+def test_every_pushed_states_parent_is_what_its_trainer_loaded_or_pushed_before(tmp_path_factory, node_token, jobs):
+    """Through a node: a fresh trainer's first state has no parent, a loaded one's first the state it loaded
+    (older or not: a rollback), every later one the state its own trainer pushed before — never what the node held
+    from another job."""
+    from flowcheck import evidence
+
+    store, receiver = _in_process_node(tmp_path_factory.mktemp("node"), node_token)
+    url = f"tcp://127.0.0.1:{receiver.address[1]}"
+    gen = torch.Generator().manual_seed(5)
+    committed, expect = [], {}
+    ck, step, last, seed = None, 0, None, 0
+    try:
+        for job in jobs:
+            if job[0] != "more" or ck is None:
+                if ck is not None:
+                    ck.close()
+                evidence.forget()  # a new process
+                seed += 1
+                model, opt = _model(seed=seed)
+                ck = Checkpointer(model, opt, node=url, run="gpt", transport="tcp", timeout_s=20)
+                step, last = 0, None
+                if job[0] == "load" and committed:
+                    m = committed[job[1] % len(committed)]
+                    step = ck.load(m.digest()[:30], store=store)
+                    last = m.parent_ref()
+            for _ in range(job[-1]):
+                step += 1
+                m = _pushed_and_committed(store, ck, model, opt, gen, step)
+                expect[m.digest()] = last
+                committed.append(m)
+                last = m.parent_ref()
+        ck.close()
+    finally:
+        receiver.close()
+    for m in committed:
+        assert m.parent == expect[m.digest()], (m.step, jobs)

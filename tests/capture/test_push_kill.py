@@ -97,7 +97,7 @@ def _check_round(node: NodeProcess, logs: list[str]) -> tuple[bool, bool]:
     assert held is not None and held >= acked_by_all and not status["memory"]["stale"], (held, acked_by_all, status)
     code, body = node.post("/snapshot")
     assert code == 200 and body["step"] == held, body
-    local = open_store(node.config).local
+    local = open_store(node.config).find(held, "local")  # each round's trainer is a fresh job: a root of its own
     m = local.manifest(held)
     got = state_digest({name: local.read(held, name) for name in m.tensors})
     assert got == reads[0][0][held], f"step {held}: the node's state is not what the trainer pushed"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import subprocess
 import sys
 import warnings
@@ -15,7 +16,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 import flowcheck.dcp
 from flowcheck import dtypes
-from flowcheck.errors import ConfigError
+from flowcheck.errors import ConfigError, FlowcheckError, StepNotFoundError
 from flowcheck.manifest import ParentRef
 from flowcheck.store import open_store
 from tests.dcp.test_dcp_fsdp import config, flat
@@ -147,8 +148,27 @@ def test_writer_and_reader_arguments_are_checked_with_what_to_do(tmp_path):
     with pytest.raises(ConfigError, match="use_collectives=True"):
         dcp.save({"w": torch.ones(1)}, storage_writer=flowcheck.dcp.Writer(cfg, step=1), use_collectives=False,
                  no_dist=True)
-    with pytest.raises(CheckpointException, match="no committed step"):
+    with pytest.raises(StepNotFoundError, match="no committed step"):
         load(cfg, {"w": torch.zeros(1)}, step="latest")
+
+
+def test_a_reader_of_nothing_loadable_is_refused_in_its_constructor_with_one_flowcheck_error(tmp_path):
+    """Not DCP's CheckpointException (a BaseException) after two logged tracebacks inside ``dcp.load``."""
+    cfg = config(str(tmp_path))
+    save(cfg, state(3), 3)
+    cases = [({"step": 9}, "step 9 is not committed on branch 'main'"),
+             ({"step": "nine"}, "step: expected a step number, 'latest' or a manifest digest prefix"),
+             ({"step": True}, "step: expected a step number"),
+             ({"step": "sha256:00000000"}, "has a manifest digest starting 'sha256:00000000'"),
+             ({"run": "other"}, "run 'other' has no committed step"),
+             ({"run": "../up"}, "run name '../up' is not allowed"),
+             ({"branch": "nope"}, "has no branch 'nope'")]
+    for kw, said in cases:
+        with pytest.raises(FlowcheckError, match=re.escape(said)):
+            flowcheck.dcp.Reader(cfg, **kw)
+    missing = str(tmp_path / "no-such-folder")
+    with pytest.raises(StepNotFoundError, match=f"local folder {re.escape(missing)} does not exist"):
+        flowcheck.dcp.Reader(missing, run="gpt")
 
 
 def test_a_url_or_a_folder_is_a_store_of_its_own(tmp_path):

@@ -34,7 +34,7 @@ from flowcheck import _native, dtypes
 from flowcheck.capture.push.auth import DEFAULT_TOKEN_ENV, PushGate
 from flowcheck.capture.push.buffers import LENT, ReceivePool, Segments, unmap_pages
 from flowcheck.capture.push.launch import Launch, Launches, Superseded
-from flowcheck.capture.push.wire import WireError, recv_exact, recv_header_body, recv_header_size, reply
+from flowcheck.capture.push.wire import ROOT, WireError, recv_exact, recv_header_body, recv_header_size, reply
 from flowcheck.errors import AuthError, FlowcheckError
 from flowcheck.logs import oneline
 from flowcheck.manifest import ParentRef
@@ -330,6 +330,7 @@ class PushReceiver:
             raise WireError(f"push header: expected 0 <= sender < senders, found sender {sender!r} of {senders!r}")
         try:
             launch = Launch.from_json(header.get("launch"))
+            parent = _parent(header.get("parent"), self.store)
         except WireError:
             self._drain(sock, header, size)
             raise
@@ -361,7 +362,7 @@ class PushReceiver:
             opened.parts[sender] = part
             if sender == 0 or opened.scalars is None:
                 opened.scalars = Scalars.from_json(header.get("scalars") or {})
-                opened.parent = _parent(header.get("parent"))
+                opened.parent = parent
             opened.cond.notify_all()
         self.stats.frames += 1
         self.stats.bytes += size
@@ -602,8 +603,9 @@ class PushReceiver:
             self.pool.clear()
         snap = Snapshot(self.store.config.run, opened.step, opened.layout, arrays, opened.scalars or Scalars(),
                         source="push")
+        root = opened.parent == ROOT
         return self.store.memory.adopt_push(snap, blocks, kept, base=bases.pop() if bases else None,
-                                            parent=opened.parent)
+                                            parent=None if root else opened.parent, root=root)
 
     def _wait_parts(self, opened: _OpenStep) -> None:
         """Until every sender's part is in; the step aborts when no part began a shard for ``part_timeout_s``."""
@@ -641,13 +643,23 @@ def _peer(sock: socket.socket) -> str:
     return f"{host}:{port}"
 
 
-def _parent(raw: Any) -> ParentRef | None:
+def _parent(raw: Any, store: Any) -> ParentRef | str | None:
+    """What a pushed state descends from: a stored state (``{step, manifest_digest}``; ``{step}``: the current
+    branch's state at that step), ROOT (nothing stored: a fresh start), or None (what the RAM state descends from)."""
+    if raw == ROOT:
+        return ROOT
     if not isinstance(raw, dict):
         return None
     try:
+        if set(raw) == {"step"}:
+            tier, n = store.locate(int(raw["step"]))
+            return tier.manifest(n).parent_ref()
         return ParentRef(int(raw["step"]), str(raw["manifest_digest"]))
+    except FlowcheckError as e:
+        raise WireError(f"push header: parent step {raw['step']}: {e}") from e
     except (KeyError, TypeError, ValueError) as e:
-        raise WireError(f"push header: parent: expected {{step, manifest_digest}}, found {raw!r}") from e
+        raise WireError(f"push header: parent: expected {{step, manifest_digest}}, {{step}} or {ROOT!r}, "
+                        f"found {raw!r}") from e
 
 
 def _same_tensors(a: StateLayout, b: StateLayout) -> bool:

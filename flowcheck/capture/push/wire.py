@@ -105,3 +105,8 @@ def recv_header_body(sock: socket.socket, size: int, deadline: float | None = No
 
 def reply(sock: socket.socket, kind: str, **fields: Any) -> None:
     send_frame(sock, {"kind": kind, **fields})
+
+
+# a push header's ``parent`` for a state that descends from nothing stored: a fresh start (a new root lineage); an
+# older node reads it as "no parent given" and chains the state to what its RAM state descends from
+ROOT = "root"
