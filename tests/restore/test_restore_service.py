@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
-import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
@@ -17,13 +17,15 @@ from flowcheck.restore.service import restore
 from flowcheck.state import ParallelLayout, Scalars, Shard, Snapshot, StateLayout, TensorSpec
 
 from tests.helpers import flip_shard_byte
-from .conftest import SMALL, canonical_state, make_store, store_config, write_reference
+from .conftest import SMALL, canonical_state, make_store, same_or_padded, store_config, write_reference
 
 LAYOUTS = [(1, 1, 1), (2, 2, 1), (4, 1, 1), (2, 2, 2)]
 
 
 def _same(store, step, state):
-    bad = [n for n in state if not np.array_equal(store.read(step, n), state[n].numpy())]
+    """Every tensor back bit for bit; a step stored without padding rows comes back with the padding rows restore
+    wrote (Megatron trains them from there on): copies of the last row."""
+    bad = [n for n in state if not same_or_padded(store.read(step, n), state[n].numpy())]
     assert not bad, f"differ after the round trip: {bad[:5]}"
 
 
@@ -230,3 +232,39 @@ def test_transformer_engine_key_names_round_trip(tmp_path, gqa_store, fmt):
     back = make_store(tmp_path, "back")
     import_into(back, out, 10)
     _same(back, 10, state)
+
+
+# ---- padded vocabularies ------------------------------------------------------------------------
+def test_padding_rows_a_step_stores_restore_bit_for_bit_and_the_record_says_what_was_done(tmp_path, caplog):
+    """A safetensors file with Megatron's 512 rows (300 real, padded at TP2) and a description naming the true
+    vocabulary: the import keeps every row, a TP4 restore (512 rows too) writes them as stored, a TP1 restore
+    (384 rows) drops the last 128 padding rows and warns."""
+    import json
+
+    arch = SMALL["gqa_swiglu"]
+    state = canonical_state(replace(arch, padded_vocab_size=512))
+    store = make_store(tmp_path)
+    m = import_into(store, write_reference(str(tmp_path / "ref.safetensors"), arch, state), 10)
+    assert m.scalars["extra"]["model"]["padded_vocab_size"] == 512
+    _same(store, 10, state)
+    rep = restore(store, 10, Target(4, 1, 1, "megatron"), str(tmp_path / "tp4"))
+    assert rep.vocab.exact
+    back = make_store(tmp_path, "back")
+    import_into(back, rep.out, 10)
+    _same(back, 10, state)
+    with caplog.at_level("WARNING"):
+        rep = restore(store, 10, Target(1, 1, 1, "megatron-dist"), str(tmp_path / "tp1"))
+    with open(os.path.join(rep.out, "flowcheck_restore.json")) as f:
+        vocab = json.load(f)["vocabulary"]
+    assert (vocab["stored_rows"], vocab["restored_rows"]) == (512, 384)
+    assert vocab["rows"].endswith("padding rows 384..511 are dropped")
+    assert "the resumed losses differ" in caplog.text
+
+
+def test_a_description_whose_padded_size_is_not_the_stored_rows_is_one_line_naming_both(tmp_path):
+    arch = SMALL["gqa_swiglu"]
+    store = make_store(tmp_path)
+    import_into(store, write_reference(str(tmp_path / "ref.safetensors"), arch,
+                                       canonical_state(replace(arch, padded_vocab_size=512))), 10)
+    with pytest.raises(FlowcheckError, match=r"expected shape \[384, 32\], found \[512, 32\]"):
+        restore(store, 10, Target(), str(tmp_path / "x"), arch=replace(arch, padded_vocab_size=384))
