@@ -198,6 +198,8 @@ def test_cli_import_restore_export(tmp_path):
                    "--format", "megatron", "--out", out])
     assert r.exit_code == 0, r.output
     assert "mp_rank_01_001/model_optim_rng.pt" in r.output
+    # the step stores the true 250 rows only (a safetensors file without padding): TP2 pads to 256 with row 249
+    assert "vocabulary: 256 rows (vocab_size 250 + 6 padding): the step stores its true vocabulary only" in r.output
     r = run(main, ["restore", "--config", cfg, "--run", "gpt", "--step", "100", "--tp", "2", "--out", out])
     assert r.exit_code == 2 and "already exists" in r.output
     r = run(main, ["restore", "--config", cfg, "--run", "gpt", "--step", "100", "--tp", "3", "--out", str(tmp_path / "z")])
@@ -268,3 +270,19 @@ def test_a_description_whose_padded_size_is_not_the_stored_rows_is_one_line_nami
                                        canonical_state(replace(arch, padded_vocab_size=512))), 10)
     with pytest.raises(FlowcheckError, match=r"expected shape \[384, 32\], found \[512, 32\]"):
         restore(store, 10, Target(), str(tmp_path / "x"), arch=replace(arch, padded_vocab_size=384))
+
+
+def test_a_plain_trainers_push_of_a_padded_embedding_restores_every_row(tmp_path):
+    """A data-parallel trainer (no arch=) pushes its embedding whole, 512 rows, with a description naming only the
+    true vocabulary: restore takes the rows from the step and writes them at TP2 as they are."""
+    from flowcheck.torch.state import snapshot_from_torch
+
+    arch = SMALL["gqa_swiglu"]
+    state = canonical_state(replace(arch, padded_vocab_size=512), optim=False)
+    store = make_store(tmp_path)
+    store.write(snapshot_from_torch("r1", 3, state, rng=False, extra={"model": arch.to_json()}), "local", root=True)
+    rep = restore(store, 3, Target(2, 1, 1, "megatron"), str(tmp_path / "tp2"), prefer="local")
+    assert (rep.vocab.stored, rep.vocab.target) == (512, 512)
+    back = make_store(tmp_path, "back")
+    import_into(back, rep.out, 3)
+    _same(back, 3, state)
