@@ -186,16 +186,17 @@ def chunk_key(vpp: int, chunk: int) -> str:
 
 @dataclass(frozen=True)
 class VocabRows:
-    """What a restore does with the embedding and output-layer rows: the true vocabulary, the rows the step stores,
-    and the rows Megatron pads to at the target TP."""
+    """What a restore does with the embedding and output-layer rows: the true vocabulary, the rows the step stores
+    (``recorded``: its description names them), and the rows Megatron pads to at the target TP."""
 
     vocab_size: int
     stored: int
     target: int
+    recorded: bool = True
 
     @classmethod
     def of(cls, arch: ModelArch, tp: int) -> VocabRows:
-        return cls(arch.vocab_size, arch.stored_vocab, arch.padded_vocab(tp))
+        return cls(arch.vocab_size, arch.stored_vocab, arch.padded_vocab(tp), arch.padded_vocab_size is not None)
 
     @property
     def exact(self) -> bool:
@@ -203,24 +204,20 @@ class VocabRows:
         return self.stored == self.target
 
     def note(self) -> str:
-        """One line for the restore report and record."""
+        """One line for the restore report and record: which rows are kept, dropped or new, and what that means."""
         pad = f"{self.target} rows (vocab_size {self.vocab_size} + {self.target - self.vocab_size} padding)"
         if self.exact:
             return f"{pad}: every row as stored"
         if self.stored > self.target:
-            return f"{pad}: the step stores {self.stored}; padding rows {self.target}..{self.stored - 1} are dropped"
-        kept = "its true vocabulary only (stored before padding rows were kept)" if self.stored == self.vocab_size \
-            else f"{self.stored} rows"
-        return (f"{pad}: the step stores {kept}, kept as stored; new rows {self.stored}..{self.target - 1} are "
-                f"copies of row {self.stored - 1}, the last stored one, weights and optimizer state (as Megatron-LM's "
-                "checkpoint converter pads)")
-
-    def warning(self) -> str | None:
-        """Why the resumed losses will differ from an uninterrupted run's (None: they will not, for this reason)."""
-        if self.exact:
-            return None
-        return (f"vocabulary: {self.note()}; Megatron's softmax runs over every padded row, so the resumed losses "
-                f"differ from a run that kept {self.stored} rows")
+            done = f"the step stores {self.stored}; padding rows {self.target}..{self.stored - 1} are dropped"
+        else:
+            kept = f"{self.stored} rows" if self.recorded or self.stored > self.vocab_size else \
+                "only the true vocabulary (stored before flowcheck kept padding rows)"
+            done = (f"the step stores {kept}, kept as stored; new rows {self.stored}..{self.target - 1} are copies of "
+                    f"row {self.stored - 1}, the last stored one, weights and optimizer state (as Megatron-LM's "
+                    "checkpoint converter pads)")
+        return (f"{pad}: {done}; Megatron's softmax runs over every padded row, so the resumed losses differ from a "
+                f"run at {self.stored} rows")
 
     def to_json(self) -> dict[str, int | str]:
         return {"vocab_size": self.vocab_size, "stored_rows": self.stored, "restored_rows": self.target,

@@ -98,9 +98,10 @@ def restore(
         if error is None:
             raise
         raise error from e
-    for warning in (*meta.resume.warnings, vocab.warning()):  # said once the checkpoint exists: about loading it
-        if warning:
-            log.warning("%s", warning)
+    for warning in meta.resume.warnings:  # said once the checkpoint exists: they are about loading it
+        log.warning("%s", warning)
+    if not vocab.exact:  # a layout change, not a fault: the report, the CLI and the record say it too
+        log.info("vocabulary: %s", vocab.note())
     files = [os.path.join(out, os.path.relpath(p, staging)) for p in files] + [os.path.join(out, TRACKER)]
     size = sum(os.path.getsize(p) for p in files if os.path.isfile(p))
     return RestoreReport(out, reader.step, reader.manifest.run, reader.tier.name, target, files, size,

@@ -125,15 +125,17 @@ def test_a_stored_padded_vocabulary_is_cut_as_stored_and_padded_to_more_rows_wit
 
 def test_what_restore_does_with_the_vocabulary_rows_is_said_in_one_line():
     same = VocabRows.of(_vocab_arch(padded_vocab_size=768), 2)
-    assert same.exact and same.warning() is None
-    assert same.note() == "768 rows (vocab_size 701 + 67 padding): every row as stored"
+    assert same.exact and same.note() == "768 rows (vocab_size 701 + 67 padding): every row as stored"
     more = VocabRows.of(_vocab_arch(padded_vocab_size=768), 4)
-    assert not more.exact and "new rows 768..1023 are copies of row 767, the last stored one" in more.note()
-    assert "the resumed losses differ" in more.warning()
+    assert not more.exact and "the step stores 768 rows, kept as stored; new rows 768..1023 are copies of row 767, " \
+        "the last stored one" in more.note()
+    assert more.note().endswith("so the resumed losses differ from a run at 768 rows")
     old = VocabRows.of(_vocab_arch(), 2)  # a step stored before padding rows were kept
-    assert "its true vocabulary only" in old.note() and "copies of row 700" in old.note()
+    assert "only the true vocabulary (stored before" in old.note() and "copies of row 700" in old.note()
+    unpadded = VocabRows.of(_vocab_arch(padded_vocab_size=701, make_vocab_size_divisible_by=1), 2)  # trained at TP1
+    assert "the step stores 701 rows, kept" in unpadded.note()
     fewer = VocabRows.of(_vocab_arch(padded_vocab_size=1024), 1)
-    assert fewer.note().endswith("padding rows 768..1023 are dropped")
+    assert "padding rows 768..1023 are dropped; Megatron's softmax" in fewer.note()
     assert same.to_json() == {"vocab_size": 701, "stored_rows": 768, "restored_rows": 768, "rows": same.note()}
 
 
