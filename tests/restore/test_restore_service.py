@@ -266,8 +266,11 @@ def test_padding_rows_a_step_stores_restore_bit_for_bit_and_the_record_says_what
 def test_a_description_whose_padded_size_is_not_the_stored_rows_is_one_line_naming_both(tmp_path):
     arch = SMALL["gqa_swiglu"]
     store = make_store(tmp_path)
-    import_into(store, write_reference(str(tmp_path / "ref.safetensors"), arch,
-                                       canonical_state(replace(arch, padded_vocab_size=512))), 10)
+    ref = write_reference(str(tmp_path / "ref.safetensors"), arch, canonical_state(replace(arch, padded_vocab_size=512)))
+    with pytest.raises(FlowcheckError, match=r"ref.safetensors: embedding.word_embeddings.weight: vocabulary rows: "
+                                             r"expected 384, found 512; is the model description"):
+        import_into(store, ref, 10, arch=replace(arch, padded_vocab_size=384))
+    import_into(store, ref, 10)
     with pytest.raises(FlowcheckError, match=r"expected shape \[384, 32\], found \[512, 32\]"):
         restore(store, 10, Target(), str(tmp_path / "x"), arch=replace(arch, padded_vocab_size=384))
 
