@@ -6,9 +6,10 @@ the trainer had — Megatron's padded vocabulary at the layout the step was push
 or saved at (``ModelArch.padded_vocab_size``), or the true vocabulary ``V`` for
 steps stored before padding rows were kept.  A layout that pads to another size
 drops the extra padding rows or appends copies of the last stored row, as
-Megatron-LM's checkpoint converter does.  A rank's tensor is a list of ``Part``s — boxes of the
-canonical tensor placed at boxes of the local tensor — so restore cuts with
-them and import/capture records shards with them (specs/megatron.md).
+Megatron-LM's checkpoint converter does.  A rank's tensor is a list of
+``Part``s — boxes of the canonical tensor placed at boxes of the local tensor —
+so restore cuts with them and import/capture records shards with them
+(specs/megatron.md).
 """
 from __future__ import annotations
 

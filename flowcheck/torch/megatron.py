@@ -316,7 +316,6 @@ class MegatronRank:
                 step = group["step"] if group["step"] is not None else step
         return groups, step
 
-
     def adam(self) -> str | None:
         """The Adam the optimizer runs, as restore's ``--adam`` names it (torch AdamW keeps the step in every
         parameter's state, FusedAdam in its groups: the checkpoint's optimizer state must be in its form); None:
