@@ -93,7 +93,7 @@ def test_tied_single_stage_has_no_output_layer_and_te_names_fuse_norms():
     ],
 )
 def test_layouts_the_model_cannot_take_are_refused_with_the_reason(kwargs, layout, reason):
-    base = dict(num_layers=4, hidden_size=32, num_attention_heads=4, vocab_size=100)
+    base = {"num_layers": 4, "hidden_size": 32, "num_attention_heads": 4, "vocab_size": 100}
     base.update(kwargs)
     with pytest.raises(LayoutError, match=reason):
         ModelArch(**base).check_layout(*layout)

@@ -72,7 +72,7 @@ def test_bf16_restore_loads_with_bf16_rounding_only(imported):
 
 def test_checkpoint_written_by_megatron_imports_and_restores_elsewhere(imported):
     """Import a TP=2/PP=2 checkpoint megatron wrote itself (both formats), restore it at TP=4/PP=1."""
-    root, stores, want = imported
+    root, _stores, want = imported
     name = "gqa_bias_groups2"
     ref = str(root / f"ref-{name}")
     jobs = []

@@ -1,6 +1,7 @@
 """Restore and import through the service and the CLI, checked bit for bit against the canonical state."""
 from __future__ import annotations
 
+import itertools
 import os
 from dataclasses import replace
 
@@ -75,13 +76,13 @@ def test_round_trip_between_layouts_is_bit_identical(tmp_path, gqa_store):
 
 def test_shards_cut_any_way_by_several_nodes_restore_the_same(tmp_path, gqa_store):
     """Stored shards of uneven row ranges (DP groups on several nodes, mixed sources) reassemble exactly."""
-    store, state, arch = gqa_store
+    store, state, _arch = gqa_store
     ref = store.manifest(10)
     data = {}
     for name, t in state.items():
         arr = t.numpy()
         cuts = [0, arr.shape[0] // 3, arr.shape[0]] if arr.shape[0] > 2 else [0, arr.shape[0]]
-        for lo, hi in zip(cuts, cuts[1:]):
+        for lo, hi in itertools.pairwise(cuts):
             data[Shard(name, (lo,) + (0,) * (arr.ndim - 1), (hi - lo,) + arr.shape[1:])] = arr[lo:hi].copy()
     layout = StateLayout(tuple(TensorSpec(n, "float32", tuple(t.shape), ref.tensors[n].role) for n, t in state.items()),
                          ParallelLayout(dp=3))
