@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 from flowcheck.errors import ConfigError, FlowcheckError
@@ -43,12 +43,15 @@ class ModelArch:
     max_position_embeddings: int = 4096
     make_vocab_size_divisible_by: int = 128
     layer_spec: str = "local"  # key names of the trainer: megatron-core local spec or Transformer Engine
+    # the embedding rows the step stores: Megatron's padded vocabulary at the layout it was pushed or saved at (the
+    # padding rows are trained state: their logits are in the softmax); None: the true vocabulary only (older steps)
+    padded_vocab_size: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size",
                      "max_position_embeddings", "make_vocab_size_divisible_by"):
             _positive(name, getattr(self, name))
-        for name in ("ffn_hidden_size", "num_query_groups", "kv_channels"):
+        for name in ("ffn_hidden_size", "num_query_groups", "kv_channels", "padded_vocab_size"):
             if getattr(self, name) is not None:
                 _positive(name, getattr(self, name))
         if self.normalization not in ("LayerNorm", "RMSNorm"):
@@ -58,6 +61,9 @@ class ModelArch:
                 "model: position_embedding_type: expected 'learned_absolute', 'rope' or 'none', "
                 f"found {self.position_embedding_type!r}"
             )
+        if self.padded_vocab_size is not None and self.padded_vocab_size < self.vocab_size:
+            raise ConfigError(f"model: padded_vocab_size: expected at least vocab_size {self.vocab_size}, found "
+                              f"{self.padded_vocab_size}")
         if self.layer_spec not in LAYER_SPECS:
             raise ConfigError(f"model: layer_spec: expected one of {LAYER_SPECS}, found {self.layer_spec!r}")
         if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
@@ -107,6 +113,19 @@ class ModelArch:
         m = self.make_vocab_size_divisible_by * tp
         return math.ceil(self.vocab_size / m) * m
 
+    @property
+    def stored_vocab(self) -> int:
+        """The rows of the canonical embedding and output layer: the padded rows when the step keeps them."""
+        return self.padded_vocab_size or self.vocab_size
+
+    def with_stored_rows(self, rows: int, where: str) -> ModelArch:
+        """This description with ``rows`` stored vocabulary rows (what a pushed or imported tensor holds)."""
+        if rows < self.vocab_size or self.padded_vocab_size not in (None, rows):
+            expected = self.padded_vocab_size or f"at least vocab_size {self.vocab_size}"
+            raise LayoutError(f"{where}: vocabulary rows: expected {expected}, found {rows}; is the model description "
+                              "(vocab_size, padded_vocab_size, make_vocab_size_divisible_by) the trainer's?")
+        return replace(self, padded_vocab_size=rows)
+
     def check_layout(self, tp: int, pp: int, vpp: int = 1) -> None:
         """Refuse, with the reason, a layout Megatron cannot build for this model."""
         for name, v in (("tp", tp), ("pp", pp), ("vpp", vpp)):
@@ -134,7 +153,10 @@ class ModelArch:
 
     # ---- (de)serialisation ----------------------------------------------
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        out = asdict(self)
+        if out["padded_vocab_size"] is None:
+            del out["padded_vocab_size"]  # a step without padding rows is described as before
+        return out
 
     @classmethod
     def from_mapping(cls, raw: Mapping[str, Any], where: str = "model description") -> ModelArch:

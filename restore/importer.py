@@ -204,12 +204,22 @@ def _arch_from_args(args: dict[str, Any], arch: ModelArch | None, where: str, vo
         raise FormatError(f"{where}: the checkpoint has no args; give the model with --arch FILE.yaml")
     if not args.get("vocab_size") and not args.get("padded_vocab_size") and vocab_rows:
         log.warning("%s: args name no vocab_size/padded_vocab_size; using the %d stored embedding rows "
-                    "(give --arch with vocab_size to drop Megatron's padding rows)", where, vocab_rows)
+                    "(give --arch with vocab_size to say which of them are Megatron's padding rows)", where, vocab_rows)
         args = dict(args, vocab_size=vocab_rows)
     elif not args.get("vocab_size") and args.get("padded_vocab_size"):
         log.warning("%s: args name no vocab_size; keeping all %d padded rows as the vocabulary", where,
                     args["padded_vocab_size"])
     return ModelArch.from_mapping(args, f"{where} args")
+
+
+def _stored_rows(a: ModelArch, rows: int | None, where: str) -> ModelArch:
+    """The description with every embedding row the checkpoint holds: Megatron's padding rows are trained state."""
+    if rows is None:
+        return a
+    if rows < a.vocab_size:
+        raise FormatError(f"{where}: embedding.word_embeddings.weight: expected at least vocab_size {a.vocab_size} "
+                          f"rows, found {rows}; is the model description (args / --arch) the model's?")
+    return a.with_stored_rows(rows, f"{where}: embedding.word_embeddings.weight")
 
 
 def _from_legacy(it_dir: str, arch: ModelArch | None, trust_pickle: bool) -> Collected:
@@ -231,7 +241,8 @@ def _from_legacy(it_dir: str, arch: ModelArch | None, trust_pickle: bool) -> Col
         vpp = len(chunks) if chunks != ["model"] else 1
         if got is None:
             emb = obj.get(chunks[0], {}).get("embedding.word_embeddings.weight")
-            a = _arch_from_args(args, arch, path, emb.shape[0] * tp if isinstance(emb, torch.Tensor) else None)
+            rows = emb.shape[0] * tp if isinstance(emb, torch.Tensor) and emb.dim() else None
+            a = _stored_rows(_arch_from_args(args, arch, path, rows), rows, path)
             a.check_layout(tp, pp, vpp)
             got = Collected(a, ParallelLayout(tp=tp, pp=pp, vpp=vpp), megatron=_megatron_extra(obj, args))
         spec = _layer_spec(obj[chunks[0]])
@@ -305,7 +316,8 @@ def _from_dist(it_dir: str, arch: ModelArch | None, trust_pickle: bool) -> Colle
     args = _args_dict(common.get("args"))
     stored = read_index(it_dir, trust_pickle)
     emb = stored.get("embedding.word_embeddings.weight")
-    a = _arch_from_args(args, arch, it_dir, emb.shape[0] if emb is not None and emb.shape else None)
+    rows = emb.shape[0] if emb is not None and emb.shape else None
+    a = _stored_rows(_arch_from_args(args, arch, it_dir, rows), rows, it_dir)
     src = ParallelLayout(tp=int(args.get("tensor_model_parallel_size") or 1), pp=int(args.get("pipeline_model_parallel_size") or 1),
                          vpp=int(args.get("virtual_pipeline_model_parallel_size") or 1))
     got = Collected(a, src, megatron=_megatron_extra(common, args))
@@ -349,7 +361,7 @@ def _dist_take(got: Collected, p: Param, name: str, state: dict[str, torch.Tenso
         t = t[p.layer]
     if p.role == "vocab":
         if t.shape[0] < p.shape[0]:
-            raise FormatError(f"{where}: {key}: {t.shape[0]} vocabulary rows, fewer than vocab_size {p.shape[0]}")
+            raise FormatError(f"{where}: {key}: expected {p.shape[0]} vocabulary rows (as the embedding), found {t.shape[0]}")
         t = t[: p.shape[0]]
     if tuple(t.shape) != p.shape:
         raise FormatError(f"{where}: {key}: expected shape {list(p.shape)}, found {list(t.shape)}")
@@ -368,6 +380,8 @@ def _from_safetensors(path: str, arch: ModelArch | None) -> Collected:
     a = arch or arch_from_metadata(meta, f"{path} __metadata__")
     if a is None:
         raise FormatError(f"{path}: no model description in __metadata__; give it with --arch FILE.yaml")
+    emb = "embedding.word_embeddings.weight"
+    a = _stored_rows(a, f.get_slice(emb).get_shape()[0] if emb in set(f.keys()) else None, path)
     params = {p.name: p for p in model_params(a)}
     got = Collected(a, ParallelLayout())
     if "optimizer_step" in meta and str(meta["optimizer_step"]).isdigit():

@@ -75,7 +75,7 @@ def rank_dirname(tp_rank: int, pp_rank: int, pp: int) -> str:
 
 
 def cut(full: torch.Tensor, rt: RankTensor) -> torch.Tensor:
-    """The rank's local tensor from the canonical one (pad parts repeat the last vocabulary row)."""
+    """The rank's local tensor from the canonical one (pad parts repeat the last stored vocabulary row)."""
     out = torch.empty(rt.shape, dtype=full.dtype)
     for part in rt.parts:
         out[part.dest] = full[part.src]

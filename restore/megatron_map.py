@@ -1,11 +1,15 @@
 """Canonical global tensors <-> the shards of a Megatron rank (tp, pp, vpp): one set of rules, used both ways.
 
 Canonical names are megatron-core local-spec names with *global* layer indices
-(``decoder.layers.7.mlp.linear_fc1.weight``); vocabulary tensors hold the true
-vocabulary ``V`` rows (Megatron's TP-dependent padding is added on restore and
-dropped on import).  A rank's tensor is a list of ``Part``s — boxes of the
-canonical tensor placed at boxes of the local tensor — so restore cuts with
-them and import/capture records shards with them (specs/megatron.md).
+(``decoder.layers.7.mlp.linear_fc1.weight``); vocabulary tensors hold the rows
+the trainer had — Megatron's padded vocabulary at the layout the step was pushed
+or saved at (``ModelArch.padded_vocab_size``), or the true vocabulary ``V`` for
+steps stored before padding rows were kept.  A layout that pads to another size
+drops the extra padding rows or appends copies of the last stored row, as
+Megatron-LM's checkpoint converter does.  A rank's tensor is a list of
+``Part``s — boxes of the canonical tensor placed at boxes of the local tensor —
+so restore cuts with them and import/capture records shards with them
+(specs/megatron.md).
 """
 from __future__ import annotations
 
@@ -34,7 +38,7 @@ class Param:
 
 @dataclass(frozen=True)
 class Part:
-    """``local[dest] = canonical[src]``; ``pad`` parts repeat the last vocabulary row instead."""
+    """``local[dest] = canonical[src]``; ``pad`` parts (rows past the stored ones) repeat the last stored row."""
 
     dest: tuple[slice, ...]
     src: tuple[slice, ...]
@@ -54,7 +58,7 @@ class RankTensor:
 
 def model_params(arch: ModelArch) -> list[Param]:
     """Every canonical tensor of the model, in megatron-core's ``named_parameters()`` order."""
-    h, V = arch.hidden_size, arch.vocab_size
+    h, V = arch.hidden_size, arch.stored_vocab
     out = [Param("embedding.word_embeddings.weight", (V, h), "vocab")]
     if arch.learned_positions:
         out.append(Param("embedding.position_embeddings.weight", (arch.max_position_embeddings, h), "replicated"))
@@ -179,3 +183,43 @@ def parse_layer_key(key: str) -> tuple[int, str] | None:
 def chunk_key(vpp: int, chunk: int) -> str:
     """The state-dict key holding a model chunk in Megatron's checkpoints."""
     return "model" if vpp == 1 else f"model{chunk}"
+
+
+@dataclass(frozen=True)
+class VocabRows:
+    """What a restore does with the embedding and output-layer rows: the true vocabulary, the rows the step stores
+    (``recorded``: its description names them), and the rows Megatron pads to at the target TP."""
+
+    vocab_size: int
+    stored: int
+    target: int
+    recorded: bool = True
+
+    @classmethod
+    def of(cls, arch: ModelArch, tp: int) -> VocabRows:
+        return cls(arch.vocab_size, arch.stored_vocab, arch.padded_vocab(tp), arch.padded_vocab_size is not None)
+
+    @property
+    def exact(self) -> bool:
+        """Every row is restored as stored, the padding rows included: training resumes bit for bit."""
+        return self.stored == self.target
+
+    def note(self) -> str:
+        """One line for the restore report and record: which rows are kept, dropped or new, and what that means."""
+        pad = f"{self.target} rows (vocab_size {self.vocab_size} + {self.target - self.vocab_size} padding)"
+        if self.exact:
+            return f"{pad}: every row as stored"
+        if self.stored > self.target:
+            done = f"the step stores {self.stored}; padding rows {self.target}..{self.stored - 1} are dropped"
+        else:
+            kept = f"{self.stored} rows" if self.recorded or self.stored > self.vocab_size else \
+                "only the true vocabulary (stored before flowcheck kept padding rows)"
+            done = (f"the step stores {kept}, kept as stored; new rows {self.stored}..{self.target - 1} are copies of "
+                    f"row {self.stored - 1}, the last stored one, weights and optimizer state (as Megatron-LM's "
+                    "checkpoint converter pads)")
+        return (f"{pad}: {done}; Megatron's softmax runs over every padded row, so the resumed losses differ from a "
+                f"run at {self.stored} rows")
+
+    def to_json(self) -> dict[str, int | str]:
+        return {"vocab_size": self.vocab_size, "stored_rows": self.stored, "restored_rows": self.target,
+                "rows": self.note()}

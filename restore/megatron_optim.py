@@ -267,8 +267,10 @@ def json_group(group: dict[str, Any]) -> dict[str, Any]:
 def saved_groups(opt: Any) -> tuple[list[dict[str, Any]] | None, int | None, str | None]:
     """(param groups as JSON, optimizer step, Adam) of a torch_dist checkpoint's common ``optimizer``, in the form
     whichever megatron-core optimizer saved it: the distributed optimizer (``optimizer.param_groups`` with
-    ``step``; its Adam unknown), FP32Optimizer (``param_groups``, and ``state.common_step`` with torch AdamW) or
-    Float16OptimizerWithFloat16Params (those under ``optimizer``)."""
+    ``step``), FP32Optimizer (``param_groups``, and ``state.common_step`` with torch AdamW) or
+    Float16OptimizerWithFloat16Params (those under ``optimizer``).  The distributed optimizer's state has no
+    step of its own in either Adam; its groups' step tells them apart: torch AdamW's per-parameter step tensor read
+    back (``.item()``, a float), FusedAdam's group step (``int``)."""
     if not isinstance(opt, dict):
         return None, None, None
     inner = opt.get("optimizer") if isinstance(opt.get("optimizer"), dict) else {}
@@ -280,5 +282,10 @@ def saved_groups(opt: Any) -> tuple[list[dict[str, Any]] | None, int | None, str
     common = state.get("common_step") if isinstance(state, dict) else None
     if isinstance(common, (int, float, torch.Tensor)):
         steps.add(int(common))
-    adam = None if not isinstance(state, dict) else ("torch" if common is not None else "fused")
+    adam = ("torch" if common is not None else "fused") if isinstance(state, dict) else _adam_of_step(groups)
     return [json_group(g) for g in groups], (steps.pop() if len(steps) == 1 else None), adam
+
+
+def _adam_of_step(groups: list[dict[str, Any]]) -> str | None:
+    kinds = {type(g["step"]) for g in groups if g.get("step") is not None}
+    return {float: "torch", int: "fused"}.get(kinds.pop()) if len(kinds) == 1 else None

@@ -26,7 +26,7 @@ from flowcheck.restore.arch import ModelArch
 from flowcheck.restore.megatron_common import DTYPES, TRACKER, StepMeta, Target, megatron_args
 from flowcheck.restore.megatron_dist import DistWriter
 from flowcheck.restore.megatron_legacy import LegacyWriter
-from flowcheck.restore.megatron_map import Param
+from flowcheck.restore.megatron_map import Param, VocabRows
 from flowcheck.restore.megatron_optim import ResumePlan, resume_plan
 from flowcheck.restore.outputs import failed_write, remove
 from flowcheck.restore.source import OPT, StepReader, megatron_extra
@@ -47,6 +47,7 @@ class RestoreReport:
     seconds: float = 0.0
     branch: str = MAIN
     resume: ResumePlan | None = None  # what the checkpoint resumes, where from, the Megatron flags it needs
+    vocab: VocabRows | None = None  # the embedding rows: kept as stored, dropped, or new (and how initialised)
 
 
 def restore(
@@ -74,6 +75,7 @@ def restore(
     out = os.path.abspath(out)
     _check_replaceable(out, force)
     meta = _meta(reader, target, params, moments)
+    vocab = VocabRows.of(reader.arch, target.tp)
     staging = f"{out}.tmp-{os.getpid()}"
     placed = False
     try:
@@ -84,7 +86,7 @@ def restore(
         for param, slot, prepared in _tensors(reader, target, params, slots, workers, progress, writer.prepare):
             writer.add(param, slot, prepared)
         files = writer.finish()
-        _write_record(staging, reader, target, meta.resume)
+        _write_record(staging, reader, target, meta.resume, vocab)
         with open(os.path.join(staging, TRACKER), "w", encoding="utf-8") as f:
             f.write(str(reader.step))  # written last: Megatron reads the tracker to find the iteration
         make_tree_durable(staging, "fsync")  # data files are already synced: this covers small files and dirs
@@ -98,10 +100,12 @@ def restore(
         raise error from e
     for warning in meta.resume.warnings:  # said once the checkpoint exists: they are about loading it
         log.warning("%s", warning)
+    if not vocab.exact:  # a layout change, not a fault: the report, the CLI and the record say it too
+        log.info("vocabulary: %s", vocab.note())
     files = [os.path.join(out, os.path.relpath(p, staging)) for p in files] + [os.path.join(out, TRACKER)]
     size = sum(os.path.getsize(p) for p in files if os.path.isfile(p))
     return RestoreReport(out, reader.step, reader.manifest.run, reader.tier.name, target, files, size,
-                         time.perf_counter() - t0, reader.tier.branch, meta.resume)
+                         time.perf_counter() - t0, reader.tier.branch, meta.resume, vocab)
 
 
 def _failed(e: BaseException, reader: StepReader, target: Target, out: str, stuck: str | None,
@@ -187,9 +191,9 @@ def _meta(reader: StepReader, target: Target, params: list[Param], moments: list
     return StepMeta(reader.step, args, resume, float(imported.get("num_floating_point_operations_so_far", 0.0)))
 
 
-def _write_record(root: str, reader: StepReader, target: Target, resume: ResumePlan) -> None:
+def _write_record(root: str, reader: StepReader, target: Target, resume: ResumePlan, vocab: VocabRows) -> None:
     """Say which stored step this directory is, so a resumed run's lineage links back to it, and what it resumes
-    (where its optimizer groups, schedule and counters came from; the Megatron flags it needs)."""
+    (where its optimizer groups, schedule and counters came from; the Megatron flags it needs; the vocabulary rows)."""
     import json
 
     from flowcheck.restore.importer import RESTORE_RECORD
@@ -198,7 +202,8 @@ def _write_record(root: str, reader: StepReader, target: Target, resume: ResumeP
     record = {"run": m.run, "step": m.step, "manifest_digest": m.digest(), "tier": reader.tier.name,
               "target": {"tp": target.tp, "pp": target.pp, "vpp": target.vpp, "format": target.fmt},
               "resume": {"optimizer": resume.optimizer, "sources": resume.sources,
-                         "megatron_flags": list(resume.flags)}}
+                         "megatron_flags": list(resume.flags)},
+              "vocabulary": vocab.to_json()}
     with open(os.path.join(root, RESTORE_RECORD), "w", encoding="utf-8") as f:
         json.dump(record, f, indent=1)
 

@@ -40,7 +40,7 @@ class StepReader:
     def open(cls, store: Any, step: int | str, prefer: str = "auto", arch: ModelArch | None = None,
              branch: str | None = None) -> StepReader:
         tier, manifest = open_step(store, step, prefer, branch)
-        return cls(tier, manifest, arch or arch_of(manifest))
+        return cls(tier, manifest, stored_rows(arch or arch_of(manifest), manifest))
 
     @property
     def step(self) -> int:
@@ -56,8 +56,7 @@ class StepReader:
                 problems.append(f"{p.name}: missing")
                 continue
             shape = tuple(entry.global_shape)
-            ok = shape == p.shape or (p.role == "vocab" and shape[1:] == p.shape[1:] and shape[0] >= p.shape[0])
-            if not ok:
+            if shape != p.shape:
                 problems.append(f"{p.name}: expected shape {list(p.shape)}, found {list(shape)}")
         if problems:
             raise FormatError(
@@ -103,6 +102,16 @@ def open_step(store: Any, step: int | str, prefer: str = "auto", branch: str | N
     is read from another tier holding the same state, with a WARNING naming the damaged tier, step and file
     (``Store.open_step``, tiers/fallback.py); an explicit tier never falls back."""
     return store.open_step(step, prefer, branch)
+
+
+def stored_rows(arch: ModelArch, manifest: Manifest) -> ModelArch:
+    """``arch`` with the vocabulary rows the step holds: a trainer without ``arch=``, or a safetensors file, may have
+    stored Megatron's padding rows with a description that names only the true vocabulary."""
+    entry = manifest.tensors.get("embedding.word_embeddings.weight")
+    rows = entry.global_shape[0] if entry is not None and entry.global_shape else None
+    if arch.padded_vocab_size is not None or rows is None or rows <= arch.vocab_size:
+        return arch  # anything else that does not match is params()'s to report
+    return arch.with_stored_rows(rows, f"step {manifest.step} embedding.word_embeddings.weight")
 
 
 def arch_of(manifest: Manifest) -> ModelArch:

@@ -154,6 +154,8 @@ def restore(config_path, step, branch, run, tp, pp, vpp, fmt, prefer, no_optim, 
         for part, source in res.sources.items():
             click.echo(f"  {part}: {source}")
         click.echo(f"load with Megatron: --load {rep.out}" + "".join(f" {f}" for f in res.flags))
+    if rep.vocab is not None:
+        click.echo(f"vocabulary: {rep.vocab.note()}")
 
 
 @click.command(name="import")

@@ -183,6 +183,8 @@ class Checkpointer:
         self._closed = False
         # a Megatron trainer: its tensors are boxes of the canonical ones (restore's rules need the model)
         self._megatron = MegatronRank(model, optimizer, arch, self.coords) if arch is not None else None
+        if self._megatron is not None:
+            self.arch = self._megatron.arch  # with the padded vocabulary the step stores
         self._hooks = [opt.register_step_pre_hook(lambda *_: self.wait()) for opt in hook_targets(optimizer)] \
             if config.hook else []
 
@@ -446,6 +448,9 @@ class Checkpointer:
         groups = _json_ready(groups, "the optimizer's param_groups")
         scalars = self._scalars((None, {"param_groups": groups} if groups else None, step_count))
         mine = {"param_groups": groups, "iteration": step}
+        adam = self._megatron.adam()
+        if adam is not None:
+            mine["adam"] = adam  # restore --adam auto writes the optimizer state in this Adam's form
         if scalars["lr_scheduler"] is not None:
             mine["opt_param_scheduler"] = scalars["lr_scheduler"]
         if consumed is not None:

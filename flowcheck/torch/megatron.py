@@ -118,7 +118,7 @@ def _slicer(dest: tuple[slice, ...]):
 
 def place_range(name: str, local: str, rt: Any, start: int, end: int) -> Iterator[tuple]:
     """Shards ``(name, canonical offsets, local, view)`` of the flat range [start, end) of a TP-local tensor
-    ``rt`` (a RankTensor), held as a 1-D tensor under ``local``; padding rows of the vocabulary are not sent."""
+    ``rt`` (a RankTensor), held as a 1-D tensor under ``local``."""
     for offsets, sizes in flat_boxes(rt.shape, start, end):
         for part in rt.parts:
             if part.pad:
@@ -146,7 +146,10 @@ class MegatronRank:
                               f"size is {coords.vpp}; pass the list of model chunks Megatron built (one per virtual "
                               "stage), or coords= with the right vpp")
         arch.check_layout(coords.tp, coords.pp, coords.vpp)
-        self.arch, self.coords = arch, coords
+        # the padding rows of the embedding and output layer are trained state (their logits are in Megatron's
+        # softmax): the step stores every row this layout has, and says how many
+        self.arch = arch.with_stored_rows(arch.padded_vocab(coords.tp), "Checkpointer arch=")
+        self.coords = coords
         # the optimizers holding state (a stub on a rank without trainable parameters holds none)
         leaves = leaf_optimizers(optimizer) if is_megatron_optimizer(optimizer) else leaf_optimizers(
             _PlainLeaf(optimizer) if optimizer is not None else None)
@@ -312,6 +315,19 @@ class MegatronRank:
                 groups.append(group)
                 step = group["step"] if group["step"] is not None else step
         return groups, step
+
+    def adam(self) -> str | None:
+        """The Adam the optimizer runs, as restore's ``--adam`` names it (torch AdamW keeps the step in every
+        parameter's state, FusedAdam in its groups: the checkpoint's optimizer state must be in its form); None:
+        neither (another optimizer, or no state on this rank)."""
+        kinds = {_adam_kind(leaf.optimizer) for leaf in self.leaves}
+        return kinds.pop() if len(kinds) == 1 else None
+
+
+def _adam_kind(optimizer: torch.optim.Optimizer) -> str | None:
+    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        return "torch"
+    return "fused" if "FusedAdam" in type(optimizer).__name__ else None  # Transformer Engine's, Apex's
 
 
 def _leaf_step(optimizer: torch.optim.Optimizer) -> int | None:

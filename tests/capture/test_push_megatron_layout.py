@@ -1,6 +1,8 @@
 """A TP=2 x PP=2 trainer's pushed shards land in the canonical index space: restore reassembles any layout."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import torch
 
@@ -30,13 +32,15 @@ class RankState:
 
 
 def test_tp_pp_ranks_push_shards_that_restore_at_other_layouts(node, tmp_path):
+    """Every row the ranks hold, the vocabulary's padding rows included (300 pads to 512 at TP2 and at TP4)."""
     g = torch.Generator().manual_seed(0)
-    canonical = {p.name: torch.randn(p.shape, generator=g) for p in model_params(ARCH)}
     tp, pp = 2, 2
+    trained = replace(ARCH, padded_vocab_size=ARCH.padded_vocab(tp))  # the rows a TP2 trainer has
+    canonical = {p.name: torch.randn(p.shape, generator=g) for p in model_params(trained)}
     ckpts = []
     for p in range(pp):
         for t in range(tp):
-            local = {rt.key: cut(canonical[rt.param.name], rt) for rt in rank_tensors(ARCH, tp, pp, 1, t, p)}
+            local = {rt.key: cut(canonical[rt.param.name], rt) for rt in rank_tensors(trained, tp, pp, 1, t, p)}
             assert ("output_layer.weight" in local) == (p == pp - 1)  # tied at PP>1: the last stage's copy
             ck = Checkpointer(RankState(local), None, node=node.url, run="gpt", arch=ARCH,
                               coords=Coordinates(dp_rank=0, dp=1, tp_rank=t, tp=tp, pp_rank=p, pp=pp))
@@ -51,7 +55,8 @@ def test_tp_pp_ranks_push_shards_that_restore_at_other_layouts(node, tmp_path):
     store = open_store(node.config)
     m = store.local.manifest(1)
     assert (m.source_layout.tp, m.source_layout.pp) == (tp, pp)
-    for name, t in canonical.items():  # every canonical tensor reassembles exactly (padding rows dropped)
+    assert m.tensors["embedding.word_embeddings.weight"].global_shape == (512, 32)
+    for name, t in canonical.items():  # every canonical tensor reassembles exactly (padding rows included)
         assert np.array_equal(store.read(1, name), t.numpy()), name
     # and restores at another layout
     out = restore(store, 1, Target(4, 1, 1, "megatron"), str(tmp_path / "tp4")).out

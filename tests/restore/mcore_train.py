@@ -99,13 +99,13 @@ def build(arch: dict, tp: int, pp: int, distributed: bool, freeze: tuple[str, ..
     return model, opt, sched
 
 
-def samples(iteration: int) -> list[torch.Tensor]:
+def samples(iteration: int, vocab: int) -> list[torch.Tensor]:
     """This DP rank's share of iteration ``iteration``'s global batch: sample i of the run is seeded by i alone,
-    so every layout (any DP size) trains on the same data."""
+    so every layout (any DP size) trains on the same data; tokens are real vocabulary ids (never padding rows)."""
     dp, r = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
     per = GLOBAL_BATCH // dp
     first = (iteration - 1) * GLOBAL_BATCH + r * per
-    return [torch.randint(0, 256, (SEQ + 1,), generator=torch.Generator().manual_seed(SEED + i))
+    return [torch.randint(0, vocab, (SEQ + 1,), generator=torch.Generator().manual_seed(SEED + i))
             for i in range(first, first + per)]
 
 
@@ -123,9 +123,9 @@ def _forward_step(data, model):
     return out, loss_func
 
 
-def train_step(model, opt, sched, iteration: int) -> tuple[float | None, float]:
+def train_step(model, opt, sched, iteration: int, vocab: int) -> tuple[float | None, float]:
     """One iteration; (the global batch's mean loss on the last stage's ranks else None, the lr it used)."""
-    mine = samples(iteration)
+    mine = samples(iteration, vocab)
     for m in model:
         m.zero_grad_buffer()
     opt.zero_grad()
@@ -158,7 +158,7 @@ def op_train(task: dict, rank: int) -> None:
                         timeout_s=60)
     record = []
     for it in range(1, k + m + 1):
-        loss, lr = train_step(model, opt, sched, it)
+        loss, lr = train_step(model, opt, sched, it, task["arch"]["vocab_size"])
         record.append({"iteration": it, "loss": loss, "lr": lr})
         if it <= k:
             ckpt.save(it, consumed_train_samples=it * GLOBAL_BATCH)
@@ -173,10 +173,22 @@ def op_train(task: dict, rank: int) -> None:
 
 
 def op_resume(task: dict, rank: int) -> None:
+    """Load a restored checkpoint, save it again with Megatron's own writer if asked (``save_dir``: torch_dist, this
+    job's optimizer), train ``m`` steps."""
     fmt = task["fmt"]
     model, opt, sched = build(task["arch"], task["tp"], task["pp"], distributed=fmt == "megatron-dist")
     start = (load_dist if fmt == "megatron-dist" else load_legacy)(model, opt, sched, task["ckpt_dir"])
-    record = [{"iteration": it, **dict(zip(("loss", "lr"), train_step(model, opt, sched, it)))}
+    if task.get("save_dir"):
+        from types import SimpleNamespace
+
+        from mcore_resume import save
+
+        job = {"fmt": "megatron-dist", "arch": task["arch"], "save_dir": task["save_dir"],
+               "dist_opt": fmt == "megatron-dist"}
+        save([m.module for m in model], opt, sched, job,
+             {"iteration": start, "args": SimpleNamespace(consumed_train_samples=start * GLOBAL_BATCH)})
+    vocab = task["arch"]["vocab_size"]
+    record = [{"iteration": it, **dict(zip(("loss", "lr"), train_step(model, opt, sched, it, vocab)))}
               for it in range(start + 1, start + task["m"] + 1)]
     write_record(task["dir"], f"resume_{task['index']}", record, start)
 

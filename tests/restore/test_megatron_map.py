@@ -4,9 +4,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from flowcheck.errors import ConfigError
 from flowcheck.restore.arch import LayoutError, ModelArch
 from flowcheck.restore.megatron_common import cut
-from flowcheck.restore.megatron_map import model_params, rank_tensors, stage_of_layer, tp_parts
+from flowcheck.restore.megatron_map import VocabRows, model_params, rank_tensors, stage_of_layer, tp_parts
 
 from .conftest import SMALL, canonical_state
 
@@ -92,7 +93,7 @@ def test_tied_single_stage_has_no_output_layer_and_te_names_fuse_norms():
     ],
 )
 def test_layouts_the_model_cannot_take_are_refused_with_the_reason(kwargs, layout, reason):
-    base = dict(num_layers=4, hidden_size=32, num_attention_heads=4, vocab_size=100)
+    base = {"num_layers": 4, "hidden_size": 32, "num_attention_heads": 4, "vocab_size": 100}
     base.update(kwargs)
     with pytest.raises(LayoutError, match=reason):
         ModelArch(**base).check_layout(*layout)
@@ -101,3 +102,47 @@ def test_layouts_the_model_cannot_take_are_refused_with_the_reason(kwargs, layou
 def test_groups_fewer_than_tp_share_kv_heads():
     arch = ModelArch(num_layers=2, hidden_size=64, num_attention_heads=8, num_query_groups=2, vocab_size=100)
     arch.check_layout(4, 1, 1)  # 4 TP ranks share 2 KV groups: a plain chunk of the grouped rows
+
+
+# ---- padded vocabularies -------------------------------------------------------------------------
+def _vocab_arch(**kw) -> ModelArch:
+    return ModelArch(num_layers=2, hidden_size=8, num_attention_heads=2, vocab_size=701, **kw)
+
+
+def test_a_stored_padded_vocabulary_is_cut_as_stored_and_padded_to_more_rows_with_the_last_stored_one():
+    arch = _vocab_arch(padded_vocab_size=768)  # stored at TP2 (or TP1): 768 rows
+    emb = model_params(arch)[0]
+    assert emb.shape == (768, 8)
+    full = torch.randn(768, 8)
+    for tp, rows in ((1, 768), (2, 768), (4, 1024), (8, 1024)):
+        got = torch.cat([cut(full, next(rt for rt in rank_tensors(arch, tp, 1, 1, r, 0) if rt.key == emb.name))
+                         for r in range(tp)])
+        assert torch.equal(got[:768], full) and (got[768:] == full[-1]).all() and got.shape[0] == rows, tp
+    wide = _vocab_arch(padded_vocab_size=1024, make_vocab_size_divisible_by=256)  # rows a TP4 job stored ...
+    got = cut(torch.arange(1024.0)[:, None].expand(1024, 8), next(iter(rank_tensors(wide, 1, 1, 1, 0, 0))))
+    assert got.shape[0] == 768 and torch.equal(got[:, 0], torch.arange(768.0))  # ... at TP1: padding rows dropped
+
+
+def test_what_restore_does_with_the_vocabulary_rows_is_said_in_one_line():
+    same = VocabRows.of(_vocab_arch(padded_vocab_size=768), 2)
+    assert same.exact and same.note() == "768 rows (vocab_size 701 + 67 padding): every row as stored"
+    more = VocabRows.of(_vocab_arch(padded_vocab_size=768), 4)
+    assert not more.exact and "the step stores 768 rows, kept as stored; new rows 768..1023 are copies of row 767, " \
+        "the last stored one" in more.note()
+    assert more.note().endswith("so the resumed losses differ from a run at 768 rows")
+    old = VocabRows.of(_vocab_arch(), 2)  # a step stored before padding rows were kept
+    assert "only the true vocabulary (stored before" in old.note() and "copies of row 700" in old.note()
+    unpadded = VocabRows.of(_vocab_arch(padded_vocab_size=701, make_vocab_size_divisible_by=1), 2)  # trained at TP1
+    assert "the step stores 701 rows, kept" in unpadded.note()
+    fewer = VocabRows.of(_vocab_arch(padded_vocab_size=1024), 1)
+    assert "padding rows 768..1023 are dropped; Megatron's softmax" in fewer.note()
+    assert same.to_json() == {"vocab_size": 701, "stored_rows": 768, "restored_rows": 768, "rows": same.note()}
+
+
+def test_the_description_records_the_padded_size_only_when_known_and_refuses_one_that_cannot_be():
+    assert "padded_vocab_size" not in _vocab_arch().to_json()  # older steps are described as before
+    assert ModelArch.from_mapping(_vocab_arch(padded_vocab_size=768).to_json()).padded_vocab_size == 768
+    with pytest.raises(ConfigError, match="padded_vocab_size: expected at least vocab_size 701, found 700"):
+        _vocab_arch(padded_vocab_size=700)
+    with pytest.raises(LayoutError, match="vocabulary rows: expected 768, found 1024"):
+        _vocab_arch(padded_vocab_size=768).with_stored_rows(1024, "Checkpointer arch=")

@@ -1,9 +1,10 @@
 """Restore and import through the service and the CLI, checked bit for bit against the canonical state."""
 from __future__ import annotations
 
+import itertools
 import os
+from dataclasses import replace
 
-import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
@@ -17,13 +18,15 @@ from flowcheck.restore.service import restore
 from flowcheck.state import ParallelLayout, Scalars, Shard, Snapshot, StateLayout, TensorSpec
 
 from tests.helpers import flip_shard_byte
-from .conftest import SMALL, canonical_state, make_store, store_config, write_reference
+from .conftest import SMALL, canonical_state, make_store, same_or_padded, store_config, write_reference
 
 LAYOUTS = [(1, 1, 1), (2, 2, 1), (4, 1, 1), (2, 2, 2)]
 
 
 def _same(store, step, state):
-    bad = [n for n in state if not np.array_equal(store.read(step, n), state[n].numpy())]
+    """Every tensor back bit for bit; a step stored without padding rows comes back with the padding rows restore
+    wrote (Megatron trains them from there on): copies of the last row."""
+    bad = [n for n in state if not same_or_padded(store.read(step, n), state[n].numpy())]
     assert not bad, f"differ after the round trip: {bad[:5]}"
 
 
@@ -73,13 +76,13 @@ def test_round_trip_between_layouts_is_bit_identical(tmp_path, gqa_store):
 
 def test_shards_cut_any_way_by_several_nodes_restore_the_same(tmp_path, gqa_store):
     """Stored shards of uneven row ranges (DP groups on several nodes, mixed sources) reassemble exactly."""
-    store, state, arch = gqa_store
+    store, state, _arch = gqa_store
     ref = store.manifest(10)
     data = {}
     for name, t in state.items():
         arr = t.numpy()
         cuts = [0, arr.shape[0] // 3, arr.shape[0]] if arr.shape[0] > 2 else [0, arr.shape[0]]
-        for lo, hi in zip(cuts, cuts[1:]):
+        for lo, hi in itertools.pairwise(cuts):
             data[Shard(name, (lo,) + (0,) * (arr.ndim - 1), (hi - lo,) + arr.shape[1:])] = arr[lo:hi].copy()
     layout = StateLayout(tuple(TensorSpec(n, "float32", tuple(t.shape), ref.tensors[n].role) for n, t in state.items()),
                          ParallelLayout(dp=3))
@@ -196,6 +199,9 @@ def test_cli_import_restore_export(tmp_path):
                    "--format", "megatron", "--out", out])
     assert r.exit_code == 0, r.output
     assert "mp_rank_01_001/model_optim_rng.pt" in r.output
+    # the file holds the 250 real rows only (no padding): TP2 pads to 256 with copies of row 249
+    assert "vocabulary: 256 rows (vocab_size 250 + 6 padding): the step stores 250 rows, kept as stored; new rows " \
+        "250..255 are copies of row 249" in r.output
     r = run(main, ["restore", "--config", cfg, "--run", "gpt", "--step", "100", "--tp", "2", "--out", out])
     assert r.exit_code == 2 and "already exists" in r.output
     r = run(main, ["restore", "--config", cfg, "--run", "gpt", "--step", "100", "--tp", "3", "--out", str(tmp_path / "z")])
@@ -230,3 +236,57 @@ def test_transformer_engine_key_names_round_trip(tmp_path, gqa_store, fmt):
     back = make_store(tmp_path, "back")
     import_into(back, out, 10)
     _same(back, 10, state)
+
+
+# ---- padded vocabularies ------------------------------------------------------------------------
+def test_padding_rows_a_step_stores_restore_bit_for_bit_and_the_record_says_what_was_done(tmp_path):
+    """A safetensors file with Megatron's 512 rows (300 real, padded at TP2) and a description naming the true
+    vocabulary: the import keeps every row, a TP4 restore (512 rows too) writes them as stored, a TP1 restore
+    (384 rows) drops the last 128 padding rows and says what that means."""
+    import json
+
+    arch = SMALL["gqa_swiglu"]
+    state = canonical_state(replace(arch, padded_vocab_size=512))
+    store = make_store(tmp_path)
+    m = import_into(store, write_reference(str(tmp_path / "ref.safetensors"), arch, state), 10)
+    assert m.scalars["extra"]["model"]["padded_vocab_size"] == 512
+    _same(store, 10, state)
+    rep = restore(store, 10, Target(4, 1, 1, "megatron"), str(tmp_path / "tp4"))
+    assert rep.vocab.exact
+    back = make_store(tmp_path, "back")
+    import_into(back, rep.out, 10)
+    _same(back, 10, state)
+    rep = restore(store, 10, Target(1, 1, 1, "megatron-dist"), str(tmp_path / "tp1"))
+    with open(os.path.join(rep.out, "flowcheck_restore.json")) as f:
+        vocab = json.load(f)["vocabulary"]
+    assert (vocab["stored_rows"], vocab["restored_rows"]) == (512, 384)
+    assert "padding rows 384..511 are dropped; Megatron's softmax runs over every padded row, so the resumed losses " \
+        "differ" in vocab["rows"] == rep.vocab.note()
+
+
+def test_a_description_whose_padded_size_is_not_the_stored_rows_is_one_line_naming_both(tmp_path):
+    arch = SMALL["gqa_swiglu"]
+    store = make_store(tmp_path)
+    ref = write_reference(str(tmp_path / "ref.safetensors"), arch, canonical_state(replace(arch, padded_vocab_size=512)))
+    with pytest.raises(FlowcheckError, match=r"ref.safetensors: embedding.word_embeddings.weight: vocabulary rows: "
+                                             r"expected 384, found 512; is the model description"):
+        import_into(store, ref, 10, arch=replace(arch, padded_vocab_size=384))
+    import_into(store, ref, 10)
+    with pytest.raises(FlowcheckError, match=r"expected shape \[384, 32\], found \[512, 32\]"):
+        restore(store, 10, Target(), str(tmp_path / "x"), arch=replace(arch, padded_vocab_size=384))
+
+
+def test_a_plain_trainers_push_of_a_padded_embedding_restores_every_row(tmp_path):
+    """A data-parallel trainer (no arch=) pushes its embedding whole, 512 rows, with a description naming only the
+    true vocabulary: restore takes the rows from the step and writes them at TP2 as they are."""
+    from flowcheck.torch.state import snapshot_from_torch
+
+    arch = SMALL["gqa_swiglu"]
+    state = canonical_state(replace(arch, padded_vocab_size=512), optim=False)
+    store = make_store(tmp_path)
+    store.write(snapshot_from_torch("r1", 3, state, rng=False, extra={"model": arch.to_json()}), "local", root=True)
+    rep = restore(store, 3, Target(2, 1, 1, "megatron"), str(tmp_path / "tp2"), prefer="local")
+    assert (rep.vocab.stored, rep.vocab.target) == (512, 512)
+    back = make_store(tmp_path, "back")
+    import_into(back, rep.out, 3)
+    _same(back, 3, state)

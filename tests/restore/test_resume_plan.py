@@ -238,3 +238,15 @@ def test_a_schedule_is_rebuilt_from_args_as_megatron_lm_builds_it(args, want):
 def test_args_that_cannot_rebuild_a_schedule_leave_a_placeholder():
     plan = scheduler_plan((None, ""), SimpleNamespace(step=5, run="r"), {"lr": 2e-4, "train_iters": 10}, 40)
     assert plan.override and plan.state["max_lr"] == 2e-4 and plan.state["num_steps"] == 40  # no global batch size
+
+
+@pytest.mark.parametrize("step,adam", [(3.0, "torch"), (3, "fused")])
+def test_the_distributed_optimizers_group_step_says_which_adam_saved_it(step, adam):
+    """Groups carrying both Adams' keys (a restore's, loaded and saved again by Megatron) cannot tell; the step
+    megatron-core 0.16.1's distributed optimizer saves can: torch AdamW's step tensor ``.item()``, FusedAdam's int."""
+    from flowcheck.restore.megatron_optim import saved_groups
+
+    group = {"params": [], "lr": 1e-3, "wd_mult": 1.0, "step": step, "foreach": None, "bias_correction": True}
+    common = {"optimizer": {"param_groups": [group, dict(group, wd_mult=0.0)]},
+              "param_state_sharding_type": "fully_reshardable"}
+    assert saved_groups(common)[1:] == (3, adam)
