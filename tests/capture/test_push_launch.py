@@ -84,15 +84,15 @@ def test_two_trainers_on_one_run_never_commit_a_torn_or_mismatched_step(tmp_path
             refused += sum(ck.superseded is not None for ck in done)
             node.post("/snapshot")
             store = open_store(node.config)  # local keeps the last few steps: check each round's as it stands
-            for step in store.local.steps():
-                checked.add(step)
-                values = {float(v) for name in store.local.manifest(step).tensors
-                          for v in np.unique(store.local.read(step, name))}
-                assert len(values) == 1 and values.pop() - step in (0.25, 0.75), (step, values)
+            for tier in store.branch_tiers("local"):  # each fresh trainer starts a root branch of its own
+                for step in tier.steps():
+                    checked.add(step)
+                    values = {float(v) for name in tier.manifest(step).tensors for v in np.unique(tier.read(step, name))}
+                    assert len(values) == 1 and values.pop() - step in (0.25, 0.75), (step, values)
         status = node.get("/status")
     finally:
         node.stop()
-    assert len(checked) >= 2 * ROUNDS, sorted(checked)
+    assert len(checked) >= ROUNDS, sorted(checked)
     report = audit(open_store(node.config))
     assert report.ok, report.problems
     assert refused >= ROUNDS, refused  # in every round one copy was superseded (or had its sender place refused)
