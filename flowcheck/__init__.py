@@ -4,7 +4,7 @@ Importing flowcheck is cheap; zarr, fsspec and torch load when first used.
 """
 from __future__ import annotations
 
-__version__ = "0.1.0"
+from flowcheck.version import __version__
 __all__ = ["__version__", "open_store"]
 
 

@@ -19,28 +19,17 @@ model of those rules (no storage), so they are tested on their own.
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime
 
 from flowcheck.errors import AmbiguousStepError, FlowcheckError, ManifestError, StepNotFoundError
 from flowcheck.manifest import ParentRef, canonical_json, now_utc
+from flowcheck.state import check_branch  # noqa: F401 - the branch rules' home for readers of this module
 
 MAIN = "main"
 BRANCHES = "branches"  # folder under the run root that holds every branch but main
 RECORD = "branch.json"
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # whole name: fullmatch
-
-
-def check_branch(name: str) -> str:
-    """A branch name is one safe path component: letters, digits, '.', '_', '-' (at most 64)."""
-    if not isinstance(name, str) or not _NAME.fullmatch(name) or name.endswith(".tmp"):
-        raise FlowcheckError(
-            f"branch name {name!r}: expected letters, digits, '.', '_' or '-' (at most 64, not starting with "
-            "'.' or '-'); see `flowcheck ls` for the run's branches"
-        )
-    return name
 
 
 def branch_root(run: str, branch: str) -> str:

@@ -26,7 +26,7 @@ from typing import Any
 from flowcheck import dtypes
 from flowcheck.digest import sha256
 from flowcheck.errors import ManifestError, UnsafeNameError
-from flowcheck.state import ROLES, ParallelLayout, StateLayout, TensorSpec, check_name, scalars_problem
+from flowcheck.state import ROLES, ParallelLayout, StateLayout, TensorSpec, check_branch, check_name, scalars_problem
 
 FORMAT_VERSION = 1
 # v2 = v1 + ``nodes``: the step manifest of a step written by several nodes (tiers/cluster.py).
@@ -494,8 +494,6 @@ def _refs(r: _Reader, raw: Mapping[str, Any], version: int, tensors: Mapping[str
         if "refs" in raw:
             raise r.fail("refs", f"no 'refs' in a format_version {version} manifest", raw["refs"])
         return ()
-    from flowcheck.branches import check_branch  # branches imports this module
-
     expected = "a non-empty list of {branch, step, manifest_digest, files}"
     items = r.get(raw, "refs", list, "refs", expected)
     if not items:

@@ -9,19 +9,34 @@ write lock while they delete.
 from __future__ import annotations
 
 import logging
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from flowcheck.branches import History, Located
+from flowcheck.branches import MAIN, History, Located
+from flowcheck.config import Config
 from flowcheck.errors import ConfigError, FlowcheckError, StepNotFoundError
 from flowcheck.progress import Progress, counter
 from flowcheck.tiers import retention
+from flowcheck.tiers.base import Tier
 from flowcheck.tiers.records import PrunedRecord
 
-if TYPE_CHECKING:
-    from flowcheck.store import Store
-
 log = logging.getLogger(__name__)
+
+
+class Store(Protocol):
+    """What GC and delete use of a store (flowcheck/store.py's Store): its tiers per branch, its history, and its
+    per-tier write lock and promotions in flight, so a deletion never races a writer or a promotion's source."""
+
+    config: Config
+
+    def tiers(self, include_memory: bool = True) -> list[Tier]: ...
+    def tier(self, name: str, branch: str = MAIN) -> Tier: ...
+    def branch_tiers(self, name: str) -> list[Tier]: ...
+    def history(self, tiers: list[str] | None = None, *, live: set[str] | None = None) -> History: ...
+    def resolve(self, step: int | str, branch: str | None = None, hist: History | None = None) -> Located: ...
+    def writing(self, tier: str) -> AbstractContextManager: ...
+    def promoting(self, tier: str, at: Located) -> bool: ...
 
 
 @dataclass
@@ -66,7 +81,7 @@ def gc(store: Store, dry_run: bool = False, tiers: list[str] | None = None, *,
     on_path = {Located(n, b) for n, b in hist.path(hist.current()).items()}
     abandoned_at = _abandoned_at(hist, on_path)
     for t in chosen:
-        with store._locks[t.name]:  # noqa: SLF001 - the store's own lock, held as its writers do
+        with store.writing(t.name):  # the store's own lock, held as its writers do
             policy = getattr(store.config.policy, t.name)
             # a state that fails its signature check is kept and counts for nothing, as an unreadable one
             infos = [retention.StepInfo(s.step, s.created_at if s.trusted else None, s.branch,
@@ -74,7 +89,7 @@ def gc(store: Store, dry_run: bool = False, tiers: list[str] | None = None, *,
                      for s in hist.states if s.tier == t.name]
             plan = retention.plan(infos, policy)
             report.kept[t.name] = plan.keep
-            report.deleted[t.name] = [k for k in plan.delete if (t.name, k) not in store._in_use]  # noqa: SLF001
+            report.deleted[t.name] = [k for k in plan.delete if not store.promoting(t.name, k)]
             report.why[t.name] = {k: plan.why_deleted[k] for k in report.deleted[t.name]}
             done(len(infos) - len(report.deleted[t.name]))
             for k in report.deleted[t.name]:
@@ -119,8 +134,8 @@ def delete(store: Store, step: int | str, tier: str | None = None, branch: str |
     digest = next((s.digest for s in hist.states if Located(s.step, s.branch) == at and s.digest), None)
     done = []
     for name in chosen:
-        with store._locks[name]:  # noqa: SLF001 - the store's own lock, held as its writers do
-            if (name, at) in store._in_use:  # noqa: SLF001
+        with store.writing(name):  # the store's own lock, held as its writers do
+            if store.promoting(name, at):
                 raise FlowcheckError(f"step {at} of run {store.config.run!r} is being promoted from the {name} tier "
                                      "right now: expected it idle; delete it again when the promotion is done")
             rec = _delete_state(store, name, at, "delete")

@@ -36,6 +36,19 @@ def check_name(name: str, what: str = "tensor name") -> str:
     return name
 
 
+_BRANCH_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # whole name: fullmatch
+
+
+def check_branch(name: str) -> str:
+    """A branch name is one safe path component: letters, digits, '.', '_', '-' (at most 64)."""
+    if not isinstance(name, str) or not _BRANCH_RE.fullmatch(name) or name.endswith(".tmp"):
+        raise FlowcheckError(
+            f"branch name {name!r}: expected letters, digits, '.', '_' or '-' (at most 64, not starting with "
+            "'.' or '-'); see `flowcheck ls` for the run's branches"
+        )
+    return name
+
+
 @dataclass(frozen=True)
 class TensorSpec:
     """One canonical tensor: name, dtype, global shape, TP role."""

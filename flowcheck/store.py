@@ -11,19 +11,20 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from contextlib import AbstractContextManager
 from typing import Any
 
 import numpy as np
 
 from flowcheck import config as config_mod
 from flowcheck import identity, pruning, tier_check
-from flowcheck.branches import MAIN, BranchRecord, History, Located, StateInfo, check_branch, parse_time
+from flowcheck.branches import MAIN, BranchRecord, History, Located, StateInfo, parse_time
 from flowcheck.config import Config
 from flowcheck.errors import FlowcheckError, ManifestError, StepNotFoundError, StepPrunedError, TierError
 from flowcheck.manifest import Manifest, ParentRef, signing_key
 from flowcheck.progress import Progress
 from flowcheck.pruning import DeleteReport, GcReport
-from flowcheck.state import Snapshot
+from flowcheck.state import Snapshot, check_branch
 from flowcheck.tier_check import TierState
 from flowcheck.tiers import fallback
 from flowcheck.tiers.base import Tier, with_origin
@@ -55,6 +56,14 @@ class Store:
         self._in_use: set[tuple[str, Located]] = set()  # (tier, step) being read by a promotion: GC skips them
         self._unrecorded: bool | None = None  # None: this config's identity not yet checked against the run's
         self._read_checked = False  # whether reads were checked against the run's identity (a warning, once)
+
+    def writing(self, tier: str) -> AbstractContextManager:
+        """The tier's write lock: held by every writer, GC and delete of this store (re-entrant)."""
+        return self._locks[tier]
+
+    def promoting(self, tier: str, at: Located) -> bool:
+        """Whether a promotion is reading this state from ``tier`` now (GC and delete leave it)."""
+        return (tier, at) in self._in_use
 
     def bind(self) -> None:
         """Before anything that writes or deletes: the run is this experiment's (flowcheck/identity.py), or
@@ -596,7 +605,7 @@ def _state_info(tier: Tier, step: int) -> StateInfo:
                  step, e)
         return StateInfo(tier.name, tier.branch, step, None, None, None)
     try:
-        tier._check_signature(m)  # noqa: SLF001 - the tier's own rule, applied to a listing
+        tier.check_signature(m)  # the tier's own rule, applied to a listing
         trusted = True
     except ManifestError as e:
         log.info("%s", e)

@@ -9,10 +9,19 @@ objects under it is an existing, empty store (S3 has no folders to create).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from flowcheck.store import Store
+from flowcheck.config import Config
+from flowcheck.tiers.base import Tier
+
+
+class Store(Protocol):
+    """What the check reads of a store (flowcheck/store.py's Store)."""
+
+    config: Config
+
+    def tiers(self, include_memory: bool = True) -> list[Tier]: ...
+    def branch_tiers(self, name: str) -> list[Tier]: ...
 
 
 @dataclass(frozen=True)

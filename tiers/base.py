@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from flowcheck import dtypes
-from flowcheck.branches import MAIN, RECORD, BranchRecord, branch_root, check_branch
+from flowcheck.branches import MAIN, RECORD, BranchRecord, branch_root
 from flowcheck.digest import data_digest
 from flowcheck.errors import (
     FlowcheckError,
@@ -29,7 +29,7 @@ from flowcheck.errors import (
 )
 from flowcheck.manifest import Manifest, ParentRef, ShardEntry, check_parent, parse, validated_bytes
 from flowcheck.progress import Progress
-from flowcheck.state import Shard, Snapshot
+from flowcheck.state import Shard, Snapshot, check_branch
 from flowcheck.tiers import records
 from flowcheck.tiers.records import PrunedRecord
 # re-exported: tiers import these from here
@@ -170,7 +170,7 @@ class Tier(ABC):
             if token is not None:
                 self._manifest_cache[step] = (token, m)
         if check_signature:
-            self._check_signature(m)
+            self.check_signature(m)
         if m.step != step or m.run != self.run:
             raise ManifestError(
                 f"{self.name} tier {self.rel}/{step_dir(step)}/manifest.json: field 'step'/'run': expected "
@@ -340,7 +340,7 @@ class Tier(ABC):
             t = self._branch_tiers[branch] = self.at_branch(branch)
         return t
 
-    def _search_order(self) -> list[Tier]:
+    def search_order(self) -> list[Tier]:
         """This branch, then main, then every other branch of the run (where references between steps are
         looked for: manifest v4, README "Incremental steps")."""
         main = self._at(MAIN)
@@ -374,7 +374,7 @@ class Tier(ABC):
         steps = self.steps()
         return steps[-1] if steps else None
 
-    def _publish_latest(self, step: int) -> None:
+    def publish_latest(self, step: int) -> None:
         """Move the 'latest' pointer forward — only ever called after a durable commit."""
         current = self.latest_record()
         if current is not None and current >= step:
@@ -433,17 +433,17 @@ class Tier(ABC):
         if parent is not None:
             check_parent(parent, f"{where}: the parent given for the new manifest")
 
-    def _sign(self, m: Manifest) -> Manifest:
+    def sign(self, m: Manifest) -> Manifest:
         """The manifest to commit: signed when a key is set, and checked by the readers' own parser."""
-        return self._signed_bytes(m)[0]
+        return self.signed_bytes(m)[0]
 
-    def _signed_bytes(self, m: Manifest) -> tuple[Manifest, bytes]:
-        """``_sign``, with the file form it checked (a large manifest is then encoded once, not twice)."""
+    def signed_bytes(self, m: Manifest) -> tuple[Manifest, bytes]:
+        """``sign``, with the file form it checked (a large manifest is then encoded once, not twice)."""
         m = m.signed(self.signing_key) if self.signing_key else m
         raw = validated_bytes(m, f"{self.name} tier {self.rel}/{step_dir(m.step)}/manifest.json (about to be committed)")
         return m, raw
 
-    def _check_signature(self, m: Manifest) -> None:
+    def check_signature(self, m: Manifest) -> None:
         where = f"{self.name} tier {self.rel}/{step_dir(m.step)}/manifest.json"
         if m.signature is not None and self.signing_key is not None and not m.signature_valid(self.signing_key):
             raise ManifestError(f"{where}: field 'signature': HMAC does not match; the manifest was forged or altered")

@@ -154,7 +154,7 @@ class LocalTier(Tier):
             if isinstance(e, OSError) and not isinstance(e, FlowcheckError):
                 raise self._write_failed(snapshot, tmp, e, os.path.exists(os.path.join(final, MANIFEST))) from e
             raise
-        self._publish_latest(snapshot.step)
+        self.publish_latest(snapshot.step)
         return manifest
 
     def write_part(self, snapshot: Snapshot, parent: ParentRef | None, dest: str) -> Manifest:
@@ -231,7 +231,7 @@ class LocalTier(Tier):
                   ) -> tuple[dict[Shard, zarr_pack.Reused], dict[Shard, str], tuple[StepRef, ...]]:
         """The shards the parent (in this tier, on any branch) already holds, which are not written again.
         ``probes``: the snapshot's probe digests (computed here when not given)."""
-        found = None if parent is None else local_refs.find_parent(self._search_order(), parent)
+        found = None if parent is None else local_refs.find_parent(self.search_order(), parent)
         if found is None:
             return {}, {}, ()
         here = os.path.join(local_refs.branch_rel(self.branch), step_dir(snapshot.step))
@@ -508,7 +508,7 @@ class LocalTier(Tier):
                 os.unlink(path)
             return
         if _holds_packs(path):
-            refs = local_refs.references(self._search_order(), exclude=(self.branch, step))
+            refs = local_refs.references(self.search_order(), exclude=(self.branch, step))
             try:
                 digest: str | None = self.manifest(step, check_signature=False).digest()
             except FlowcheckError:  # damaged since it was referenced: the references still name its identity
@@ -590,7 +590,7 @@ class LocalTier(Tier):
         """Abandoned ``.tmp`` folders, and retained bytes of deleted steps that no committed step references."""
         removed = []
         if os.path.isdir(os.path.join(self.root, local_refs.RETAINED)):  # the run's references counted only then
-            removed = local_refs.sweep(self.root, self.branch, local_refs.references(self._search_order()), dry_run)
+            removed = local_refs.sweep(self.root, self.branch, local_refs.references(self.search_order()), dry_run)
         try:
             names = os.listdir(self.root)
         except FileNotFoundError:

@@ -160,6 +160,11 @@ class MemoryTier(Tier):
         self._cond.notify_all()
 
     @property
+    def state_bytes(self) -> int:
+        """Bytes of the RAM state (0 before the first full push)."""
+        return sum(a.nbytes for a in list(self._arrays.values()))
+
+    @property
     def lent_bytes(self) -> int:
         """Bytes of the state and of pinned snapshots that live in lent memory (a trainer's segment, a receive
         buffer), each block counted once."""

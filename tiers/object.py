@@ -19,6 +19,7 @@ from flowcheck.config import ClusterConfig, ObjectConfig, TierPolicy
 from flowcheck.errors import FlowcheckError, StepNotFoundError, TierError
 from flowcheck.tiers import object_refs
 from flowcheck.tiers.base import MANIFEST, Tier, parse_step_dir, step_dir
+from flowcheck.tiers.object_cluster import ObjectCluster
 from flowcheck.tiers.object_backend import aws_endpoint_region, backend_for, botocore_options, filesystem
 from flowcheck.tiers.object_read import READ_AHEAD, ObjectReader
 from flowcheck.tiers.object_verify import ObjectChecks
@@ -30,7 +31,7 @@ log = logging.getLogger(__name__)
 _NETWORK_MODULES = ("botocore", "aiobotocore", "aiohttp", "boto3", "s3transfer", "urllib3")
 
 
-class ObjectTier(ObjectWriter, ObjectReader, ObjectChecks, Tier):
+class ObjectTier(ObjectCluster, ObjectWriter, ObjectReader, ObjectChecks, Tier):
     name = "object"
 
     def __init__(self, config: ObjectConfig, run: str, *, staging_dir: str, progress: bool = False,
@@ -68,11 +69,11 @@ class ObjectTier(ObjectWriter, ObjectReader, ObjectChecks, Tier):
     def _p(self, rel: str) -> str:
         return f"{self.root}/{rel}"
 
-    def _call(self, what: str, fn, *args, **kwargs):
+    def call(self, what: str, fn, *args, **kwargs):
         """Run one idempotent fsspec call, retried on transient failures (tiers/retry.py)."""
-        return self._retry.run(f"object tier {self.url}: {what}", lambda: self._call_once(what, fn, *args, **kwargs))
+        return self._retry.run(f"object tier {self.url}: {what}", lambda: self.call_once(what, fn, *args, **kwargs))
 
-    def _call_once(self, what: str, fn, *args, **kwargs):
+    def call_once(self, what: str, fn, *args, **kwargs):
         """Run one fsspec call, turning transport failures into a TierError that names the URL, and what no
         retry can fix (no credentials, access denied, no such bucket) into TierAccessError / TierMissingError."""
         try:
@@ -112,7 +113,7 @@ class ObjectTier(ObjectWriter, ObjectReader, ObjectChecks, Tier):
     def _committed_steps(self) -> list[int]:
         self._forget_listings()
         try:
-            found = self._call("listing", self.fs.glob, self._p(f"step-*/{MANIFEST}"))
+            found = self.call("listing", self.fs.glob, self._p(f"step-*/{MANIFEST}"))
         except FileNotFoundError:
             return []
         steps = {parse_step_dir(p.rstrip("/").split("/")[-2]) for p in found}
@@ -136,19 +137,19 @@ class ObjectTier(ObjectWriter, ObjectReader, ObjectChecks, Tier):
 
     def _manifest_bytes(self, step: int) -> bytes:
         try:
-            return self._call("reading a manifest", self.fs.cat_file, self._p(f"{step_dir(step)}/{MANIFEST}"))
+            return self.call("reading a manifest", self.fs.cat_file, self._p(f"{step_dir(step)}/{MANIFEST}"))
         except FileNotFoundError:
             raise StepNotFoundError(f"object tier {self.url}: step {step} is not committed") from None
 
     def _exists(self, rel: str) -> bool:
         self.fs.invalidate_cache(self._p(rel).rsplit("/", 1)[0])
-        return bool(self._call("checking " + rel, self.fs.exists, self._p(rel)))
+        return bool(self.call("checking " + rel, self.fs.exists, self._p(rel)))
 
     def _delete(self, step: int) -> None:
         """Delete a step; the files of it that committed steps of the run reference stay (tiers/object_refs.py)."""
         sd = step_dir(step)
         held = object_refs.held_files(self, exclude=step)  # counted before anything goes
-        self._call("deleting a manifest", self.fs.rm, self._p(f"{sd}/{MANIFEST}"))  # the step stops existing first
+        self.call("deleting a manifest", self.fs.rm, self._p(f"{sd}/{MANIFEST}"))  # the step stops existing first
         self._headers.clear()
         keep = None if held is None else held.get(step, set())
         if keep is None or keep:
@@ -161,7 +162,7 @@ class ObjectTier(ObjectWriter, ObjectReader, ObjectChecks, Tier):
                      self.url, step, "all" if keep is None else len(keep))
             return
         # the whole prefix: the committed attempt's files, and any a losing writer left
-        self._call("deleting step data", self.fs.rm, self._p(sd), recursive=True)
+        self.call("deleting step data", self.fs.rm, self._p(sd), recursive=True)
 
     # ---- records -------------------------------------------------------------
     def _put_record(self, name: str, data: bytes) -> None:
@@ -169,14 +170,14 @@ class ObjectTier(ObjectWriter, ObjectReader, ObjectChecks, Tier):
 
     def _get_record(self, name: str) -> bytes | None:
         try:
-            return self._call(f"reading {name}", self.fs.cat_file, self._p(name))
+            return self.call(f"reading {name}", self.fs.cat_file, self._p(name))
         except FileNotFoundError:
             return None
 
     def _list_records(self, prefix: str) -> list[str]:
         self.fs.invalidate_cache(self._p(prefix))
         try:
-            return sorted(p.rstrip("/").split("/")[-1] for p in self._call("listing", self.fs.ls, self._p(prefix), detail=False))
+            return sorted(p.rstrip("/").split("/")[-1] for p in self.call("listing", self.fs.ls, self._p(prefix), detail=False))
         except FileNotFoundError:
             return []
 

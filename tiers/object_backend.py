@@ -16,18 +16,44 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timezone
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from flowcheck.config import ObjectConfig
 from flowcheck.errors import TierAccessError, TierError, TierMissingError
 from flowcheck.tiers.durable import commit_file_exclusive, fsync_dir, fsync_file, replace_file
 from flowcheck.tiers.retry import AWS_CREDENTIALS_HINT, access_problem
 
-if TYPE_CHECKING:
-    from flowcheck.tiers.object import ObjectTier
-
 S3_PROTOCOLS = ("s3", "s3a")
 READERS = 4  # threads reading a local folder's files (streams of a fetch at once)
+
+
+class TierIO(Protocol):
+    """What a backend uses of its object tier: the configured store, its fsspec filesystem, and the tier's retried
+    call (a backend is the byte layer under the tier: it never reads or writes a step's meaning)."""
+
+    config: ObjectConfig
+    fs: Any
+    url: str
+    boto: Any
+    endpoint: str | None
+
+    def call(self, what: str, fn: Callable, *args: Any, **kwargs: Any) -> Any: ...
+    def call_once(self, what: str, fn: Callable, *args: Any, **kwargs: Any) -> Any: ...
+
+
+def bar_callback(bar):
+    """An fsspec callback feeding one shared tqdm bar (parts of many files count toward one total)."""
+    from fsspec.callbacks import Callback
+
+    class _Bar(Callback):
+        seen = 0
+
+        def call(self, *args, **kwargs) -> None:
+            if self.value > self.seen:
+                bar.update(self.value - self.seen)
+                self.seen = self.value
+
+    return _Bar()
 
 
 @dataclass(frozen=True)
@@ -79,7 +105,7 @@ def botocore_options(config: ObjectConfig) -> dict:
             "retries": {"mode": "standard", "total_max_attempts": config.request_attempts}}
 
 
-def backend_for(tier: ObjectTier) -> Backend:
+def backend_for(tier: TierIO) -> Backend:
     protocol = tier.fs.protocol if isinstance(tier.fs.protocol, str) else tier.fs.protocol[0]
     if protocol == "file":
         return FileBackend(tier, protocol)
@@ -91,7 +117,7 @@ def backend_for(tier: ObjectTier) -> Backend:
 class Backend:
     """Any fsspec store: plain puts, and a check-then-write commit (no conditional write is known for it)."""
 
-    def __init__(self, tier: ObjectTier, protocol: str) -> None:
+    def __init__(self, tier: TierIO, protocol: str) -> None:
         self.tier, self.protocol = tier, protocol
 
     @property
@@ -100,16 +126,16 @@ class Backend:
 
     def root_exists(self, base: str) -> bool:
         """Whether the configured root exists (False: not created yet; TierMissingError: it cannot be)."""
-        return bool(self.tier._call("checking the root", self.tier.fs.exists, base))
+        return bool(self.tier.call("checking the root", self.tier.fs.exists, base))
 
     def put_record(self, path: str, data: bytes) -> None:
-        self.tier._call(f"writing {path}", self.tier.fs.pipe_file, path, data)
+        self.tier.call(f"writing {path}", self.tier.fs.pipe_file, path, data)
 
     def create_exclusive(self, path: str, data: bytes, what: str) -> None:
         # no conditional write known for this backend: check-then-write (not race-free)
-        if self.tier._call(f"checking {path}", self.tier.fs.exists, path):
+        if self.tier.call(f"checking {path}", self.tier.fs.exists, path):
             raise FileExistsError(path)
-        self.tier._call(what, self.tier.fs.pipe_file, path, data)
+        self.tier.call(what, self.tier.fs.pipe_file, path, data)
 
     def fetch_into(self, wants: list, dests: list, done=None) -> None:
         """Read every byte range (``range_reads.Want``) into its destination (a writable uint8 array), calling
@@ -131,10 +157,8 @@ class Backend:
             yield Uploads(lambda local, remote, size, bar, what: pool.submit(self.upload, local, remote, size, bar, what))
 
     def upload(self, local: str, remote: str, size: int, bar, what: str) -> None:
-        from flowcheck.tiers.object_write import bar_callback
-
         cb = bar_callback(bar)
-        self.tier._call(what, self.tier.fs.put_file, local, remote, callback=cb, **self._put_options())
+        self.tier.call(what, self.tier.fs.put_file, local, remote, callback=cb, **self._put_options())
         bar.update(max(0, size - cb.seen))
 
     def _put_options(self) -> dict:
@@ -159,7 +183,7 @@ class FileBackend(Backend):
 
     retries = 0
 
-    def __init__(self, tier: ObjectTier, protocol: str) -> None:
+    def __init__(self, tier: TierIO, protocol: str) -> None:
         super().__init__(tier, protocol)
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
@@ -251,7 +275,7 @@ class S3Backend(Backend):
         may allow listing a prefix and refuse the bucket-wide call."""
         bucket, _, prefix = base.partition("/")
         try:
-            self.tier._call_once(f"checking bucket {bucket!r}", self.tier.fs.call_s3, "list_objects_v2",
+            self.tier.call_once(f"checking bucket {bucket!r}", self.tier.fs.call_s3, "list_objects_v2",
                                  Bucket=bucket, Prefix=f"{prefix}/" if prefix else "", MaxKeys=1)
         except FileNotFoundError as e:
             raise self.missing_error(e) from e
@@ -259,7 +283,7 @@ class S3Backend(Backend):
 
     def create_exclusive(self, path: str, data: bytes, what: str) -> None:
         try:  # once: a retried create whose first answer was lost is refused; the caller decides
-            self.tier._call_once(what, self.tier.fs.pipe_file, path, data, mode="create")
+            self.tier.call_once(what, self.tier.fs.pipe_file, path, data, mode="create")
         except TierError as e:
             if getattr(e.__cause__, "errno", None) == errno.EBUSY:  # 409 ConditionalRequestConflict:
                 raise FileExistsError(path) from e  # a concurrent create of the same key is in flight
@@ -271,7 +295,7 @@ class S3Backend(Backend):
             return super().upload(local, remote, size, bar, what)
         from flowcheck.tiers.s3_upload import upload_file
 
-        self.tier._call(what, upload_file, client, local, remote, self._transfer_config(size), progress=bar.update)
+        self.tier.call(what, upload_file, client, local, remote, self._transfer_config(size), progress=bar.update)
 
     @contextmanager
     def uploads(self) -> Iterator[Uploads]:
@@ -353,7 +377,7 @@ class S3Backend(Backend):
     def abort_multipart(self, cutoff: float, dry_run: bool) -> list[str]:
         t = self.tier
         bucket, _, prefix = t.root.partition("/")
-        resp = t._call("listing multipart uploads", t.fs.call_s3, "list_multipart_uploads",
+        resp = t.call("listing multipart uploads", t.fs.call_s3, "list_multipart_uploads",
                        Bucket=bucket, Prefix=prefix + "/")
         aborted = []
         for up in resp.get("Uploads", []):
@@ -362,7 +386,7 @@ class S3Backend(Backend):
                 aborted.append(f"multipart:{bucket}/{up['Key']}")
                 if not dry_run:
                     try:
-                        t._call("aborting a multipart upload", t.fs.call_s3, "abort_multipart_upload",
+                        t.call("aborting a multipart upload", t.fs.call_s3, "abort_multipart_upload",
                                 Bucket=bucket, Key=up["Key"], UploadId=up["UploadId"])
                     except FileNotFoundError:  # NoSuchUpload: completed or aborted meanwhile
                         aborted.pop()

@@ -28,7 +28,7 @@ READ_AHEAD = 256 << 20  # bytes of whole shards fetched together when a step is 
 
 
 class ObjectReader:
-    """The read half of ObjectTier (a mixin: it uses the tier's ``_call``, ``_retry`` and paths)."""
+    """The read half of ObjectTier (a mixin: it uses the tier's ``call``, ``_retry`` and paths)."""
 
     def _init_reads(self) -> None:
         self._headers: OrderedDict[str, st.Header] = OrderedDict()
@@ -46,8 +46,8 @@ class ObjectReader:
         if path in self._headers:
             self._headers.move_to_end(path)
             return self._headers[path]
-        size = self._call(f"stat {rel}", self.fs.size, path)
-        h = st.parse_header(lambda a, b: self._call(f"reading {rel}", self.fs.cat_file, path, start=a, end=b), size, f"{self.url}/{rel}")
+        size = self.call(f"stat {rel}", self.fs.size, path)
+        h = st.parse_header(lambda a, b: self.call(f"reading {rel}", self.fs.cat_file, path, start=a, end=b), size, f"{self.url}/{rel}")
         self._headers[path] = h
         while len(self._headers) > 256:
             self._headers.popitem(last=False)
@@ -227,7 +227,7 @@ class ObjectReader:
             self.backend.fetch_into(wants, dests, done)
             return digests
 
-        return self._call("reading shards", fetch)
+        return self.call("reading shards", fetch)
 
     def _read_piece(self, manifest, piece, info, rows, region, shape, out, dt) -> None:
         lo = region[0].start if region else 0
@@ -237,7 +237,7 @@ class ObjectReader:
         if (r0 >= r1 and shape) or row_bytes == 0:
             return  # nothing to fetch (an empty range is refused by S3)
         start = self._piece_header(manifest, piece).data_start + info.begin + (r0 - rows[0]) * row_bytes
-        raw = self._call(f"reading {piece.path}", self.fs.cat_file, self.piece_path(manifest, piece),
+        raw = self.call(f"reading {piece.path}", self.fs.cat_file, self.piece_path(manifest, piece),
                          start=start, end=start + (r1 - r0) * row_bytes)
         if len(raw) != (r1 - r0) * row_bytes:
             raise IntegrityError(f"{self.url}/{piece.path}: short read ({len(raw)} of {(r1 - r0) * row_bytes} bytes); file truncated?")

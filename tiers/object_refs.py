@@ -13,16 +13,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
 
 from flowcheck.branches import branch_root
 from flowcheck.manifest import FileEntry, Manifest, Piece, StepRef
 from flowcheck.state import Shard, Snapshot
-from flowcheck.tiers.base import step_dir
+from flowcheck.tiers.base import Tier, step_dir
 from flowcheck.tiers.local_refs import Key, find_parent, references
 
-if TYPE_CHECKING:
-    from flowcheck.tiers.object import ObjectTier
 
 __all__ = ["Candidate", "candidates", "reuse", "reusable", "holder_path", "held_files", "find_parent"]
 
@@ -82,29 +79,29 @@ def reuse(found: Mapping[Key, Candidate], snapshot: Snapshot, digests: Mapping[S
     return skip, refs
 
 
-def reusable(tier: ObjectTier, snapshot: Snapshot, parent, digests: Mapping[Shard, str]
+def reusable(tier: Tier, snapshot: Snapshot, parent, digests: Mapping[Shard, str]
              ) -> tuple[dict[Shard, tuple[Piece, ...]], tuple[StepRef, ...]]:
     """What a write of ``snapshot`` need not upload: the shards its parent's committed object copy (any branch,
     same manifest digest) holds.  No parent copy: nothing (the step is uploaded in full)."""
     if parent is None or (snapshot.origin is not None and snapshot.origin.nodes):
         return {}, ()
-    found = find_parent(tier._search_order(), parent)
+    found = find_parent(tier.search_order(), parent)
     if found is None:
         return {}, ()
     return reuse(candidates(found[1], found[0]), snapshot, digests)
 
 
-def holder_path(tier: ObjectTier, ref: StepRef, rel: str) -> str:
+def holder_path(tier: Tier, ref: StepRef, rel: str) -> str:
     """The store path of a holder's file: under the run's prefix always (the branch name and the relative path
     were checked when the manifest was parsed)."""
     return f"{tier.base}/{branch_root(tier.run, ref.branch)}/{rel}"
 
 
-def held_files(tier: ObjectTier, exclude: int | None = None) -> dict[int, set[str]] | None:
+def held_files(tier: Tier, exclude: int | None = None) -> dict[int, set[str]] | None:
     """This branch's steps whose files committed manifests of the run (every branch; less step ``exclude`` of
     this branch, the one being deleted) reference -> those files, relative to the branch folder; None when some
     manifest cannot be read (nothing can be ruled unreferenced then)."""
-    refs = references(tier._search_order(), None if exclude is None else (tier.branch, exclude))
+    refs = references(tier.search_order(), None if exclude is None else (tier.branch, exclude))
     if refs is None:
         return None
     out: dict[int, set[str]] = {}

@@ -22,12 +22,12 @@ log = logging.getLogger(__name__)
 
 
 class ObjectChecks:
-    """Verification and cleanup of ObjectTier (a mixin: it uses the tier's ``_call``, ``backend`` and paths)."""
+    """Verification and cleanup of ObjectTier (a mixin: it uses the tier's ``call``, ``backend`` and paths)."""
 
     def _verify_files(self, manifest: Manifest, on_bytes: Callable[[int], None] = lambda n: None) -> list[Problem]:
         from flowcheck.tiers import cluster
 
-        problems = cluster.verify_parts(self, manifest) if manifest.nodes else []
+        problems = self.verify_parts(manifest) if manifest.nodes else []
         for f in manifest.files:
             on_bytes(f.bytes)
             what = self._check_file(manifest, f, cluster.expected_manifest_id(manifest, f.path))
@@ -92,7 +92,7 @@ class ObjectChecks:
         path = self._p(rel)
         self.fs.invalidate_cache(path)
         try:
-            found = self._call("listing", self.fs.find, path, detail=True)
+            found = self.call("listing", self.fs.find, path, detail=True)
         except FileNotFoundError:
             return {}
         return {p[len(self.root) + 1:]: _mtime(info) for p, info in found.items()
@@ -118,12 +118,12 @@ class ObjectChecks:
         path = self._p(f.path) if holder is None else object_refs.holder_path(self, holder, f.path)
         self.fs.invalidate_cache(path)
         try:
-            size = self._call(f"stat {f.path}", self.fs.size, path)
+            size = self.call(f"stat {f.path}", self.fs.size, path)
         except FileNotFoundError:
             return "file listed in the manifest is missing"
         if size != f.bytes:
             raise IntegrityError(f"size {size} != manifest {f.bytes}")
-        digest = self._call_once(f"reading {f.path}", self._stream_digest, path)
+        digest = self.call_once(f"reading {f.path}", self._stream_digest, path)
         if digest != f.digest:
             raise IntegrityError(f"digest {digest} != manifest {f.digest}")
         try:
@@ -151,7 +151,7 @@ class ObjectChecks:
         cutoff = self._store_now(dry_run) - older_than_s  # the store stamps the times compared with it
         self.fs.invalidate_cache(self.root)
         try:
-            entries = self._call("listing", self.fs.ls, self.root, detail=False)
+            entries = self.call("listing", self.fs.ls, self.root, detail=False)
         except FileNotFoundError:
             entries = []
         for path in entries:
@@ -176,12 +176,12 @@ class ObjectChecks:
                 self.remove_file(rel, "deleting an unreferenced file of a deleted step")
             return [self._p(rel) for rel in gone]
         if not dry_run:
-            self._call("deleting an abandoned step", self.fs.rm, self._p(name), recursive=True)
+            self.call("deleting an abandoned step", self.fs.rm, self._p(name), recursive=True)
         return [self._p(name)]
 
     def remove_file(self, rel: str, what: str) -> None:
         try:
-            self._call(what, self.fs.rm, self._p(rel))
+            self.call(what, self.fs.rm, self._p(rel))
         except FileNotFoundError:
             pass
 
@@ -194,9 +194,9 @@ class ObjectChecks:
         probe = self._p(".clock")
         try:
             # one attempt each, no retries: if the store does not answer, this host's clock will do
-            self._call_once("probing the store's clock", self.fs.pipe_file, probe, b"")
+            self.call_once("probing the store's clock", self.fs.pipe_file, probe, b"")
             self.fs.invalidate_cache(self.root)
-            return min(time.time(), _mtime(self._call_once("probing the store's clock", self.fs.info, probe)) + 1.0)
+            return min(time.time(), _mtime(self.call_once("probing the store's clock", self.fs.info, probe)) + 1.0)
         except (OSError, FlowcheckError, ValueError, TypeError) as e:
             log.info("object tier %s: cannot probe the store's clock (%s); using this host's", self.url, e)
             return time.time()
@@ -232,7 +232,7 @@ class ObjectChecks:
         stale = sorted(rel for rel, newest in self._unreferenced(step, strays, {}).items() if newest < cutoff)
         for rel in stale if not dry_run else ():
             try:
-                self._call("deleting an abandoned attempt", self.fs.rm, self._p(rel), recursive=True)
+                self.call("deleting an abandoned attempt", self.fs.rm, self._p(rel), recursive=True)
             except FileNotFoundError:  # its writer removed it meanwhile
                 pass
         return [self._p(rel) for rel in stale]
@@ -252,7 +252,7 @@ class ObjectChecks:
 
     def incomplete(self) -> list[str]:
         try:
-            entries = self._call("listing", self.fs.ls, self.root, detail=False)
+            entries = self.call("listing", self.fs.ls, self.root, detail=False)
         except FileNotFoundError:
             return []
         names = [p.rstrip("/").split("/")[-1] for p in entries]

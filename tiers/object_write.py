@@ -61,13 +61,11 @@ class _Planned:
 
 
 class ObjectWriter:
-    """The write half of ObjectTier (a mixin: it uses the tier's ``_call``, ``backend`` and paths)."""
+    """The write half of ObjectTier (a mixin: it uses the tier's ``call``, ``backend`` and paths)."""
 
     def _write(self, snapshot: Snapshot, parent: ParentRef | None, progress: Progress | None = None) -> Manifest:
         if self.cluster is not None:
-            from flowcheck.tiers import cluster
-
-            return cluster.write(self, snapshot, parent)
+            return self.commit_cluster_step(snapshot, parent)
         try:
             if self._exists(f"{step_dir(snapshot.step)}/{MANIFEST}"):
                 return self._already_committed(snapshot, f"object tier {self.url}: step {snapshot.step}")
@@ -78,7 +76,7 @@ class ObjectWriter:
             raise type(e)(f"object tier {self.url}: step {snapshot.step} was not committed (no part of it is "
                           f"visible; GC removes its uploaded files): {e}") from e
         try:
-            self._publish_latest(snapshot.step)
+            self.publish_latest(snapshot.step)
         except TierError as e:  # the step is committed; "latest" is a hint that the next commit moves on
             log.warning("object tier %s: step %d committed, but updating 'latest' failed: %s", self.url, snapshot.step, e)
         return m
@@ -118,7 +116,7 @@ class ObjectWriter:
         m = make_manifest(snapshot, node=self.node, parent=parent, digests=digests, locations=locations, files=files)
         if refs:
             m = dataclasses.replace(m, format_version=INCREMENTAL_VERSION, refs=refs)
-        m = self._sign(dataclasses.replace(m, created_at=identity.created_at))  # the identity the files name
+        m = self.sign(dataclasses.replace(m, created_at=identity.created_at))  # the identity the files name
         if m.digest() != identity.digest():
             raise IntegrityError(f"object tier {self.url}: step {m.step}: manifest identity changed while writing")
         return m
@@ -243,7 +241,7 @@ class ObjectWriter:
 
     def read_bytes(self, rel: str, what: str) -> bytes:
         """A small file under the run root (FileNotFoundError if absent)."""
-        return self._call(what, self.fs.cat_file, self._p(rel))
+        return self.call(what, self.fs.cat_file, self._p(rel))
 
     def _commit_attempt(self, m: Manifest, attempt: str) -> Manifest:
         """Commit the manifest naming one attempt's files; return the committed manifest.
@@ -262,7 +260,7 @@ class ObjectWriter:
     def discard(self, attempt: str) -> None:
         """Remove a losing attempt's folder; if that fails, GC removes it once it is older than the grace period."""
         try:
-            self._call(f"removing {attempt}", self.fs.rm, self._p(attempt), recursive=True)
+            self.call(f"removing {attempt}", self.fs.rm, self._p(attempt), recursive=True)
         except FileNotFoundError:
             pass
         except TierError as e:
@@ -280,7 +278,7 @@ class ObjectWriter:
                 return m
             except FileExistsError as e:
                 try:
-                    existing = parse(self._call_once("reading back the manifest", self.fs.cat_file, self._p(rel)), rel)
+                    existing = parse(self.call_once("reading back the manifest", self.fs.cat_file, self._p(rel)), rel)
                 except FileNotFoundError:  # 409: a create still in flight; look again
                     raise TierError(f"object tier {self.url}: {rel}: create refused but no manifest yet") from e
                 if existing.digest() != m.digest():
@@ -313,18 +311,3 @@ def _make_staging(path: str) -> None:
         except FileNotFoundError:
             if attempt == 2:
                 raise
-
-
-def bar_callback(bar):
-    """An fsspec callback feeding one shared tqdm bar (parts of many files count toward one total)."""
-    from fsspec.callbacks import Callback
-
-    class _Bar(Callback):
-        seen = 0
-
-        def call(self, *args, **kwargs) -> None:
-            if self.value > self.seen:
-                bar.update(self.value - self.seen)
-                self.seen = self.value
-
-    return _Bar()

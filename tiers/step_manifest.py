@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from flowcheck import __version__
+from flowcheck.version import __version__
 from flowcheck.digest import data_digest
 from flowcheck.errors import IntegrityError
 from flowcheck.manifest import FORMAT_VERSION, FileEntry, Manifest, ParentRef, Piece, Producer, ShardEntry, TensorEntry, now_utc

@@ -14,7 +14,7 @@ import sys
 
 import click
 
-from flowcheck import __version__
+from flowcheck.version import __version__
 from flowcheck import progress as _progress
 from flowcheck.cli.common import handled, reader_gone
 

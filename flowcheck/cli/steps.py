@@ -166,11 +166,11 @@ def snapshot(config_path, state_path, step, tier):
     Example:
       flowcheck snapshot --state model.safetensors --step 1200 --config flowcheck.yaml
     """
-    from flowcheck.state_files import load_state_file
+    from flowcheck.restore.state_files import load_snapshot_file
 
     store = store_for(config_path, progress=True)
     with _progress.activity(f"read {os.path.basename(state_path)}"):
-        snap = load_state_file(state_path, store.config.run, step)
+        snap = load_snapshot_file(state_path, store.config.run, step)
     with bytes_bar(f"write step {step} to the {tier} tier") as bar:
         m, said = committed(store, tier, lambda: store.write(snap, tier, progress=bar))
     click.echo(f"{said}: {len(m.tensors)} tensors, {human(m.nbytes)}, digest {m.digest()}")

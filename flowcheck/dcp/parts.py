@@ -1,7 +1,7 @@
 """One DCP save as "many nodes, one step" (tiers/cluster.py): each rank stores a part, the coordinator commits the step.
 
 Every rank writes its chunks with its tier's own writer as a part named ``rank-<rank:05d>``, under the step's
-``nodes/<node>/`` folder — the object tier through ``cluster.write_part`` (files in an attempt folder, then the
+``nodes/<node>/`` folder — the object tier through ``ObjectTier.write_part`` (files in an attempt folder, then the
 part manifest, exclusive create), the local tier through ``LocalTier.write_part`` straight into
 ``nodes/<node>/`` of the step's temporary folder (every file and folder fsync'd; no part manifest file, no
 rename: the part manifest travels in the write results).  DCP's bytes items reach the coordinator in the write
@@ -41,7 +41,7 @@ def write_part(store: Store, target: SaveTarget, snapshot: Snapshot, node: str) 
     """Store one part of the step (``node``'s shards) and return its manifest (locations under ``nodes/<node>/``)."""
     if target.tier == "object":
         tier = _as_node(store, node).tier("object", target.branch)
-        part = cluster.write_part(tier, snapshot, target.parent)
+        part = tier.write_part(snapshot, target.parent)
         if part is None:
             raise FlowcheckError(f"object tier: {node}'s part of step {target.step} was taken over by another writer "
                                  "and then removed; save the step again")
@@ -127,7 +127,7 @@ def commit(store: Store, target: SaveTarget, manifest: Manifest) -> Manifest:
     else:
         m = _commit_local(store, target, tier, manifest)
     try:
-        tier._publish_latest(m.step)  # noqa: SLF001 - only after a durable commit, as every tier write does
+        tier.publish_latest(m.step)  # only after a durable commit, as every tier write does
     except FlowcheckError as e:
         log.warning("%s tier: step %d committed, but updating 'latest' failed: %s", tier.name, m.step, e)
     log.info("%s tier: committed DCP step %d of run %s (%d parts, %d bytes)", tier.name, m.step, m.run,
@@ -150,7 +150,7 @@ def discard(store: Store, target: SaveTarget, written: Mapping[str, Manifest]) -
 
 
 def _commit_object(tier, m: Manifest) -> Manifest:
-    m = tier._sign(m)  # noqa: SLF001 - the tier's own signing and validation, as cluster.py uses it
+    m = tier.sign(m)
     rel = f"{step_dir(m.step)}/{MANIFEST}"
     try:
         tier.create_exclusive(rel, m.to_bytes(), "committing the step manifest")
@@ -174,7 +174,7 @@ def _commit_local(store: Store, target: SaveTarget, tier, m: Manifest) -> Manife
     shutil.rmtree(os.path.join(tmp, "staging"), ignore_errors=True)
     groups = [_zarr_group(tmp, rel, m) for rel in (cluster.NODES, "")]  # zarr readers open the step folder
     m = dataclasses.replace(m, files=tuple(sorted(m.files + tuple(groups), key=lambda f: f.path)))
-    m, raw = tier._signed_bytes(m)  # noqa: SLF001 - the tier's own signing and validation, as cluster.py uses it
+    m, raw = tier.signed_bytes(m)
     if fsync:
         sync_paths([os.path.join(tmp, cluster.NODES, "zarr.json"), os.path.join(tmp, "zarr.json"),
                     os.path.join(tmp, cluster.NODES), tmp], workers=4)

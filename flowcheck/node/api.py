@@ -67,8 +67,7 @@ class ControlAPI:
             site = capped_site(self._runner, self.host, self.port, self.limits.max_connections, self.connections,
                                name="control API")
             self.loop.run_until_complete(site.start())
-            sock = site._server.sockets[0]  # noqa: SLF001 - the bound port when 0 was asked
-            self.address = sock.getsockname()[:2]
+            self.address = tuple(self._runner.addresses[0][:2])  # the bound port when 0 was asked
         except BaseException as e:  # noqa: BLE001
             self._error = e
             self._ready.set()

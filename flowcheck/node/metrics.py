@@ -73,7 +73,7 @@ class _NodeCollector:
         yield from self._policy()
 
     def _info(self):
-        from flowcheck import __version__
+        from flowcheck.version import __version__
 
         node = self.node
         info = GaugeMetricFamily("flowcheck_node_info", "Always 1; labels say which run and node this is.",

@@ -267,8 +267,7 @@ class Node:
 
     def memory_bytes(self) -> int:
         """Bytes of the RAM state held (0 before the first full push)."""
-        arrays = getattr(self.store.memory, "_arrays", {})  # noqa: SLF001 - the tier exposes no size of its own
-        return sum(a.nbytes for a in list(arrays.values()))
+        return self.store.memory.state_bytes
 
     def steps(self) -> dict[str, list[int]]:
         out = {t.name: t.steps() for t in self.store.tiers(include_memory=False)}

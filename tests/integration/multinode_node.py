@@ -109,7 +109,7 @@ def _instrument(args, won: list[bool]) -> None:
 
     ObjectTier.create_exclusive = create_exclusive
     if args.barrier:
-        commit = cluster.wait_and_commit
+        commit = ObjectTier.wait_and_commit
 
         def wait_and_commit(tier, step):
             open(os.path.join(args.barrier, args.node), "w").close()
@@ -117,7 +117,7 @@ def _instrument(args, won: list[bool]) -> None:
                 time.sleep(0.01)
             return commit(tier, step)
 
-        cluster.wait_and_commit = wait_and_commit
+        ObjectTier.wait_and_commit = wait_and_commit
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -182,7 +182,7 @@ def attach(name: str) -> shared_memory.SharedMemory:
             from multiprocessing import resource_tracker
 
             seg = shared_memory.SharedMemory(name=name, create=False)
-            resource_tracker.unregister(seg._name, "shared_memory")  # noqa: SLF001
+            resource_tracker.unregister("/" + seg.name, "shared_memory")  # registered under its POSIX name
             return seg
     except FileNotFoundError as e:
         raise WireError(f"shared memory {name!r} does not exist: is the sender on another host?") from e

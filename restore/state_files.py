@@ -14,7 +14,7 @@ SOURCE = "snapshot"  # the manifest's producer.source for `flowcheck snapshot` (
 _EXPECTED = "a torch.save file (zip archive) of a state_dict, or a .safetensors file"
 
 
-def load_state_file(path: str, run: str, step: int) -> Snapshot:
+def load_snapshot_file(path: str, run: str, step: int) -> Snapshot:
     """A snapshot of a state file; torch files are read with ``weights_only=True`` (never unpickled freely).
 
     Non-tensor entries that JSON can hold (numbers, strings, lists and dicts of them: an ``iteration``, a
