@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> None:
             _wrap(obj_mod.ObjectTier, "_upload", "upload: s3fs put_file (multipart)")
             _wrap(obj_mod.ObjectTier, "_commit_manifest", "manifest commit (If-None-Match)")
             _wrap(obj_mod.ObjectTier, "_exists", "existence checks")
-            _wrap(obj_mod.ObjectTier, "_publish_latest", "publish latest")
+            _wrap(obj_mod.ObjectTier, "publish_latest", "publish latest")
             c.drop_caches()
             dt, _ = c.timed(lambda: ObjectTier(ocfg, run, staging_dir=staging).write(loc.load(step)))
             report("flowcheck promotion ObjectTier.write(local.load(step))", dt)

@@ -205,7 +205,7 @@ class LocalTier(Tier):
                    on_bytes: Callable[[int], None], sign: bool = True) -> tuple[Manifest, list[str] | None]:
         """Write the step's files into ``tmp``; (the manifest to commit, the paths still to fsync or None: all).
         ``sign=False``: the manifest is not signed nor checked here (a part's: the commit that lists it does both)."""
-        finish = self._sign if sign else (lambda m: m)
+        finish = self.sign if sign else (lambda m: m)
         def written(shard: Shard, nbytes: int) -> None:
             if snapshot.pin is not None:
                 snapshot.pin.on_shard_written(shard)  # the bytes are in the file (page cache): the source may change from now on
