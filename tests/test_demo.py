@@ -260,3 +260,21 @@ def test_a_second_demo_on_one_store_is_a_second_root_in_lineage(demo_run):
     second = min((n for n in view["nodes"] if n["step"] > STEPS), key=lambda n: n["step"])
     assert second["parent"] is None, second  # not the first run's last step: it does not descend from it
     assert str(second["step"]) in [r.split("@")[0] for r in view["roots"]], view["roots"]
+
+
+def test_the_readme_tour_runs_as_printed_on_the_store_the_demo_left(demo_run, tmp_path):
+    """README "A five-minute tour": its commands run as printed from the folder the demo ran in."""
+    workdir, _, _ = demo_run
+    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md"),
+              encoding="utf-8") as f:
+        readme = f.read()
+    tour = readme[readme.index("## A five-minute tour"):]
+    block = tour[tour.index("```bash\n") + len("```bash\n"):]
+    block = block[:block.index("```")]
+    assert "flowcheck-demo/flowcheck.yaml" in block and "flowcheck restore" in block
+    (tmp_path / "flowcheck-demo").symlink_to(workdir)
+    env = {**_env(), "PWD": str(tmp_path), "PATH": os.path.dirname(EXE) + os.pathsep + os.environ.get("PATH", "")}
+    proc = subprocess.run(["bash", "-e", "-c", block], check=False, capture_output=True, text=True, cwd=tmp_path,
+                          env=env, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (tmp_path / "step.safetensors").is_file() and (tmp_path / "megatron-tp1pp2").is_dir()

@@ -1,17 +1,20 @@
-"""The README says what the code does: its mirror-capture block runs as printed in an empty folder, and what it
-quotes of the CLI (an error line, the demo's time) is what the CLI prints."""
+"""The README is the front door: at most 250 lines, the two commands at its top exactly as `.ci/run` and users run
+them, the demo's time as `demo --help` gives it, and a link to every page in docs/."""
 from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
 
 from click.testing import CliRunner
 
 from flowcheck.cli import main
 
-README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+README = os.path.join(ROOT, "README.md")
+MAIN_JOB = ("python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 -e . && "
+            "flowcheck demo --workdir ./flowcheck-demo")
+TESTS = ("python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 -e '.[dev]' && "
+         "python -m pytest -q")
 
 
 def _readme() -> str:
@@ -19,32 +22,38 @@ def _readme() -> str:
         return f.read()
 
 
-def _block_after(heading: str) -> list[str]:
-    """The command lines of the first bash block under ``heading`` (comments after ``#`` dropped)."""
-    text = _readme()
-    section = text[text.index(heading):]
-    block = section[section.index("```bash\n") + len("```bash\n"):]
-    return [line for line in block[:block.index("```")].splitlines() if line.strip()]
+def _bash_blocks(text: str) -> list[tuple[int, list[str]]]:
+    """Every ```bash block: (the line number of its opening fence, its lines)."""
+    lines, blocks = text.splitlines(), []
+    for i, line in enumerate(lines):
+        if line == "```bash":
+            end = lines.index("```", i + 1)
+            blocks.append((i + 1, lines[i + 1:end]))
+    return blocks
 
 
-def test_the_mirror_capture_block_runs_as_printed_in_an_empty_folder(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "FLOWCHECK_CONFIG"}
-    bindir = os.path.dirname(sys.executable)
-    env["PATH"] = bindir + os.pathsep + env.get("PATH", "")
-    out = ""
-    for line in _block_after("## Mirror capture"):
-        done = subprocess.run(line, shell=True, check=False, cwd=tmp_path, env=env, capture_output=True, text=True,
-                              timeout=600)
-        assert done.returncode == 0, (line, done.stdout[-2000:], done.stderr[-2000:])
-        out = done.stdout
-    assert "bit-exact" in out.splitlines()[-1], out
+def test_the_readme_is_at_most_250_lines():
+    assert len(_readme().splitlines()) <= 250
 
 
-def test_the_quoted_step_error_is_what_the_cli_prints():
-    quoted = re.search(r"`(error: Invalid value for [^`]*?found 'abc';)", _readme().replace("\n", " "))
-    assert quoted, "the README quotes the --step error"
-    printed = CliRunner().invoke(main, ["show", "--step", "abc"]).output
-    assert printed.startswith(quoted.group(1)), (quoted.group(1), printed)
+def test_the_readme_starts_with_the_main_job_and_the_test_command_byte_for_byte():
+    (first_at, first), (second_at, second) = _bash_blocks(_readme())[:2]
+    assert first == [MAIN_JOB] and second == [TESTS]
+    assert first_at < second_at <= 40, "both commands stand at the top"
+    after = " ".join(_readme().splitlines()[second_at + 1:second_at + 5])
+    assert re.search(r"The tests take about [\d–]+ minutes on 2 cores .*\([\d,]+ tests; .*[\d.]+ min\)", after), after
+
+
+def test_ci_runs_exactly_the_readmes_test_command():
+    with open(os.path.join(ROOT, ".ci", "run"), encoding="utf-8") as f:
+        last = [line for line in f.read().splitlines() if line.strip()][-1]
+    assert last == TESTS
+
+
+def test_the_readme_links_every_page_in_docs():
+    linked = {os.path.normpath(t.split("#")[0]) for t in re.findall(r"\]\(([^)\s]+)\)", _readme())}
+    pages = {os.path.join("docs", name) for name in os.listdir(os.path.join(ROOT, "docs")) if name.endswith(".md")}
+    assert pages and pages <= linked, sorted(pages - linked)
 
 
 def test_the_demo_time_in_the_readme_is_the_one_demo_help_gives():

@@ -120,7 +120,7 @@ def test_flowcheck_import_takes_a_dcp_directory_tensors_only_unless_trusted(tmp_
     done = subprocess.run([*run, "--step", "5", "--trust-pickle", str(src)], check=False, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert same(load(cfg, zeros_like(state(4)), step=5), state(4))
-    m = open_store(cfg).manifest(5)  # a second import is a lineage of its own: a branch (README "Branches")
+    m = open_store(cfg).manifest(5)  # a second import is a lineage of its own: a branch (docs/format.md, "Branches")
     assert m.producer.source == "import" and "_dcp_bytes.sched.lrs" in m.tensors
 
 
@@ -339,8 +339,8 @@ def test_async_saves_after_a_resume_descend_from_the_step_the_reader_loaded(tmp_
 
 @pytest.mark.parametrize("tier", ["local", "object"])
 def test_an_identical_resave_is_a_no_op_and_another_state_at_that_step_is_a_new_branch(tmp_path, tier):
-    """README "Branches": the same state committed twice at one step is a no-op; a different state at a step the run
-    holds is kept beside it on a branch of its own, never over it — both stay addressable."""
+    """docs/format.md, "Branches": the same state committed twice at one step is a no-op; a different state at a
+    step the run holds is kept beside it on a branch of its own, never over it — both stay addressable."""
     cfg = config(str(tmp_path))
     save(cfg, state(3), 3, tier=tier)
     first = save(cfg, state(4), 4, tier=tier).committed

@@ -48,7 +48,7 @@ def expected(snapshot: Snapshot) -> dict[tuple[str, tuple[int, ...]], np.ndarray
 
 
 def packed_shards(step_path: str) -> dict[tuple[str, tuple[int, ...]], np.ndarray]:
-    """Every shard of a packed step, found the way the README tells a zarr user: the group's tensor table."""
+    """Every shard of a packed step, found the way docs/format.md tells a zarr user: the group's tensor table."""
     group = zarr.open_group(step_path, mode="r")
     table = group.attrs["flowcheck"]
     assert table["layout"] == "packed"
