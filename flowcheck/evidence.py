@@ -1,6 +1,6 @@
 """What this process's next state of a run descends from: the state it loaded, or what it saved since.
 
-A lineage edge needs evidence (README "Branches").  The default ("auto") parent of a ``Checkpointer`` push or a
+A lineage edge needs evidence (docs/format.md, "Branches").  The default ("auto") parent of a ``Checkpointer`` push or a
 ``flowcheck.dcp.Writer`` save is what this process loaded (``Checkpointer.load``, a ``flowcheck.dcp.Reader``) or
 last saved in the run; a process that did neither starts a new root.  The store's newest step is no evidence: a
 second fresh run of a job would claim to descend from the first.  Kept per process, since a job resumes per process

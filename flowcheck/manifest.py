@@ -40,7 +40,7 @@ MULTI_NODE_VERSION = 2
 # a pack as one shard.
 PACKED_VERSION = 3
 # v4 = v3 + references (``refs``, a piece's ``ref``): shards the step did not write again because the parent held
-# the same bytes point into the earlier step that holds them (README "Incremental steps").  Only a manifest with at
+# the same bytes point into the earlier step that holds them (docs/format.md, "Incremental steps").  Only a manifest with at
 # least one reference is v4; locations and refs identify nothing, so its digest is the v1 digest of the same
 # state.  A flowcheck that predates v4 refuses it instead of looking for the bytes in the step's own folder.
 INCREMENTAL_VERSION = 4

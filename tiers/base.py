@@ -342,7 +342,7 @@ class Tier(ABC):
 
     def search_order(self) -> list[Tier]:
         """This branch, then main, then every other branch of the run (where references between steps are
-        looked for: manifest v4, README "Incremental steps")."""
+        looked for: manifest v4, docs/format.md "Incremental steps")."""
         main = self._at(MAIN)
         names = [self.branch] + [b for b in (MAIN, *main.branch_names()) if b != self.branch]
         return [self._at(b) for b in names]

@@ -1,7 +1,7 @@
 """The object tier's references between steps (manifest v4): a write (a promotion) uploads only the shards the
 parent's object copy does not hold; reads, audit, deletion and GC follow the references.
 
-Same pointer form as the local tier (tiers/local_refs.py, README "Incremental steps"): a reused shard's pieces
+Same pointer form as the local tier (tiers/local_refs.py, docs/format.md "Incremental steps"): a reused shard's pieces
 keep the holder's path (``step-<N>/attempt-<hex>/shard-….safetensors``, relative to the holder's branch folder),
 key and rows, and name the holder by index into ``refs``.  Deleting a holder that a kept manifest (any branch)
 references removes its manifest first (the step leaves the listings at once), then only the files nobody

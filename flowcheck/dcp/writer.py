@@ -56,7 +56,7 @@ class Writer(StorageWriter, AsyncStager):
     ``parent``: ``"auto"`` (what this process loaded or last saved in the run, flowcheck/evidence.py; a process that
     did neither starts a new root and logs how to name the parent), None (a new lineage), a step number (that step
     of the current branch), a ``ParentRef``, or the ``Reader`` the trainer resumed with (its step, once: a save
-    after a resume is a branch of the resumed step, see README "Branches").  ``reuse_staging``: ``dcp.async_save`` stages the state into the
+    after a resume is a branch of the resumed step, see docs/format.md, "Branches").  ``reuse_staging``: ``dcp.async_save`` stages the state into the
     CPU copy the previous async save of this run and tier used, once that save has stored it (flowcheck/dcp/staging.py;
     False: a fresh copy each time).  Example::
 

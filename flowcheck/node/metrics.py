@@ -1,4 +1,4 @@
-"""The node's Prometheus metrics: one CollectorRegistry per node, names documented in the README.
+"""The node's Prometheus metrics: one CollectorRegistry per node, names documented in docs/node.md ("Reading the metrics").
 
 Counters that already live in the node's components (push receiver, mirror capture, policy) are read
 at scrape time by a custom collector — no second bookkeeping that could drift; the queue/transfer

@@ -328,5 +328,5 @@ class Node:
         return out
 
     def metrics(self) -> tuple[bytes, str]:
-        """Prometheus text exposition (body, content type); the families are listed in the README."""
+        """Prometheus text exposition (body, content type); the families are listed in docs/node.md ("Reading the metrics")."""
         return self._metrics.render()

@@ -294,7 +294,7 @@ class Checkpointer:
         if any(dtensor.is_dtensor(t) for t in self.model.state_dict().values()):
             raise ConfigError("Checkpointer.load: an FSDP2/DTensor trainer resumes through DCP, which reshards to its "
                               "mesh: dcp.load(state, storage_reader=flowcheck.dcp.Reader(config, run=..., step=...)) "
-                              "(README: 'PyTorch DCP and FSDP2')")
+                              "(docs/dcp.md)")
         store = store if store is not None else open_store(config)
         tier, manifest = open_step(store, step, prefer)
         snap = tier.load(manifest.step)
