@@ -1,4 +1,4 @@
-"""Manifest v1: the JSON contract that says what a stored step is and where its bytes lie.
+"""The manifest (format versions 1-4): the JSON contract that says what a stored step is and where its bytes lie.
 
 Three digests, each with one job:
 
@@ -565,39 +565,38 @@ def parse(raw_bytes: bytes, where: str, *, verify_integrity: bool = True) -> Man
             f"{where}: field 'format_version': expected one of {list(KNOWN_VERSIONS)}, found {version}; "
             "this manifest was written by a newer flowcheck — upgrade flowcheck to read it"
         )
-    prod = r.get(raw, "producer", dict, "producer", "an object")
-    source = r.get(prod, "source", str, "producer.source", f"one of {SOURCES}")
-    if source not in SOURCES:
-        raise r.fail("producer.source", f"one of {SOURCES}", source)
-    if "parent" not in raw:
-        raise r.fail("parent", "an object {step, manifest_digest} or null", "<missing>")
-    parent_raw = raw["parent"]
-    parent = None
-    if parent_raw is not None:
-        parent = ParentRef(
-            r.get(parent_raw, "step", int, "parent.step", "an integer"),
-            r.digest(parent_raw, "manifest_digest", "parent.manifest_digest", "sha256"),
-        )
-    sl = r.get(raw, "source_layout", dict, "source_layout", "an object {tp, pp, dp, vpp}")
-    dims = {k: r.get(sl, k, int, f"source_layout.{k}", "a positive integer") for k in ("tp", "pp", "dp", "vpp")}
-    if any(v < 1 for v in dims.values()):
-        raise r.fail("source_layout", "positive integers tp, pp, dp, vpp", sl)
-    layout = ParallelLayout(**dims)
     tensors = {name: _tensor(r, name, t, version)
                for name, t in r.get(raw, "tensors", dict, "tensors", "an object").items()}
     files = _file_entries(r, r.get(raw, "files", list, "files", "a list"), "files")
     refs = _refs(r, raw, version, tensors)
     _check_file_bytes(r, tensors, files, refs)
-    buckets_raw = raw.get("buckets", [])
-    if not isinstance(buckets_raw, list) or not all(
-        isinstance(b, list) and all(isinstance(n, str) for n in b) for b in buckets_raw
-    ):
-        raise r.fail("buckets", "a list of lists of tensor names", buckets_raw)
-    buckets = tuple(tuple(b) for b in buckets_raw)
-    nodes = _nodes(r, raw, version)
     signature = raw.get("signature")
     if signature is not None and not isinstance(signature, dict):
         raise r.fail("signature", "an object {alg, value}", signature)
+    run, step = _identity(r, raw)
+    m = Manifest(
+        run=run,
+        step=step,
+        created_at=r.get(raw, "created_at", str, "created_at", "an ISO-8601 UTC time"),
+        producer=_producer(r, raw),
+        parent=_parent(r, raw),
+        layout_digest=r.digest(raw, "layout_digest", "layout_digest", "sha256"),
+        source_layout=_source_layout(r, raw),
+        tensors=tensors,
+        files=tuple(files),
+        scalars=_scalars(r, raw),
+        buckets=_buckets(r, raw),
+        signature=signature,
+        format_version=version,
+        nodes=_nodes(r, raw, version),
+        refs=refs,
+    )
+    if verify_integrity:
+        _check_integrity(r, raw, raw_bytes, m)
+    return m
+
+
+def _identity(r: _Reader, raw: Mapping[str, Any]) -> tuple[str, int]:
     step = r.get(raw, "step", int, "step", "a non-negative integer")
     if step < 0:
         raise r.fail("step", "a non-negative integer", step)
@@ -605,41 +604,59 @@ def parse(raw_bytes: bytes, where: str, *, verify_integrity: bool = True) -> Man
     try:
         check_name(run, "run name")
     except UnsafeNameError as e:
-        raise ManifestError(f"{where}: field 'run': {e}") from e
-    m = Manifest(
-        run=run,
-        step=step,
-        created_at=r.get(raw, "created_at", str, "created_at", "an ISO-8601 UTC time"),
-        producer=Producer(
-            r.get(prod, "node", str, "producer.node", "a string"),
-            r.get(prod, "version", str, "producer.version", "a string"),
-            source,
-        ),
-        parent=parent,
-        layout_digest=r.digest(raw, "layout_digest", "layout_digest", "sha256"),
-        source_layout=layout,
-        tensors=tensors,
-        files=tuple(files),
-        scalars=_scalars(r, raw),
-        buckets=buckets,
-        signature=signature,
-        format_version=version,
-        nodes=nodes,
-        refs=refs,
-    )
-    if verify_integrity:
-        body = {k: v for k, v in raw.items() if k != "integrity"}
-        stored = raw.get("integrity")
-        if stored != sha256(canonical_json(body)):
-            raise ManifestError(
-                f"{where}: field 'integrity': expected the sha256 of the manifest body, found {stored!r}; "
-                "the manifest was modified after it was written"
-            )
-        if raw_bytes.rstrip(b"\n") != canonical_json(raw):
-            raise ManifestError(
-                f"{where}: the file is not in canonical form (sorted keys, no spaces, shortest numbers): "
-                "it was modified after it was written"
-            )
-        if m.layout().digest() != m.layout_digest:
-            raise r.fail("layout_digest", m.layout().digest(), m.layout_digest)
-    return m
+        raise ManifestError(f"{r.where}: field 'run': {e}") from e
+    return run, step
+
+
+def _producer(r: _Reader, raw: Mapping[str, Any]) -> Producer:
+    prod = r.get(raw, "producer", dict, "producer", "an object")
+    source = r.get(prod, "source", str, "producer.source", f"one of {SOURCES}")
+    if source not in SOURCES:
+        raise r.fail("producer.source", f"one of {SOURCES}", source)
+    return Producer(r.get(prod, "node", str, "producer.node", "a string"),
+                    r.get(prod, "version", str, "producer.version", "a string"), source)
+
+
+def _parent(r: _Reader, raw: Mapping[str, Any]) -> ParentRef | None:
+    if "parent" not in raw:
+        raise r.fail("parent", "an object {step, manifest_digest} or null", "<missing>")
+    parent_raw = raw["parent"]
+    if parent_raw is None:
+        return None
+    return ParentRef(r.get(parent_raw, "step", int, "parent.step", "an integer"),
+                     r.digest(parent_raw, "manifest_digest", "parent.manifest_digest", "sha256"))
+
+
+def _source_layout(r: _Reader, raw: Mapping[str, Any]) -> ParallelLayout:
+    sl = r.get(raw, "source_layout", dict, "source_layout", "an object {tp, pp, dp, vpp}")
+    dims = {k: r.get(sl, k, int, f"source_layout.{k}", "a positive integer") for k in ("tp", "pp", "dp", "vpp")}
+    if any(v < 1 for v in dims.values()):
+        raise r.fail("source_layout", "positive integers tp, pp, dp, vpp", sl)
+    return ParallelLayout(**dims)
+
+
+def _buckets(r: _Reader, raw: Mapping[str, Any]) -> tuple[tuple[str, ...], ...]:
+    buckets_raw = raw.get("buckets", [])
+    if not isinstance(buckets_raw, list) or not all(
+        isinstance(b, list) and all(isinstance(n, str) for n in b) for b in buckets_raw
+    ):
+        raise r.fail("buckets", "a list of lists of tensor names", buckets_raw)
+    return tuple(tuple(b) for b in buckets_raw)
+
+
+def _check_integrity(r: _Reader, raw: Mapping[str, Any], raw_bytes: bytes, m: Manifest) -> None:
+    """The file is exactly what its writer produced: its integrity digest, canonical form and layout digest."""
+    body = {k: v for k, v in raw.items() if k != "integrity"}
+    stored = raw.get("integrity")
+    if stored != sha256(canonical_json(body)):
+        raise ManifestError(
+            f"{r.where}: field 'integrity': expected the sha256 of the manifest body, found {stored!r}; "
+            "the manifest was modified after it was written"
+        )
+    if raw_bytes.rstrip(b"\n") != canonical_json(raw):
+        raise ManifestError(
+            f"{r.where}: the file is not in canonical form (sorted keys, no spaces, shortest numbers): "
+            "it was modified after it was written"
+        )
+    if m.layout().digest() != m.layout_digest:
+        raise r.fail("layout_digest", m.layout().digest(), m.layout_digest)
