@@ -450,7 +450,7 @@ def update_rounds(args, job, params: list[tuple[str, tuple[int, ...]]], grads: l
 
     import torch
 
-    from flowcheck.update import Replica
+    from flowcheck.capture.mirror.replica import Replica
 
     state = initial_state(params, seed=2)
     replicas = {impl: Replica(dataclasses.replace(job, optimizer=dataclasses.replace(job.optimizer, impl=impl)), state, 10)
@@ -521,7 +521,7 @@ def gpt2_params(layers: int, hidden: int, vocab: int = 50304, ctx: int = 1024) -
 def part_e2e(args, log) -> dict[str, Any]:
     import torch
 
-    from flowcheck.update import Replica
+    from flowcheck.capture.mirror.replica import Replica
 
     torch.set_num_threads(args.e2e_threads)
     params = gpt2_params(args.e2e_layers, args.e2e_hidden)

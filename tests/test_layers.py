@@ -17,7 +17,7 @@ import pytest
 
 VALUE_MODEL = {"errors", "digest", "dtypes", "state", "manifest", "branches", "config", "logs", "progress", "version"}
 STORE = {"store", "pruning", "audit", "policy", "tier_check", "identity", "lineage_view", "evidence", "plan"}
-SERVICES = {"capture", "torch", "dcp", "node", "restore", "update", "simulate"}
+SERVICES = {"capture", "torch", "dcp", "node", "restore", "simulate"}
 FRONT = {"cli", "demo", "__main__"}
 EXTENSIONS = {"_native", "_mirror"}  # compiled: no imports of their own
 

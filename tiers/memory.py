@@ -58,7 +58,7 @@ class MemoryTier(Tier):
         self.head: ParentRef | None = None  # the committed step this state descends from (lineage parent)
         # names this state: a new id each time the whole state is replaced (a full push, resync, restore, delete);
         # in-place updates keep it.  A trainer that sent frozen tensors once skips them only while the id it was
-        # told still names the state (flowcheck/capture/push/receiver.py): a restarted node has another one
+        # told still names the state (flowcheck/node/receiver.py): a restarted node has another one
         self.state_id: str | None = None
         self.cow_copies = 0  # shards copied because a snapshot held them (a metric)
         self.cow_waits = 0  # updates that waited for a snapshot to write a shard (the budget was spent)

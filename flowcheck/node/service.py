@@ -20,7 +20,7 @@ from typing import Any
 from flowcheck.capture.push.auth import read_token
 from flowcheck.errors import ConfigError, FlowcheckError
 from flowcheck.capture.mirror.stats import CaptureStats
-from flowcheck.capture.push.receiver import PushReceiver
+from flowcheck.node.receiver import PushReceiver
 from flowcheck.config import Config, ServeConfig
 from flowcheck.logs import oneline
 from flowcheck.node.lease import ObjectLease, RunLease

@@ -252,7 +252,7 @@ def test_a_fresh_trainer_is_a_new_root_and_one_that_names_its_parent_continues_i
 
 
 def _in_process_node(tmp_path, token: str):
-    from flowcheck.capture.push.receiver import PushReceiver
+    from flowcheck.node.receiver import PushReceiver
 
     store = open_store(NodeProcess(str(tmp_path)).config)
     return store, PushReceiver(store, part_timeout_s=10, token=token).start()

@@ -203,7 +203,7 @@ def test_a_node_that_does_not_offer_kept_shards_gets_every_shard(tmp_path, node_
     """A node from before kept shards (its hello offers none, its acks name no state) is sent everything, every save."""
     import time
 
-    from flowcheck.capture.push.receiver import PushReceiver
+    from flowcheck.node.receiver import PushReceiver
     from flowcheck.store import open_store
 
     class OlderNode(PushReceiver):
@@ -233,7 +233,7 @@ def test_a_stale_node_state_asks_for_the_kept_shards_again_and_is_replaced_whole
     and the state is fresh again."""
     import time
 
-    from flowcheck.capture.push.receiver import PushReceiver
+    from flowcheck.node.receiver import PushReceiver
     from flowcheck.store import open_store
 
     store = open_store(NodeProcess(str(tmp_path)).config)

@@ -286,7 +286,7 @@ def test_a_segment_rewritten_while_the_node_holds_it_aborts_its_step_and_the_pre
     """A segment its trainer writes after lending it (a trainer that ignores the lease) is caught when the step is
     adopted: the step aborts, its sender is told, and the previous complete step stays the RAM state, whole."""
     from flowcheck import _native
-    from flowcheck.capture.push import receiver as push
+    from flowcheck.node import receiver as push
     from flowcheck.torch.checkpointer import generation_at
 
     store = open_store(NodeProcess(str(tmp_path)).config)
@@ -331,7 +331,7 @@ def test_a_snapshot_in_flight_never_holds_a_push_back_and_keeps_its_own_step(tmp
     """A push is received beside the RAM state, so a snapshot still writing step 1 neither delays step 2 nor sees
     any of it; a stale state (a failure elsewhere) is replaced whole by the next push.  Over TCP the replaced state's
     buffers are received into again once the snapshot let them go (no new allocation per push)."""
-    from flowcheck.capture.push import receiver as push
+    from flowcheck.node import receiver as push
 
     store = open_store(NodeProcess(str(tmp_path)).config)
     store.memory.config = dataclasses.replace(store.memory.config, cow_budget=0.0)  # no copy-on-write room at all

@@ -6,7 +6,7 @@ import struct
 
 import pytest
 
-from flowcheck.capture.push.receiver import parse_part
+from flowcheck.node.receiver import parse_part
 from flowcheck.capture.push.wire import MAGIC, MAX_HEADER, WireError, encode_header, recv_header, send_frame
 
 

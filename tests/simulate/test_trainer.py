@@ -100,8 +100,8 @@ def test_step_zero_is_the_initial_model(sim_dir):
 
 
 def test_a_replica_following_the_job_reproduces_the_truth_bit_for_bit(sim_dir):
-    """What a checkpoint node does with perfectly captured allreduces (flowcheck.update)."""
-    from flowcheck.update import Replica
+    """What a checkpoint node does with perfectly captured allreduces (flowcheck.capture.mirror.replica)."""
+    from flowcheck.capture.mirror.replica import Replica
 
     job = load_job(sim_dir.job_path)
     replica = Replica(job, load_torch(job.init), step=0)

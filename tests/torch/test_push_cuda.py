@@ -54,7 +54,7 @@ def _push_on_a_side_stream(receiver_url: str, staging) -> tuple[dict[str, np.nda
 
 @pytest.fixture
 def receiver(tmp_path, monkeypatch):
-    from flowcheck.capture.push.receiver import PushReceiver
+    from flowcheck.node.receiver import PushReceiver
     from flowcheck.store import open_store
     from tests.capture.conftest import NodeProcess
 

@@ -26,7 +26,7 @@ from flowcheck.capture.mirror.assemble import Allreduce
 from flowcheck.capture.mirror.job import Job
 from flowcheck.errors import JobError
 from flowcheck.state import Snapshot
-from flowcheck.update import PartNormsMissingError, Replica
+from flowcheck.capture.mirror.replica import PartNormsMissingError, Replica
 
 log = logging.getLogger(__name__)
 

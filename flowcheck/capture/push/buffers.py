@@ -1,6 +1,6 @@
 """Where a push lands on the node: trainers' shared-memory segments lent to it, and reusable TCP receive buffers.
 
-A push is received beside the RAM state, never into it (flowcheck/capture/push/receiver.py); these are the two
+A push is received beside the RAM state, never into it (flowcheck/node/receiver.py); these are the two
 places it is received into, each handed to the memory tier as a ``Block`` it gives back once nothing holds it.
 
 Shared memory (a trainer on this host): the trainer keeps two or more segments and lends the one it filled; the node

@@ -6,7 +6,7 @@ under an older launch: the node takes the launch it saw last as current, and ref
 superseded, so two copies of a job can never write parts of one step.  A launch the node never saw that started
 before the current one is an old copy connecting late (to a node that restarted meanwhile): refused too.
 Pushes that carry no launch (a multi-rank job whose ranks could not agree on one) are taken as before, with each
-sender place of a step still claimed by one connection (flowcheck/capture/push/receiver.py).
+sender place of a step still claimed by one connection (flowcheck/node/receiver.py).
 """
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ import torch
 
 from flowcheck.capture.mirror.job import job_from_dict
 from flowcheck.errors import JobError
-from flowcheck.update import Replica
+from flowcheck.capture.mirror.replica import Replica
 
 OPTIMIZERS = {
     "sgd": {"kind": "sgd", "lr": 0.05, "momentum": 0.9, "weight_decay": 0.01},
