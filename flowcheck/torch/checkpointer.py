@@ -25,24 +25,19 @@ through ``flowcheck.dcp.Reader``.  Settings are one checked PushConfig (flowchec
 """
 from __future__ import annotations
 
-import itertools
 import logging
-import select
 import socket
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
-import xxhash
 
 from flowcheck import _native, evidence
 from flowcheck.capture.push.auth import DEFAULT_TOKEN_ENV, PushSigner, read_token
 from flowcheck.capture.push.buffers import generation_at  # noqa: F401 - where a segment's counter is (tests, tools)
-from flowcheck.capture.push.launch import Superseded
-from flowcheck.capture.push.wire import ROOT, encode_header, recv_header
-from flowcheck.errors import AuthError, ConfigError, FlowcheckError
+from flowcheck.errors import ConfigError, FlowcheckError
 from flowcheck.logs import oneline
 from flowcheck.manifest import ParentRef
 from flowcheck.torch import dtensor
@@ -50,9 +45,11 @@ from flowcheck.torch.coords import Coordinates
 from flowcheck.torch.device_copy import DeviceCopier, order_after
 from flowcheck.torch.host_buffer import HostBuffers
 from flowcheck.torch.launch import agree_launch
-from flowcheck.torch.megatron import MEGATRON_KEY, MegatronRank, hook_targets, model_key
+from flowcheck.torch.megatron import MegatronRank, hook_targets, model_key
+from flowcheck.torch.push_client import PushClient
 from flowcheck.torch.push_config import PushConfig, push_config
-from flowcheck.torch.state import OPT_PREFIX, _flatten_optimizer, _json_ready, capture_rng, optimizer_param_names
+from flowcheck.torch.push_plan import PushPlan, _Entry, _Job
+from flowcheck.torch.state import OPT_PREFIX, _flatten_optimizer, optimizer_param_names
 
 log = logging.getLogger(__name__)
 
@@ -78,46 +75,7 @@ class CheckpointerStats:
     resends: int = 0  # pushes sent again whole because the node lacked the frozen tensors (restarted, stale)
 
 
-@dataclass
-class _Entry:
-    name: str  # canonical tensor name
-    tensor: torch.Tensor  # the box of the local tensor this entry copies
-    at: int
-    nbytes: int
-    offsets: list[int]  # of the box in the canonical global tensor
-    local: str  # local state-dict (or optimizer.<slot>.<param>) name
-    view: Any  # local tensor -> the box
-    # a frozen parameter's key (``_key``) when the node last acknowledged its bytes under the node state
-    # ``Checkpointer._node_state``; a save whose key still matches sends it as "kept" (no bytes)
-    held: tuple | None = None
-    # the host region whose slice of this buffer (non-parameter tensor) holds the bytes the node holds: written by a
-    # push the node acknowledged, not rewritten since; a save that finds the tensor equal to it sends it as "kept"
-    mirrored_in: int | None = None
-
-
-@dataclass
-class _Job:
-    step: int
-    scalars: dict[str, Any]
-    frozen: dict[int, tuple] = field(default_factory=dict)  # entry index -> key (``_key``), frozen when saved
-    kept: frozenset[int] = frozenset()  # entries not copied nor sent: the node holds their bytes
-    buffers: frozenset[int] = frozenset()  # entries of non-parameter tensors (buffers)
-    compare: frozenset[int] = frozenset()  # buffers compared with their mirrored slice before the copy (equal: kept)
-    after: list = field(default_factory=list)  # (device, event) on the trainer's streams at save(): copies follow
-    copied_on: list = field(default_factory=list)  # (device, event) marking the device copies wait() orders after
-    region: int | None = None  # the host region the push is in
-    digest: tuple | None = None  # (kept entries, payload digest) computed after the copy (TCP)
-    copied: threading.Event = field(default_factory=threading.Event)  # the trainer may change its tensors (host side)
-    drained: threading.Event = field(default_factory=threading.Event)  # in the host region: the staging buffer is free
-    done: threading.Event = field(default_factory=threading.Event)
-    error: BaseException | None = None
-
-    def end(self) -> None:
-        for ev in (self.copied, self.drained, self.done):
-            ev.set()
-
-
-class Checkpointer:
+class Checkpointer(PushPlan, PushClient):
     """Push a trainer's state to a checkpoint node every ``save(step)``; block only in ``wait()``.
 
     Example::
@@ -329,136 +287,6 @@ class Checkpointer:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    # ---- what is sent ------------------------------------------------------------------------
-    def _frozen_job(self, step: int, scalars: dict[str, Any], tensors: dict[str, torch.Tensor]) -> _Job:
-        """The save's job: which entries are frozen parameters now (and their keys), and which of those the node
-        already holds unchanged — those are neither copied nor sent (the push carries them as "kept").
-
-        Unchanged means the same storage, place in it and version counter as when the node acknowledged them: every
-        in-place torch op bumps the counter (``.data`` writes do not: ``mark_changed``).  Plain parameters, a Megatron
-        rank's boxes and an FSDP2 rank's DTensor pieces alike: the key is the piece's (``_key``)."""
-        frozen_names = self._frozen_names()
-        frozen = {i: _key(e.tensor, tensors[e.local]) for i, e in enumerate(self._entries) if e.local in frozen_names}
-        kept = frozenset(i for i, key in frozen.items()
-                         if self._node_state is not None and _same(self._entries[i].held, key) and self._entries[i].nbytes)
-        buffer_names = self._buffer_names()
-        buffers = frozenset(i for i, e in enumerate(self._entries) if e.local in buffer_names)
-        compare = frozenset(i for i in buffers if self._node_state is not None
-                            and self._entries[i].mirrored_in is not None and self.config.skip_unchanged_buffers)
-        return _Job(step, scalars, frozen, kept, buffers, compare)
-
-    def _buffer_names(self) -> set[str]:
-        """Local keys of the model's buffers (non-parameter tensors: rotary ``inv_freq``, an EMA copy, BatchNorm
-        statistics) — compared byte for byte before each copy, since nothing else says exactly that they did not
-        change (``.data`` writes do not bump the version counter)."""
-        if self._megatron is not None:
-            return set(self._megatron.buffers)
-        return {n for n, _ in self.model.named_buffers(remove_duplicate=False)}
-
-    def _frozen_names(self) -> set[str]:
-        """Local keys of the parameters frozen now: state-dict names (an FSDP2 model's too: fully_shard keeps them),
-        or a Megatron rank's chunk keys (flowcheck/torch/megatron.py)."""
-        if not self.config.skip_frozen:
-            return set()
-        if self._megatron is not None:
-            return set(self._megatron.frozen)
-        return {n for n, p in self.model.named_parameters(remove_duplicate=False) if not p.requires_grad}
-
-    def _tensors(self, flat) -> dict[str, torch.Tensor]:
-        state = {k: v for k, v in self.model.state_dict(keep_vars=False).items() if isinstance(v, torch.Tensor)}
-        if flat is not None:
-            state.update(flat[0])
-        return state
-
-    def _plan(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Cut this rank's share into shards (DP razor: every dp-th shard) and give each a slice of the host
-        buffer — once; later saves only refresh the tensor references."""
-        signature = tuple((k, t.dtype, tuple(t.shape)) for k, t in tensors.items())
-        if signature == self._signature:
-            for e in self._entries:
-                e.tensor = e.view(tensors[e.local])
-            return
-        if self._job is not None:  # its push still reads the host regions and entries about to be replaced
-            self._job.done.wait(self.timeout_s)
-        if self._megatron is not None:
-            specs, shared, own = self._megatron.cut(tensors)
-        else:
-            specs, shared, own = self._plain(tensors)
-        shared.sort(key=lambda sh: (sh[0], sh[1]))
-        mine = [sh for i, sh in enumerate(shared) if i % self.coords.dp == self.coords.dp_rank]
-        mine += sorted(own, key=lambda sh: (sh[0], sh[1]))  # distributed-optimizer shards: only this rank holds them
-        entries, at = [], 0
-        for name, offsets, local, view in mine:
-            t = view(tensors[local])
-            nbytes = t.numel() * t.element_size()
-            entries.append(_Entry(name, t, at, nbytes, offsets, local, view))
-            at += nbytes
-        if self.budget is not None and at > self.budget:
-            raise FlowcheckError(f"Checkpointer: this rank's share of the state is {at / 2**20:.1f} MiB, over the "
-                                 f"host memory budget of {self.budget / 2**20:.1f} MiB")
-        self._allocate(at)
-        self._entries, self._signature, self._specs = entries, signature, specs
-        self._copier.plan([e.tensor for e in entries], [e.at for e in entries], [e.nbytes for e in entries])
-        cpu = [i for i, e in enumerate(entries) if not e.tensor.is_cuda and e.nbytes]
-        self._cpu_at = dict(zip(cpu, itertools.accumulate((entries[i].nbytes for i in cpu), initial=0)))
-        # a staged job's CPU tensors wait here for their host region (the staging buffer's host-side twin)
-        self._cpu_stage = torch.empty(sum(entries[i].nbytes for i in cpu), dtype=torch.uint8) \
-            if self._copier.staged else None
-
-    def _plain(self, tensors: dict[str, torch.Tensor]) -> tuple[list[dict], list[tuple], list[tuple]]:
-        """A plain (data-parallel) or FSDP2/DTensor trainer: plain tensors whole under their state-dict names (DP
-        replicas share them out), DTensors as this rank's piece of the global tensor (flowcheck/torch/dtensor.py)."""
-        c = self.coords
-        if c.tp > 1 or c.pp > 1:
-            raise ConfigError("Checkpointer: a tensor/pipeline-parallel trainer must pass arch= (a "
-                              "flowcheck.restore.arch.ModelArch) so its shards are recorded in the global index space")
-        return dtensor.cut(tensors)
-
-    def _allocate(self, nbytes: int) -> None:
-        """The host regions: ``segments`` shared-memory segments (the node adopts a filled one as its state, so the
-        trainer fills another meanwhile), or one buffer streamed over TCP."""
-        if self._host is not None:
-            self._host.close()
-        self._host = HostBuffers(nbytes, self.config.segments if self.shm else 1, self.shm)
-        self._host.lends = bool(self._signer is not None and self._signer.hello.get("adopts_segments"))
-        self._held = None
-        for e in self._entries:
-            e.mirrored_in = None
-        self.stats.buffer_bytes = nbytes
-
-    def _scalars(self, flat) -> dict[str, Any]:
-        _, opt, step_count = flat if flat is not None else (None, None, None)
-        sched = self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None
-        extra = dict(self.extra() if callable(self.extra) else (self.extra or {}))
-        c = self.coords
-        extra["push"] = {"dp": c.dp, "tp": c.tp, "pp": c.pp, "vpp": c.vpp,
-                         "dedup": "each shard is sent by one data-parallel rank (round-robin by name); "
-                                  "TP-replicated shards by TP rank 0 only; a distributed optimizer's shards by "
-                                  "the data-parallel rank that owns them"}
-        if self.arch is not None:
-            extra["model"] = self.arch.to_json()  # restore needs the model description
-        return {"optimizer_step": step_count, "optimizer": opt,
-                "lr_scheduler": _json_ready(sched, "lr_scheduler.state_dict()") if sched is not None else None,
-                "rng": capture_rng() if self.rng else {}, "extra": _json_ready(extra, "extra")}
-
-    def _megatron_scalars(self, step: int, consumed: int | None) -> dict[str, Any]:
-        """The optimizer's param groups and step, the scheduler, iteration and samples consumed: what restore needs
-        to write Megatron's ``optimizer.param_groups``, ``opt_param_scheduler``, ``iteration`` and args."""
-        groups, step_count = self._megatron.param_groups()
-        groups = _json_ready(groups, "the optimizer's param_groups")
-        scalars = self._scalars((None, {"param_groups": groups} if groups else None, step_count))
-        mine = {"param_groups": groups, "iteration": step}
-        adam = self._megatron.adam()
-        if adam is not None:
-            mine["adam"] = adam  # restore --adam auto writes the optimizer state in this Adam's form
-        if scalars["lr_scheduler"] is not None:
-            mine["opt_param_scheduler"] = scalars["lr_scheduler"]
-        if consumed is not None:
-            mine["consumed_train_samples"] = int(consumed)
-        given = scalars["extra"].get(MEGATRON_KEY)  # what the trainer's extra= adds (Megatron-LM's args, ...)
-        scalars["extra"][MEGATRON_KEY] = {**(given if isinstance(given, dict) else {}), **mine}
-        return scalars
-
     # ---- the side thread -----------------------------------------------------------------------
     def _run(self, job: _Job, previous: _Job | None) -> None:
         try:
@@ -576,175 +404,10 @@ class Checkpointer:
             known = job.scalars.get("optimizer_step")
             job.scalars["optimizer_step"] = max(int(max(values)), known if isinstance(known, int) else 0)
 
-    def _send(self, job: _Job) -> None:
-        """Send the job's push; a node that lacks the frozen tensors it carries as kept (it restarted, went stale or
-        holds another state) answers ``resend`` and gets the whole part at once (copied into the region then)."""
-        kept = job.kept if self._node_state is not None else frozenset()
-        try:
-            header, answer, sent, kept = self._push(job, kept)
-            if kept and answer.get("kind") != "ack" and answer.get("reason") == "resend":
-                log.info("checkpoint push of step %d: %s; sending the whole state", job.step, answer.get("message"))
-                self.stats.resends += 1
-                self._node_state = None
-                header, answer, sent, kept = self._push(job, frozenset())
-        except (OSError, FlowcheckError):
-            self._drop()
-            raise
-        if answer.get("kind") != "ack":
-            if answer.get("reason") == "unauthorised":  # the node closed the connection
-                self._drop()
-                raise AuthError(f"node refused step {job.step}: {answer.get('message')}")
-            if answer.get("reason") == "superseded":  # a newer launch of this job pushes: this copy stops pushing
-                self._drop()
-                self.superseded = f"node refused step {job.step}: {answer.get('message')}"
-                log.error("checkpoint push stopped: %s", self.superseded)
-                raise Superseded(self.superseded)
-            raise FlowcheckError(f"node refused step {job.step}: {answer.get('message')}")
-        self._acknowledged(job, answer, sent, kept)
-        # the node now knows where this state descends from; later steps descend from what it commits next (sending
-        # the resume point with every push re-parented each snapshot onto it)
-        self.parent, self._lineage_told = None, True
-        evidence.pushed(self.run, job.step)
-
-    def _push(self, job: _Job, kept: frozenset[int]) -> tuple[dict[str, Any], dict[str, Any], int, frozenset[int]]:
-        """One push frame and the node's answer (sent once the node holds the step as its RAM state): (header, answer,
-        payload bytes sent, the entries sent as kept).  Kept shards keep their slot in the region's byte layout
-        (``at``) but carry no bytes: over TCP only the others are sent, in order; through shared memory the node
-        does not read them.  Entries the job kept that are not sent as kept are copied into the region first."""
-        sock = self._connect()
-        if not self._signer.hello.get("kept_shards"):
-            kept = frozenset()  # a node from before kept shards (its hello does not offer them): send everything
-        if job.kept - kept:
-            self._fill(job, job.kept - kept)
-        host = self._host
-        pieces = self._pieces(job.region, kept)
-        sent = sum(len(p) for p in pieces)
-        payload = host.payload(job.region)
-        if not host.shm:
-            done = job.digest
-            payload["digest"] = done[1] if done is not None and done[0] == kept else self._digest(job.region, kept)
-        c = self.coords
-        header = {
-            "kind": "push", "run": self.run, "step": job.step, "sender": c.sender, "senders": c.senders,
-            "source_layout": {"tp": c.tp, "pp": c.pp, "dp": c.dp, "vpp": c.vpp}, "tensors": self._specs,
-            "shards": [{"tensor": e.name, "offsets": e.offsets, "shape": list(e.tensor.shape), "at": e.at,
-                        **({"kept": True} if i in kept else {})} for i, e in enumerate(self._entries)],
-            "scalars": job.scalars, "parent": self._header_parent(job.step),
-            **({"launch": self.launch.to_json()} if self.launch is not None else {}),
-            "payload": payload, "trainer": self._trainer_report(),
-        }
-        if kept:
-            header["base"] = self._node_state  # the node state that holds the kept shards' bytes
-        header = self._signer.sign(header)
-        host.lend(job.region)  # the node holds it from now on, until it clears the lease (or refuses the push)
-        sock.sendall(encode_header(header))
-        if not host.shm:
-            for piece in pieces:
-                sock.sendall(piece)
-        return header, recv_header(sock), sent, kept
-
-    def _header_parent(self, step: int) -> dict[str, Any] | str | None:
-        """The push header's ``parent``: a stored state (``{step, manifest_digest}``; ``{step}``: the node's current
-        branch's state at that step), ``ROOT`` (a new lineage), or None once the node was told (it continues)."""
-        if self.parent is not None:
-            return _ref_json(self.parent)
-        if self._lineage_told:
-            return None
-        p = self._parent_arg
-        if hasattr(p, "resumed"):  # a flowcheck.dcp.Reader: what it loaded
-            p = p.resumed if p.resumed is not None else "auto"
-        if p == "auto":
-            known = evidence.parent_for(self.run, step)
-            if known is None:
-                if not self._root_logged:
-                    self._root_logged = True
-                    log.warning("%s", evidence.root_hint("Checkpointer", self.run, step))
-                return ROOT
-            return None if known.ref is None else _ref_json(known.ref)
-        if p is None:
-            return ROOT
-        return {"step": p} if isinstance(p, int) else _ref_json(p)
-
-    def _pieces(self, region: int, kept: frozenset[int]) -> list[memoryview]:
-        """What a push of ``region`` carries: the whole buffer, or the entries not kept, in order."""
-        buf = memoryview(self._host.regions[region].numpy())[: self.stats.buffer_bytes]
-        if not kept:
-            return [buf]
-        return [buf[e.at:e.at + e.nbytes] for i, e in enumerate(self._entries) if i not in kept and e.nbytes]
-
-    def _digest(self, region: int, kept: frozenset[int]) -> str:
-        h = xxhash.xxh3_128()
-        for piece in self._pieces(region, kept):
-            h.update(piece)
-        return "xxh3-128:" + h.hexdigest()
-
-    def _trainer_report(self) -> dict[str, Any]:
-        """What the node shows on /status of this sender's saves: how many were skipped or waited, and for how long."""
-        st = self.stats
-        return {"saves": st.saves, "sent": st.sent, "coalesced": st.coalesced, "busy_waits": st.busy_waits,
-                "blocked_s": round(st.blocked_s, 4), "lease_waits": st.lease_waits, "staged": st.staged,
-                "on_busy": self.on_busy}
-
-    def _acknowledged(self, job: _Job, answer: dict[str, Any], sent: int, kept: frozenset[int]) -> None:
-        """Record what the node now holds: its state id, the region it adopted (the trainer fills another one next),
-        and the frozen tensors this push carried (their keys)."""
-        state = answer.get("state")
-        if state != self._node_state or not isinstance(state, str):
-            for e in self._entries:  # another node state (or a node that names none): it holds nothing of ours yet
-                e.held = None
-            self._node_state = state if isinstance(state, str) else None
-        self._held = job.region
-        for i, key in job.frozen.items():
-            if i not in kept:  # sent: the node holds it as of this key (kept: what it holds is unchanged)
-                self._entries[i].held = key
-        for i in job.buffers:  # sent: this region's slice is what the node holds (kept: the slice it had)
-            if i not in kept:
-                self._entries[i].mirrored_in = job.region
-        sent_kept = sum(self._entries[i].nbytes for i in kept)
-        self.stats.last_sent_bytes = sent
-        self.stats.sent_bytes += sent
-        self.stats.kept_bytes += sent_kept
-
-    def _connect(self) -> socket.socket:
-        """The node connection, opened (and greeted: a fresh challenge, the node's proof) on first use, and again
-        when the node closed it meanwhile (it closes push connections idle past its serve.idle_timeout_s).  A node
-        other than the one that held our segments (restarted) holds none of them: they are ours again."""
-        if self._sock is not None and _closed_by_peer(self._sock):
-            self._drop()
-        if self._sock is None:
-            sock = socket.create_connection(self.address, timeout=self.timeout_s)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self._sock = sock
-            self._signer = PushSigner.handshake(sock, self._token, self.run, "%s:%d" % self.address, DEFAULT_TOKEN_ENV)
-            hello = self._signer.hello
-            if hello.get("node_id") != self._node_id:
-                self._host.take_back_all()
-                self._held = None
-                self._node_id = hello.get("node_id")
-            self._host.lends = bool(hello.get("adopts_segments"))
-        return self._sock
-
-    def _drop(self) -> None:
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None  # reconnect (and greet again) on the next save
-            self._signer = None
-
     def _failed(self, job: _Job, e: BaseException) -> None:
         self.stats.failures += 1
         self.stats.last_error = f"step {job.step}: {type(e).__name__}: {e}"
         log.warning("checkpoint push of step %d failed (%s); training continues", job.step, oneline(e))
-
-
-def _ref_json(ref: ParentRef) -> dict[str, Any]:
-    return {"step": ref.step, "manifest_digest": ref.manifest_digest}
-
-
-def _key(piece: torch.Tensor, whole: Any) -> tuple:
-    """What says a frozen piece's bytes did not change between saves: its storage (held by the key, so no other tensor
-    can be allocated at its address meanwhile), its address in it, and the version counters of the piece and of the
-    tensor it is cut from (in-place ops on a DTensor bump the DTensor's counter, not its local shard's)."""
-    return piece.untyped_storage(), piece.data_ptr(), piece._version, whole._version
 
 
 def _equal_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -754,20 +417,6 @@ def _equal_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
         if a.numel() % size == 0 and a.storage_offset() % size == 0 and b.storage_offset() % size == 0:
             return torch.equal(a.view(dtype), b.view(dtype))
     return torch.equal(a, b)
-
-
-def _same(held: tuple | None, key: tuple) -> bool:
-    return held is not None and held[0].data_ptr() == key[0].data_ptr() and held[1:] == key[1:]
-
-
-def _closed_by_peer(sock: socket.socket) -> bool:
-    """True when an idle connection has something to read: the node only answers frames, so that is its close
-    (EOF or a reset) — sending on it would lose this save."""
-    try:
-        readable, _, _ = select.select([sock], [], [], 0)
-    except (OSError, ValueError):
-        return True
-    return bool(readable)
 
 
 STEP_PREFIX = OPT_PREFIX + "step."  # an optimizer's per-parameter step counters (torch Adam/AdamW)
