@@ -169,7 +169,7 @@ class Store:
                 self.memory.learn(snap, m)  # the next snapshot hashes only the shards written after this pin
             finally:
                 self.memory.release(snap)
-            self.memory.head = m.parent_ref()  # the RAM state now descends from this committed step
+            self.memory.descends_from(m.parent_ref())  # the RAM state now descends from this committed step
             return m
 
     def write(self, snapshot: Snapshot, tier: str = "local", parent: ParentRef | None = None, *, root: bool = False,

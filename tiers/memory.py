@@ -55,7 +55,7 @@ class MemoryTier(Tier):
         self._blocks: dict[Shard, Block] = {}  # the state's arrays that live in lent memory, and where
         self._pin_ids = itertools.count()
         self._manifest: Manifest | None = None
-        self.head: ParentRef | None = None  # the committed step this state descends from (lineage parent)
+        self._head: ParentRef | None = None  # the committed step this state descends from (lineage parent)
         # names this state: a new id each time the whole state is replaced (a full push, resync, restore, delete);
         # in-place updates keep it.  A trainer that sent frozen tensors once skips them only while the id it was
         # told still names the state (flowcheck/node/receiver.py): a restarted node has another one
@@ -86,7 +86,7 @@ class MemoryTier(Tier):
             self._wait_idle()
             self._install(snapshot, arrays, {}, state_id or new_state_id(), freed)
             self._digests = dict(digests)
-            self.head = snapshot.origin.parent_ref() if snapshot.origin is not None else parent
+            self._head = snapshot.origin.parent_ref() if snapshot.origin is not None else parent
             self._manifest = make_manifest(
                 snapshot, node=self.node, parent=parent, digests=digests, locations={s: () for s in arrays}, files=()
             )
@@ -124,7 +124,7 @@ class MemoryTier(Tier):
             self._install(snapshot, arrays, blocks, state_id, freed)
             self._digests = known
             if parent is not None or root:
-                self.head = parent
+                self._head = parent
             self._manifest = None  # made (and the new shards hashed) when first asked: by the next snapshot
         _release(freed)
         return state_id
@@ -158,6 +158,16 @@ class MemoryTier(Tier):
         self._written = {s: next(self._write_count) for s in arrays}
         self._cow_bytes = 0  # old pins keep their own array references; nothing of the new state is copied yet
         self._cond.notify_all()
+
+    @property
+    def head(self) -> ParentRef | None:
+        """The committed step this state descends from: what its next snapshot names as parent (None: a root)."""
+        return self._head
+
+    def descends_from(self, parent: ParentRef | None) -> None:
+        """Record the committed step the RAM state descends from (a snapshot of it, a recovered node's head, the
+        step a mirror replica starts from); the state's bytes are unchanged."""
+        self._head = parent
 
     @property
     def state_bytes(self) -> int:

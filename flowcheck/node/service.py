@@ -127,7 +127,7 @@ class Node:
         except FlowcheckError as e:
             log.warning("node: recovered without a parent for the next snapshot: %s", e)
             return
-        self.store.memory.head = best.parent_ref()
+        self.store.memory.descends_from(best.parent_ref())
         log.info("node: recovered; head of branch %s is step %d (%s)", tier.branch, best.step, best.digest()[:19])
 
     def _on_push(self, step: int) -> None:

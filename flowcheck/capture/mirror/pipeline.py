@@ -191,7 +191,7 @@ def initial_replica(job: Job, init: str | None, store=None, **part) -> Replica:
             raise JobError(f"init: step {init} needs a store to read it from")
         snap: Snapshot = store.load(int(init))
         if snap.origin is not None:  # the replica's states descend from the step it starts from
-            store.memory.head = snap.origin.parent_ref()
+            store.memory.descends_from(snap.origin.parent_ref())
         from flowcheck.torch.state import torch_state_from_snapshot
 
         model, opt = torch_state_from_snapshot(snap)
