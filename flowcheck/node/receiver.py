@@ -34,7 +34,8 @@ from flowcheck import _native, dtypes
 from flowcheck.capture.push.auth import DEFAULT_TOKEN_ENV, PushGate
 from flowcheck.capture.push.buffers import LENT, ReceivePool, Segments, unmap_pages
 from flowcheck.capture.push.launch import Launch, Launches, Superseded
-from flowcheck.capture.push.wire import ROOT, WireError, recv_exact, recv_header_body, recv_header_size, reply
+from flowcheck.capture.push.wire import (ROOT, PushHeader, WireError, recv_exact, recv_header_body, recv_header_size,
+                                         reply)
 from flowcheck.errors import AuthError, FlowcheckError
 from flowcheck.logs import oneline
 from flowcheck.manifest import ParentRef
@@ -317,26 +318,18 @@ class PushReceiver:
         t0 = time.monotonic()
         layout, refs, full = parse_part(header)
         size = sum(r.nbytes for r in refs if not r.kept)  # what the payload carries: kept shards have no bytes
-        run, step = header.get("run"), header.get("step")
-        if run != self.store.config.run:
-            self._drain(sock, header, size)
-            raise WireError(f"push for run {run!r}, but this node serves run {self.store.config.run!r}")
-        if not isinstance(step, int) or step < 0:
-            self._drain(sock, header, size)
-            raise WireError(f"push header: step must be a non-negative integer, found {step!r}")
-        senders, sender = header.get("senders", 1), header.get("sender", 0)
-        if not (isinstance(senders, int) and isinstance(sender, int) and 0 <= sender < senders):
-            self._drain(sock, header, size)
-            raise WireError(f"push header: expected 0 <= sender < senders, found sender {sender!r} of {senders!r}")
         try:
-            launch = Launch.from_json(header.get("launch"))
-            parent = _parent(header.get("parent"), self.store)
+            push = PushHeader.from_json(header)
+            if push.run != self.store.config.run:
+                raise WireError(f"push for run {push.run!r}, but this node serves run {self.store.config.run!r}")
+            launch = Launch.from_json(push.launch)
+            parent = _parent(push.parent, self.store)
         except WireError:
             self._drain(sock, header, size)
             raise
+        step, sender, senders, base = push.step, push.sender, push.senders, push.base
         self._admit(launch, sock)
         kept = [r.shard for r in refs if r.kept]
-        base = header.get("base")
         if kept:
             lacking = self.store.memory.kept_problem(kept, base)
             if lacking is not None:
@@ -361,15 +354,15 @@ class PushReceiver:
                                 if sender in opened.parts else f"step {step} already ended: {opened.outcome}")
             opened.parts[sender] = part
             if sender == 0 or opened.scalars is None:
-                opened.scalars = Scalars.from_json(header.get("scalars") or {})
+                opened.scalars = Scalars.from_json(push.scalars)
                 opened.parent = parent
             opened.cond.notify_all()
         self.stats.frames += 1
         self.stats.bytes += size
         self.stats.kept_bytes += sum(r.nbytes for r in refs if r.kept)
         self.stats.last_receive_s = time.monotonic() - t0
-        if isinstance(header.get("trainer"), dict):
-            self.stats.senders[sender] = header["trainer"]
+        if push.trainer is not None:
+            self.stats.senders[sender] = push.trainer
         part.opened = opened
         return part
 

@@ -13,7 +13,7 @@ import xxhash
 from flowcheck import evidence
 from flowcheck.capture.push.auth import DEFAULT_TOKEN_ENV, PushSigner
 from flowcheck.capture.push.launch import Superseded
-from flowcheck.capture.push.wire import ROOT, encode_header, recv_header
+from flowcheck.capture.push.wire import ROOT, PushHeader, encode_header, recv_header
 from flowcheck.errors import AuthError, FlowcheckError
 from flowcheck.manifest import ParentRef
 from flowcheck.torch.push_plan import _Job
@@ -73,18 +73,14 @@ class PushClient:
             done = job.digest
             payload["digest"] = done[1] if done is not None and done[0] == kept else self._digest(job.region, kept)
         c = self.coords
-        header = {
-            "kind": "push", "run": self.run, "step": job.step, "sender": c.sender, "senders": c.senders,
-            "source_layout": {"tp": c.tp, "pp": c.pp, "dp": c.dp, "vpp": c.vpp}, "tensors": self._specs,
-            "shards": [{"tensor": e.name, "offsets": e.offsets, "shape": list(e.tensor.shape), "at": e.at,
-                        **({"kept": True} if i in kept else {})} for i, e in enumerate(self._entries)],
-            "scalars": job.scalars, "parent": self._header_parent(job.step),
-            **({"launch": self.launch.to_json()} if self.launch is not None else {}),
-            "payload": payload, "trainer": self._trainer_report(),
-        }
-        if kept:
-            header["base"] = self._node_state  # the node state that holds the kept shards' bytes
-        header = self._signer.sign(header)
+        push = PushHeader(
+            self.run, job.step, c.sender, c.senders, {"tp": c.tp, "pp": c.pp, "dp": c.dp, "vpp": c.vpp}, self._specs,
+            [{"tensor": e.name, "offsets": e.offsets, "shape": list(e.tensor.shape), "at": e.at,
+              **({"kept": True} if i in kept else {})} for i, e in enumerate(self._entries)],
+            payload, job.scalars, self._header_parent(job.step),
+            base=self._node_state if kept else None,  # the node state that holds the kept shards' bytes
+            launch=self.launch.to_json() if self.launch is not None else None, trainer=self._trainer_report())
+        header = self._signer.sign(push.to_json())
         host.lend(job.region)  # the node holds it from now on, until it clears the lease (or refuses the push)
         sock.sendall(encode_header(header))
         if not host.shm:

@@ -17,7 +17,7 @@ import json
 import socket
 import struct
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import google_crc32c
@@ -37,6 +37,56 @@ class WireError(FormatError):
 class Frame:
     header: dict[str, Any]
     payload: memoryview | None = None
+
+
+@dataclass(frozen=True)
+class PushHeader:
+    """A push frame's header, as the trainer builds it (flowcheck/torch/push_client.py) and the node reads it
+    (flowcheck/node/receiver.py).  The MAC covers its JSON (flowcheck/capture/push/auth.py)."""
+
+    run: str
+    step: int
+    sender: int  # this rank's place among the step's senders
+    senders: int
+    source_layout: dict[str, int]  # {tp, pp, dp, vpp} of the trainer
+    tensors: list[dict[str, Any]]  # every canonical tensor: {name, dtype, shape, role}
+    shards: list[dict[str, Any]]  # this part's boxes: {tensor, offsets, shape, at[, kept]}
+    payload: dict[str, Any]  # {bytes, and digest (TCP) or shm, generation, generation_at, lease_at}
+    scalars: dict[str, Any] = field(default_factory=dict)
+    parent: Any = None  # {step, manifest_digest}, {step}, ROOT, or None (the node continues its lineage)
+    base: str | None = None  # the node state holding the kept shards' bytes
+    launch: dict[str, Any] | None = None  # {id, started}: flowcheck/capture/push/launch.py
+    trainer: dict[str, Any] | None = None  # what the sender reports of its saves (shown on /status)
+
+    def to_json(self) -> dict[str, Any]:
+        out = {"kind": "push", "run": self.run, "step": self.step, "sender": self.sender, "senders": self.senders,
+               "source_layout": self.source_layout, "tensors": self.tensors, "shards": self.shards,
+               "scalars": self.scalars, "parent": self.parent, "payload": self.payload}
+        out.update({k: v for k, v in (("base", self.base), ("launch", self.launch), ("trainer", self.trainer))
+                    if v is not None})
+        return out
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> PushHeader:
+        """The header of a push frame; WireError naming the first field that is not what the protocol says."""
+        def want(name: str, ok: bool, expected: str) -> None:
+            if not ok:
+                raise WireError(f"push header: {name}: expected {expected}, found {raw.get(name)!r:.80}")
+
+        step, sender, senders = raw.get("step"), raw.get("sender", 0), raw.get("senders", 1)
+        want("run", isinstance(raw.get("run"), str), "a run name")
+        want("step", type(step) is int and step >= 0, "a non-negative integer")
+        want("senders", type(senders) is int and senders >= 1, "a positive integer")
+        want("sender", type(sender) is int and 0 <= sender < senders, f"0 <= sender < senders ({senders!r})")
+        want("source_layout", isinstance(raw.get("source_layout", {}), dict), "an object {tp, pp, dp, vpp}")
+        for name, kind in (("tensors", list), ("shards", list), ("payload", dict)):
+            want(name, isinstance(raw.get(name), kind), "a list" if kind is list else "an object")
+        want("scalars", isinstance(raw.get("scalars") or {}, dict), "an object")
+        want("base", raw.get("base") is None or isinstance(raw.get("base"), str), "a node state id")
+        trainer = raw.get("trainer")
+        return cls(raw["run"], step, sender, senders, raw.get("source_layout", {}), raw["tensors"], raw["shards"],
+                   raw["payload"], raw.get("scalars") or {}, raw.get("parent"), raw.get("base"), raw.get("launch"),
+                   trainer if isinstance(trainer, dict) else None)
 
 
 def encode_header(header: dict[str, Any]) -> bytes:
