@@ -126,13 +126,7 @@ def capture_command(config_path, job_path, pcaps, more, interface, duration_s, m
     from flowcheck import config as config_mod
     from flowcheck import progress
     from flowcheck.capture.mirror.decode import Decoded, decode, read_all
-    from flowcheck.capture.mirror.pipeline import (
-        ResyncSource,
-        Updater,
-        initial_replica,
-        publish_to,
-        run_pipeline,
-    )
+    from flowcheck.capture.mirror.pipeline import MirrorSession
     from flowcheck.policy import PolicyRunner
     from flowcheck.store import open_store
 
@@ -149,14 +143,11 @@ def capture_command(config_path, job_path, pcaps, more, interface, duration_s, m
         raise click.BadParameter(str(e), param_hint="--ring-block-kb") from e
     job = _load_job(job_path)
     store = open_store(config_mod.load(config_path))
-    replica = initial_replica(job, init, store)
     runner = PolicyRunner(store).start()
     info = Decoded()
     try:
-        store.push(replica.snapshot(store.config.run))
-        updater = Updater(job, replica, publish=publish_to(store, store.config.run, runner.on_step),
-                          on_stale=lambda it, why: store.memory.mark_stale(why),
-                          resync=ResyncSource(resync_dir or job.resync))
+        session = MirrorSession(job, store, on_step=runner.on_step, on_stale=lambda it, why: store.memory.mark_stale(why),
+                                init=init, resync_dir=resync_dir)
         drops = [0]
         if interface:
             allreduces = _live(job, info, interface, duration_s, max_frames, settle_s, drops, ring, decode_workers)
@@ -164,7 +155,7 @@ def capture_command(config_path, job_path, pcaps, more, interface, duration_s, m
             with progress.activity("read captures"):
                 frames = read_all(files)
             allreduces = decode(job, frames, info, workers=decode_workers)
-        result = run_pipeline(progress.bar(allreduces, desc="capture", unit="allreduce"), updater)
+        result = session.run(progress.bar(allreduces, desc="capture", unit="allreduce"))
         with progress.activity("flush: snapshot and upload the last step"):
             runner.flush()
     finally:
@@ -173,7 +164,7 @@ def capture_command(config_path, job_path, pcaps, more, interface, duration_s, m
     branch = hist.current()
     committed = sorted(n for n, b in hist.path(branch).items())
     out = {"branch": branch, "iterations_applied": result.iterations, "allreduces": result.allreduces, "stale": result.stale,
-           "resyncs": result.resyncs, "final_step": result.steps[-1] if result.steps else replica.step,
+           "resyncs": result.resyncs, "final_step": result.steps[-1] if result.steps else session.replica.step,
            "stale_at_end": store.memory.stale, "local_steps": committed, "anomalies": len(info.anomalies),
            "policy_errors": runner.stats.errors}
     if interface:

@@ -64,26 +64,18 @@ def _capture(cfg_path: str, job_path: str, pcaps: list[str]):
     """What ``flowcheck capture --config CFG --job JOB --pcap ...`` does, its loss warnings gathered."""
     from flowcheck.capture.mirror.decode import Decoded, decode, read_all
     from flowcheck.capture.mirror.job import load_job
-    from flowcheck.capture.mirror.pipeline import (
-        ResyncSource,
-        Updater,
-        initial_replica,
-        publish_to,
-        run_pipeline,
-    )
+    from flowcheck.capture.mirror.pipeline import MirrorSession
     from flowcheck.policy import PolicyRunner
     from flowcheck.store import open_store
 
     store = open_store(cfg_path)
     job = load_job(job_path)
-    replica = initial_replica(job, None)
     runner = PolicyRunner(store).start()
     try:
         with _gathered(_LOSS_LOGGERS):
-            store.push(replica.snapshot(store.config.run))
-            updater = Updater(job, replica, publish=publish_to(store, store.config.run, runner.on_step),
-                              on_stale=lambda it, why: store.memory.mark_stale(why), resync=ResyncSource(job.resync))
-            result = run_pipeline(decode(job, read_all(pcaps), Decoded()), updater)
+            session = MirrorSession(job, store, on_step=runner.on_step,
+                                    on_stale=lambda it, why: store.memory.mark_stale(why))
+            result = session.run(decode(job, read_all(pcaps), Decoded()))
             runner.flush()
     finally:
         runner.stop()

@@ -171,7 +171,7 @@ class Node:
 
         from flowcheck.capture.mirror.decode import Decoded, decode, read_all
         from flowcheck.capture.mirror.job import load_job
-        from flowcheck.capture.mirror.pipeline import ResyncSource, Updater, initial_replica, publish_to, run_pipeline
+        from flowcheck.capture.mirror.pipeline import MirrorSession
         from flowcheck.capture.mirror.stats import counted
 
         serve = self.config.serve
@@ -180,12 +180,9 @@ class Node:
             job = load_job(serve.mirror_job)
             pcaps = sorted(glob.glob(serve.mirror_pcaps)) if serve.mirror_pcaps else []
             partition, part = self._mirror_part(job)
-            replica = initial_replica(job, serve.mirror_init, self.store, **part)
-            self.store.push(replica.snapshot(self.config.run))
-            updater = Updater(job, replica, publish=publish_to(self.store, self.config.run, self._on_step),
-                              on_stale=lambda it, why: self.request_resync(f"mirror capture, iteration {it}: {why}"),
-                              resync=ResyncSource(job.resync))
-            self.mirror_report = updater.report
+            session = MirrorSession(job, self.store, on_step=self._on_step, init=serve.mirror_init, **part,
+                                    on_stale=lambda it, why: self.request_resync(f"mirror capture, iteration {it}: {why}"))
+            self.mirror_report = session.report
             info = self.mirror_info = Decoded()
             if serve.mirror_interface:
                 self.mirror["interface"] = serve.mirror_interface
@@ -194,7 +191,7 @@ class Node:
                 frames = read_all(pcaps)
                 self.mirror_stats.read(frames)
                 allreduces = decode(job, frames, info, partition=partition)
-            report = run_pipeline(counted(allreduces, self.mirror_stats, info), updater)
+            report = session.run(counted(allreduces, self.mirror_stats, info))
             self.mirror.update(state="done", iterations=report.iterations, stale=len(report.stale),
                                resyncs=report.resyncs, step=report.steps[-1] if report.steps else None,
                                placed_bytes=info.placed_bytes)

@@ -221,3 +221,29 @@ def publish_to(store, run: str, on_step: Callable[[int], None] | None = None) ->
             on_step(snap.step)
 
     return publish
+
+
+class MirrorSession:
+    """One mirror capture into a store, as the node, ``flowcheck capture`` and the demo run it: the replica starts
+    from ``init`` (a state file or a committed step; default the job's) and is the RAM state; each iteration the
+    updater completes is published to the memory tier, then ``on_step`` (the policy) is told; ``on_stale`` hears of
+    an iteration that cannot be completed.  ``part``: a scaled-out node's ``owned`` and ``norms`` (Replica)."""
+
+    def __init__(self, job: Job, store, *, on_step: Callable[[int], None] | None,
+                 on_stale: Callable[[int, str], None], init: str | None = None, resync_dir: str | None = None,
+                 **part) -> None:
+        self.job, self.store = job, store
+        self.replica = initial_replica(job, init, store, **part)
+        store.push(self.replica.snapshot(store.config.run))
+        self.updater = Updater(job, self.replica, publish=publish_to(store, store.config.run, on_step),
+                               on_stale=on_stale, resync=ResyncSource(resync_dir or job.resync))
+
+    @property
+    def report(self) -> CaptureReport:
+        """What the capture did so far (iterations, stale ones, resyncs, steps)."""
+        return self.updater.report
+
+    def run(self, allreduces: Iterable[Allreduce]) -> CaptureReport:
+        """Feed every allreduce through the updater (decode here, update on another thread) and close it."""
+        return run_pipeline(allreduces, self.updater)
+
