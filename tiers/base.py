@@ -138,6 +138,10 @@ class Tier(ABC):
     def put_record(self, name: str, data: bytes) -> None:
         self._put_record(name, data)
 
+    def list_records(self, prefix: str) -> list[str]:
+        """The names of the records under ``prefix`` (e.g. ``pruned``)."""
+        return self._list_records(prefix)
+
     # ---- the interface ---------------------------------------------------
     def steps(self) -> list[int]:
         return self._committed_steps()
