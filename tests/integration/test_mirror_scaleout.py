@@ -17,7 +17,7 @@ from flowcheck.capture.mirror.pipeline import load_state_file
 from flowcheck.config import ClusterConfig, ObjectConfig
 from flowcheck.simulate import SimOptions, simulate
 from flowcheck.tiers.object import ObjectTier
-from tests.capture.test_live import veth  # noqa: F401 - the namespaces-and-veth fixture
+from tests.mirror.test_live import veth  # noqa: F401 - the namespaces-and-veth fixture
 
 NODES = ["m0", "m1"]
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -106,7 +106,7 @@ def test_two_nodes_capture_one_veth_live_each_its_part(veth, tmp_path):  # noqa:
     """Both node processes listen on the same mirror interface (as with switch multicast: every node gets every
     frame) inside the receiving namespace; a simulated training's frames are sent once; each node updates its part
     and the cluster commit makes the step, equal to the trainer's bit for bit."""
-    from tests.capture.test_live import InNetns, send_one, send_paced, simulated_frames
+    from tests.mirror.test_live import InNetns, send_one, send_paced, simulated_frames
 
     rx, tx = veth
     sim, frames = simulated_frames(tmp_path, iters=3, seed=12)

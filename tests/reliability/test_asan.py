@@ -161,7 +161,7 @@ CHILD = LOAD + textwrap.dedent('''
         corpus.append(open(p, "rb").read())
     # hand-made edge cases: extreme pcapng time resolutions and offsets (128-bit/shift arithmetic)
     import struct
-    from tests.capture.test_pcap import block, epb, option, shb
+    from tests.mirror.test_pcap import block, epb, option, shb
     frame = bytes(range(64))
     for resol in (0, 9, 19, 127, 0x80, 0x80 | 63, 0x80 | 64, 0xFF):
         for offset in (0, 1, 2**62, 2**63 - 1, 2**63, 2**64 - 1):
@@ -199,7 +199,7 @@ CHILD = LOAD + textwrap.dedent('''
         counts[decode(tf._mutate_capture(seed, edits))] += 1; runs += 1
         counts[decode(rng.choice(tf.MAGICS).to_bytes(4, "little") + rng.randbytes(rng.randint(0, 400)))] += 1; runs += 1
     # the live capture's PACKET_MMAP block copy: mutated TPACKET_V3 blocks (exact-size heap buffers), odd outputs
-    from tests.capture.test_packet_ring import make_block
+    from tests.mirror.test_packet_ring import make_block
     counts["ring_blocks"] = 0
     for i in range(max(200, n_inputs)):
         frames = [rng.randbytes(rng.randint(0, 300)) for _ in range(rng.randint(0, 6))]
