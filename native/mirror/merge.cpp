@@ -130,134 +130,166 @@ MergeJob merge_job(const py::buffer& buf, const py::list& parts, int64_t flag, b
     return j;
 }
 
-// The merge itself (see merge_send); runs without the GIL.
-void run_merge(MergeJob& j) {
-    const Bytes& b = j.b;
-    const bool ll = j.ll;
-    const int64_t flag = j.flag, isz = j.isz, n = j.n, size = n * isz;
-    uint8_t* out = j.out;
-    uint8_t* cnt = j.cnt;
-    int64_t seen = 0, differing = 0;
-    struct Placed {
-        const uint8_t* p;  // LL: its first line; Simple: the payload byte for `lo`
-        int64_t lo, hi;
-    };
-    // Where a segment goes, from its row alone: NOWHERE; MISALIGNED (LL, not on lines); else the byte range [lo, hi)
-    // of the send it fills (LL: once its lines are checked; lo >= size: past the send's end, nothing placed)
-    enum Where { NOWHERE, MISALIGNED, RANGE };
-    auto where = [&](const SegmentRow& r, int64_t shift, int64_t& lo, int64_t& hi) -> Where {
-        int64_t pos;
-        if (__builtin_add_overflow(r.msg_offset, shift, &pos)) return NOWHERE;  // nowhere in the send
-        if (!ll) {
-            if (pos < 0) return NOWHERE;
-            int64_t m = std::min<int64_t>(r.length, size - pos);
-            if (m <= 0) return NOWHERE;
-            lo = pos, hi = pos + m;
-            return RANGE;
-        }
-        if (r.length % 16 || pos % 16 || pos < 0) return MISALIGNED;
-        lo = pos / 2, hi = std::min<int64_t>(lo + r.length / 2, size);
+// Where a segment goes, from its row alone: NOWHERE; MISALIGNED (LL, not on lines); else the byte range [lo, hi) of the
+// send it fills (LL: once its lines are checked; lo >= the send's size: past its end, nothing placed).
+enum Where { NOWHERE, MISALIGNED, RANGE };
+
+Where where(const MergeJob& j, const SegmentRow& r, int64_t shift, int64_t& lo, int64_t& hi) {
+    const int64_t size = j.n * j.isz;
+    int64_t pos;
+    if (__builtin_add_overflow(r.msg_offset, shift, &pos)) return NOWHERE;  // nowhere in the send
+    if (!j.ll) {
+        if (pos < 0) return NOWHERE;
+        int64_t m = std::min<int64_t>(r.length, size - pos);
+        if (m <= 0) return NOWHERE;
+        lo = pos, hi = pos + m;
         return RANGE;
-    };
-    // The whole elements of each range; in the usual case they follow each other without overlap and each
-    // range merges straight from the (cached) packet, else the ranges are unioned through a scratch copy.
-    auto elems = [&](const Placed& x) {
-        return std::pair<int64_t, int64_t>{(x.lo + isz - 1) / isz, std::min<int64_t>(x.hi / isz, n)};
-    };
-    auto merge = [&](uint8_t* d, uint8_t* c, const uint8_t* src, int64_t count) -> int64_t {
-        switch (isz) {
-            case 1: return merge_run<uint8_t>(d, c, src, count);
-            case 2: return merge_run<uint16_t>(d, c, src, count);
-            case 4: return merge_run<uint32_t>(d, c, src, count);
-            default: return merge_run<uint64_t>(d, c, src, count);
-        }
-    };
-    std::vector<uint8_t> line_data;  // one LL segment's data words
-    auto merge_ordered = [&](const Placed& x) {  // one range, when the ranges follow each other without overlap
-        auto [ea, eb] = elems(x);
-        if (ea >= eb) return;
-        const uint8_t* src = x.p + (ea * isz - x.lo);  // Simple: the payload itself
-        if (ll) {  // LL ranges start on a line, so on an element: unpack the lines, then merge
-            int64_t bytes = (eb - ea) * isz, lines = (bytes + 7) / 8;
-            if (int64_t(line_data.size()) < lines * 8) line_data.resize(size_t(lines * 8));
-            ll_copy(line_data.data(), x.p, lines);
-            src = line_data.data();
-        }
-        seen += eb - ea;
-        differing += merge(out + ea * isz, cnt + ea, src, eb - ea);
-    };
-    // Whether every range a segment could fill (its lines all valid) follows the one before without overlap: then
-    // so do those that do fill, and each segment merges as soon as its lines are checked, while they are in cache
-    // (checking all of them first read every segment twice: merge_rows -9% in bench_mirror (a)).  Reads only rows.
-    bool ordered = true;
+    }
+    if (r.length % 16 || pos % 16 || pos < 0) return MISALIGNED;
+    lo = pos / 2, hi = std::min<int64_t>(lo + r.length / 2, size);
+    return RANGE;
+}
+
+// The whole elements of the send's bytes [lo, hi): [first, end).
+std::pair<int64_t, int64_t> elements(const MergeJob& j, int64_t lo, int64_t hi) {
+    return {(lo + j.isz - 1) / j.isz, std::min<int64_t>(hi / j.isz, j.n)};
+}
+
+// merge_run of `count` elements from src into the job's elements from `first`, at its item size; the differences.
+int64_t merge_elements(const MergeJob& j, int64_t first, const uint8_t* src, int64_t count) {
+    uint8_t* d = j.out + first * j.isz;
+    uint8_t* c = j.cnt + first;
+    switch (j.isz) {
+        case 1: return merge_run<uint8_t>(d, c, src, count);
+        case 2: return merge_run<uint16_t>(d, c, src, count);
+        case 4: return merge_run<uint32_t>(d, c, src, count);
+        default: return merge_run<uint64_t>(d, c, src, count);
+    }
+}
+
+// Whether every range a segment could fill (its lines all valid) follows the one before without overlap: then so do
+// those that do fill, and each segment merges as soon as its lines are checked, while they are in cache (checking all
+// of them first read every segment twice: merge_rows -9% in bench_mirror (a)).  Reads only rows.
+bool ranges_ordered(const MergeJob& j) {
+    const int64_t size = j.n * j.isz;
     int64_t reach = 0;
     for (const MergeJob::Part& part : j.parts)
-        for (size_t i = 0; i < part.n && ordered; ++i) {
+        for (size_t i = 0; i < part.n; ++i) {
             int64_t lo = 0, hi = 0;
-            if (where(part.rows[i], part.shift, lo, hi) != RANGE || lo >= size) continue;
-            auto [ea, eb] = elems(Placed{nullptr, lo, hi});
+            if (where(j, part.rows[i], part.shift, lo, hi) != RANGE || lo >= size) continue;
+            auto [ea, eb] = elements(j, lo, hi);
             if (ea >= eb) continue;
-            if (ea < reach) ordered = false;
+            if (ea < reach) return false;
             reach = eb;
         }
-    // Each segment: its lines checked (LL) -> placed (merged at once when ordered), or reported per part: first the
-    // misaligned ones (-1, their bytes), then those with bad lines (their number, 0).
-    std::vector<Placed> placed;
-    std::vector<int64_t> misaligned, bad_lines;
-    for (const MergeJob::Part& part : j.parts) {
-        misaligned.clear(), bad_lines.clear();
-        for (size_t i = 0; i < part.n; ++i) {
-            const SegmentRow& r = part.rows[i];
-            const uint8_t* p = b.data + r.offset;
-            if (i + PREFETCH_AHEAD < part.n) {  // segments lie apart in the capture: fetch ahead
-                const SegmentRow& ahead = part.rows[i + PREFETCH_AHEAD];
-                for (int32_t k = 0; k < ahead.length; k += 64) __builtin_prefetch(b.data + ahead.offset + k);
-            }
-            int64_t lo = 0, hi = 0;
-            Where w = where(r, part.shift, lo, hi);
-            if (w == NOWHERE) continue;
-            if (w == MISALIGNED) { misaligned.push_back(r.length); continue; }
-            if (ll) {
-                int64_t lines = r.length / 16;
-                int64_t bad = flag < 0 ? lines : ll_bad_lines(p, lines, uint32_t(flag));
-                if (bad) { bad_lines.push_back(std::min<int64_t>(bad, INT32_MAX)); continue; }
-                if (lo >= size) continue;
-            }
-            if (ordered) merge_ordered(Placed{p, lo, hi});
-            else placed.push_back({p, lo, hi});
-        }
-        for (int64_t v : misaligned) j.unplaced.emplace_back(-1, v);
-        for (int64_t v : bad_lines) j.unplaced.emplace_back(int32_t(v), 0);
+    return true;
+}
+
+// A segment that fills the send's bytes [lo, hi).
+struct Placed {
+    const uint8_t* p;  // LL: its first line; Simple: the payload byte for `lo`
+    int64_t lo, hi;
+};
+
+// What run_merge keeps from segment to segment.
+struct MergeScratch {
+    std::vector<Placed> placed;                  // the segments that fill, when the ranges are not ordered
+    std::vector<uint8_t> line_data;              // one LL segment's data words
+    std::vector<int64_t> misaligned, bad_lines;  // one part's LL segments not placed
+};
+
+// One range, when the ranges follow each other without overlap: merged straight from the (cached) packet.
+void merge_in_order(MergeJob& j, const Placed& x, std::vector<uint8_t>& line_data) {
+    auto [ea, eb] = elements(j, x.lo, x.hi);
+    if (ea >= eb) return;
+    const uint8_t* src = x.p + (ea * j.isz - x.lo);  // Simple: the payload itself
+    if (j.ll) {  // LL ranges start on a line, so on an element: unpack the lines, then merge
+        int64_t bytes = (eb - ea) * j.isz, lines = (bytes + 7) / 8;
+        if (int64_t(line_data.size()) < lines * 8) line_data.resize(size_t(lines * 8));
+        ll_copy(line_data.data(), x.p, lines);
+        src = line_data.data();
     }
-    if (!ordered) {
-        std::unique_ptr<uint8_t[]> scratch(new uint8_t[size_t(std::max<int64_t>(size, 1))]);  // only placed bytes are read
-        uint8_t* o = scratch.get();
-        std::vector<std::pair<int64_t, int64_t>> present;  // element ranges [a, b)
-        for (const Placed& x : placed) {
-            if (ll) {
-                int64_t fit = (x.hi - x.lo) / 8;
-                ll_copy(o + x.lo, x.p, fit);
-                if (x.hi > x.lo + fit * 8) {  // a partial last line
-                    uint8_t line[8];
-                    const uint8_t* q = x.p + 16 * fit;
-                    std::memcpy(line, q, 4), std::memcpy(line + 4, q + 8, 4);
-                    std::memcpy(o + x.lo + fit * 8, line, size_t(x.hi - (x.lo + fit * 8)));
-                }
-            } else {
-                std::memcpy(o + x.lo, x.p, size_t(x.hi - x.lo));
-            }
-            auto [ea, eb] = elems(x);
-            if (ea < eb) present.emplace_back(ea, eb);
+    j.seen += eb - ea;
+    j.differing += merge_elements(j, ea, src, eb - ea);
+}
+
+// One part's segments: each one's lines checked (LL) -> placed (merged at once when `ordered`, else kept in
+// s.placed), or reported in j.unplaced: first the misaligned ones (-1, their bytes), then those with bad lines (their
+// number, 0).
+void place_part(MergeJob& j, const MergeJob::Part& part, bool ordered, MergeScratch& s) {
+    const bool ll = j.ll;
+    const int64_t flag = j.flag, size = j.n * j.isz;
+    const uint8_t* data = j.b.data;
+    s.misaligned.clear(), s.bad_lines.clear();
+    for (size_t i = 0; i < part.n; ++i) {
+        const SegmentRow& r = part.rows[i];
+        const uint8_t* p = data + r.offset;
+        if (i + PREFETCH_AHEAD < part.n) {  // segments lie apart in the capture: fetch ahead
+            const SegmentRow& ahead = part.rows[i + PREFETCH_AHEAD];
+            for (int32_t k = 0; k < ahead.length; k += 64) __builtin_prefetch(data + ahead.offset + k);
         }
-        std::sort(present.begin(), present.end());
-        for (size_t i = 0; i < present.size();) {  // the union of the ranges, each run merged once
-            int64_t a = present[i].first, e = present[i].second;
-            for (++i; i < present.size() && present[i].first <= e; ++i) e = std::max(e, present[i].second);
-            seen += e - a;
-            differing += merge(out + a * isz, cnt + a, o + a * isz, e - a);
+        int64_t lo = 0, hi = 0;
+        Where w = where(j, r, part.shift, lo, hi);
+        if (w == NOWHERE) continue;
+        if (w == MISALIGNED) { s.misaligned.push_back(r.length); continue; }
+        if (ll) {
+            int64_t lines = r.length / 16;
+            int64_t bad = flag < 0 ? lines : ll_bad_lines(p, lines, uint32_t(flag));
+            if (bad) { s.bad_lines.push_back(std::min<int64_t>(bad, INT32_MAX)); continue; }
+            if (lo >= size) continue;
         }
+        if (ordered) merge_in_order(j, Placed{p, lo, hi}, s.line_data);
+        else s.placed.push_back({p, lo, hi});
     }
-    j.seen = seen, j.differing = differing;
+    for (int64_t v : s.misaligned) j.unplaced.emplace_back(-1, v);
+    for (int64_t v : s.bad_lines) j.unplaced.emplace_back(int32_t(v), 0);
+}
+
+// A placed segment's bytes into o, a scratch copy of the send, at x.lo (LL: its data words, a partial last line too).
+void copy_placed(bool ll, uint8_t* o, const Placed& x) {
+    if (!ll) {
+        std::memcpy(o + x.lo, x.p, size_t(x.hi - x.lo));
+        return;
+    }
+    int64_t fit = (x.hi - x.lo) / 8;
+    ll_copy(o + x.lo, x.p, fit);
+    if (x.hi > x.lo + fit * 8) {  // a partial last line
+        uint8_t line[8];
+        const uint8_t* q = x.p + 16 * fit;
+        std::memcpy(line, q, 4), std::memcpy(line + 4, q + 8, 4);
+        std::memcpy(o + x.lo + fit * 8, line, size_t(x.hi - (x.lo + fit * 8)));
+    }
+}
+
+// The placed segments when their ranges overlap or come out of order: unioned through a scratch copy of the send,
+// each run of present elements merged once.
+void merge_through_scratch(MergeJob& j, const std::vector<Placed>& placed) {
+    const int64_t size = j.n * j.isz;
+    std::unique_ptr<uint8_t[]> scratch(new uint8_t[size_t(std::max<int64_t>(size, 1))]);  // only placed bytes are read
+    uint8_t* o = scratch.get();
+    std::vector<std::pair<int64_t, int64_t>> present;  // element ranges [a, b)
+    for (const Placed& x : placed) {
+        copy_placed(j.ll, o, x);
+        auto [ea, eb] = elements(j, x.lo, x.hi);
+        if (ea < eb) present.emplace_back(ea, eb);
+    }
+    std::sort(present.begin(), present.end());
+    for (size_t i = 0; i < present.size();) {  // the union of the ranges, each run merged once
+        int64_t a = present[i].first, e = present[i].second;
+        for (++i; i < present.size() && present[i].first <= e; ++i) e = std::max(e, present[i].second);
+        j.seen += e - a;
+        j.differing += merge_elements(j, a, o + a * j.isz, e - a);
+    }
+}
+
+// The merge itself (see merge_send); runs without the GIL.  In the usual case the ranges follow each other without
+// overlap and each segment merges straight from its packet, else they are unioned through a scratch copy.
+void run_merge(MergeJob& j) {
+    j.seen = 0, j.differing = 0;
+    const bool ordered = ranges_ordered(j);
+    MergeScratch s;
+    for (const MergeJob::Part& part : j.parts) place_part(j, part, ordered, s);
+    if (!ordered) merge_through_scratch(j, s.placed);
 }
 
 py::tuple merge_result(const MergeJob& j) {
