@@ -26,8 +26,14 @@ def parse(buf: Buffer, offsets: Buffer, lengths: Buffer, out: Buffer, check_icrc
 def frame_icrc(frame: Buffer) -> int:
     """The ICRC a RoCEv2 frame should carry (its last 4 bytes, little-endian), or -1 if it is not one."""
 
-def reassemble(packets: Buffer, pmtu: int = 0) -> dict[str, np.ndarray]:
-    """{streams, messages, segments, missing, gaps}: raw uint8 rows; {stream_of, message_of}: int32 per frame."""
+def reassemble(packets: Buffer, pmtu: int = 0, workers: int = 1) -> dict[str, np.ndarray]:
+    """{streams, messages, segments, missing, gaps}: raw uint8 rows; {stream_of, message_of}: int32 per frame.
+    Whole streams on `workers` threads (1..256); the tables do not depend on it."""
+
+def parse_reassemble(buf: Buffer, offsets: Buffer, lengths: Buffer, out: Buffer, check_icrc: bool = True,
+                     pmtu: int = 0, ranges: int = 1, workers: int = 1) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """parse into `out`, then reassemble, in one call: (parse's counts, reassemble's tables), the same as the two
+    calls; each of `ranges` threads (1..256) parses a run of frames and demultiplexes its rows as it goes."""
 
 def ll_unpack(buf: Buffer, segments: Buffer, out: Buffer, expected_flag: int = -1) -> tuple[int, int, int]:
     """Copy LL data words to out[msg_offset/2:]; (flag or -1, lines, bad_lines)."""

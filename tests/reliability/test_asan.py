@@ -1,6 +1,6 @@
 """The native packet path under AddressSanitizer + UndefinedBehaviorSanitizer.
 
-Builds ``native/mirror.cpp`` and ``native/flowcheck_native.cpp`` with ``-fsanitize=address,undefined``
+Builds ``native/mirror/*.cpp`` and ``native/flowcheck_native.cpp`` with ``-fsanitize=address,undefined``
 into a temporary folder, then runs the capture fuzz corpus (the shared captures, structured mutations
 of them, random bytes) through index_capture, parse, reassemble, the unpackers, the merges of final sends
 (one and batched, on two threads) and whole decodes of the real captures with their jobs in a child Python
@@ -18,6 +18,7 @@ import subprocess
 import sys
 import sysconfig
 import textwrap
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -48,11 +49,21 @@ def asan_build(tmp_path_factory):
     out = tmp_path_factory.mktemp("asan")
     suffix = sysconfig.get_config_var("EXT_SUFFIX")
     includes = [f"-I{sysconfig.get_paths()['include']}", f"-I{pybind11.get_include()}"]
-    for name, src in (("_mirror", "mirror.cpp"), ("_native", "flowcheck_native.cpp")):
-        cmd = ["g++", *FLAGS, *includes, str(ROOT / "native" / src), "-o", str(out / f"{name}{suffix}")]
+    native = ROOT / "native"
+    sources = {"_mirror": sorted(native.glob("mirror/*.cpp")), "_native": [native / "flowcheck_native.cpp"]}
+
+    def run(cmd: list[str], what: str) -> None:
         proc = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=600)
         if proc.returncode != 0:
-            pytest.fail(f"sanitizer build of {src} failed:\n{proc.stderr[-4000:]}")
+            pytest.fail(f"sanitizer build of {what} failed:\n{proc.stderr[-4000:]}")
+
+    # one object per source, compiled side by side (each parses the pybind11 headers), then one link per extension
+    objects = {src: out / f"{name}-{src.stem}.o" for name, srcs in sources.items() for src in srcs}
+    with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+        list(pool.map(lambda src: run(["g++", *FLAGS, *includes, "-c", str(src), "-o", str(objects[src])], src.name),
+                      objects))
+    for name, srcs in sources.items():
+        run(["g++", *FLAGS, *(str(objects[s]) for s in srcs), "-o", str(out / f"{name}{suffix}")], name)
     return out, libasan
 
 
