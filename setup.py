@@ -13,6 +13,7 @@ setup(
         Pybind11Extension(
             "flowcheck._native",
             ["native/flowcheck_native.cpp"],
+            depends=sorted(glob("native/*.hpp") + glob("native/third_party/**/*.h", recursive=True)),
             cxx_std=17,
             extra_compile_args=["-O3"],
         ),
