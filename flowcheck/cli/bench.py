@@ -42,7 +42,7 @@ def load_run_all(directory: str):
 
 @click.command("bench")
 @click.option("--only", default=None, help="Comma-separated benchmarks: p3 (local snapshot), p5 (object upload), "
-              "readback, p6 (restore), p4 (push + P7 RSS), rss (node RSS at --gb), mirror, mirror_loss (default: p3,p5,readback,p6,p4; "
+              "readback, p6 (restore), p4 (push, and the node's RSS while it receives), rss (node RSS at --gb), mirror, mirror_loss (default: p3,p5,readback,p6,p4; "
               "--quick: p3,p5,readback,p6).")
 @click.option("--quick", is_flag=True, help="Small sizes, one round, warm cache: ~1-2 min on 2 cores (a smoke run; "
               "the goals need full sizes to mean anything).")

@@ -1,6 +1,6 @@
 """The demo GPT fine-tuned with LoRA: the model frozen, rank-``rank`` adapters on every attention projection, AdamW
-over the adapters only (PEFT's way) — the trainer whose push and steps shrink to its trainable share (issue 20's
-test and benchmark)."""
+over the adapters only (PEFT's way) — the trainer whose push and steps shrink to its trainable share (its test
+and benchmark)."""
 from __future__ import annotations
 
 import torch

@@ -27,21 +27,17 @@ from flowcheck.errors import ConfigError
 # immediate of a message's first/last packet adds 4–16 bytes per 64 packets at most: counted as 1 byte/packet
 HEADER_BYTES = 14 + 40 + 8 + 12 + 4 + 1
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "int32": 4}
-# measured (BENCHMARKS.md, "Mirror capture (issue 22)"): decode of the 304.5M-parameter end-to-end run, wire
-# bytes per core-second of process CPU time.  2 Dec evening (send columns, sources built on use): 4.15-4.20 GB in
-# three runs, where the code before that evening measured 3.65 in the same hour — the box ran ~15% faster than that
-# afternoon, so the default is the afternoon's 3.1 divided by this evening's A/B ratio on one capture (0.85-0.87),
-# rounded down.  Before: 3.25-3.35 in three runs and 3.11-3.13 in an A/B on the afternoon of 2 Dec (the lower kept),
-# 2.40-2.45 before that day's second round of per-core work, 0.81 from wall time on a slower, loaded hour before it.
-# The replica's AdamW update per parameter on one core: 1.31 ns measured with the decode; the earlier 1.64 kept (the
-# larger of the two)
+# decode speed: wire bytes per core-second of process CPU time for the 304.5M-parameter end-to-end capture on the
+# 2-core VM (BENCHMARKS.md, "Mirror capture"): 4.15-4.20 GB measured, normalised by an A/B on one capture for the
+# host's speed that hour and rounded down to 3.5.  The replica's AdamW update per parameter on one core: the larger
+# of the two measurements (1.31 and 1.64 ns)
 DEFAULT_DECODE_GB_PER_CORE_S = 3.5
 DEFAULT_UPDATE_NS_PER_PARAM = 1.64
 # decode workers on separate cores (streams are independent); measure yours.  An assumption for independent decoders
 # (processes or nodes per stream group): inside one decode process only the native work runs on K threads (parse
 # with the demux, reassembly, merge: ~0.9 of its CPU since the demux moved into the parse threads, 0.84-0.85 with it
-# serial, 0.56-0.63 before the send columns), and this VM's memory gives a plain copy 1.3-1.8x on 2 threads; decode
-# on 2 threads measured 1.39-1.48x of one (BENCHMARKS.md, "after the 3 Dec night stop")
+# serial), and this VM's memory gives a plain copy 1.3-1.8x on 2 threads; decode on 2 threads measured 1.39-1.48x
+# of one (BENCHMARKS.md, "Mirror capture")
 DEFAULT_PARALLEL_EFFICIENCY = 0.9
 # measured (BENCHMARKS.md, "Mirror capture scaled out"): a part of K costs (s + (1 - s)/K) of the whole decode;
 # 0.83 at K = 2 and 0.74 at K = 4 on a 496 MB capture (parsing, ICRC, reassembly and matching every frame dominate;
