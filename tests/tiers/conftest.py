@@ -9,7 +9,8 @@ import pytest
 
 from flowcheck.config import LocalConfig, ObjectConfig
 
-TIER_KINDS = ["memory", "local", "object-file", pytest.param("object-s3", marks=pytest.mark.s3)]
+TIER_KINDS = ["memory", "local", "object-file", pytest.param("object-s3", marks=pytest.mark.s3),
+              pytest.param("object-seaweedfs", marks=pytest.mark.s3)]
 
 
 def _tier_factory(kind: str, request, base):
@@ -24,10 +25,11 @@ def _tier_factory(kind: str, request, base):
         from flowcheck.tiers.local import LocalTier
 
         return lambda run: LocalTier(LocalConfig(root=str(base / "local")), run)
-    if kind in ("object-file", "object-s3"):
+    if kind.startswith("object-"):
         from flowcheck.tiers.object import ObjectTier
 
-        url = f"file://{base / 'object'}" if kind == "object-file" else request.getfixturevalue("s3_bucket")
+        url = f"file://{base / 'object'}" if kind == "object-file" else \
+            request.getfixturevalue({"object-s3": "s3_bucket", "object-seaweedfs": "seaweedfs_bucket"}[kind])
         config = ObjectConfig(url=url, max_file_mib=1)  # 1 MiB files: a >1 MiB shard spans several
         return lambda run: ObjectTier(config, run, staging_dir=str(base / "staging"))
     raise ValueError(f"unknown tier kind {kind!r}")
