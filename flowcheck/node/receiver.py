@@ -24,7 +24,6 @@ import socketserver
 import threading
 import time
 from dataclasses import dataclass, field
-from multiprocessing import shared_memory
 from typing import Any
 
 import numpy as np
@@ -32,7 +31,7 @@ import xxhash
 
 from flowcheck import _native, dtypes
 from flowcheck.capture.push.auth import DEFAULT_TOKEN_ENV, PushGate
-from flowcheck.capture.push.buffers import LENT, ReceivePool, Segments, unmap_pages
+from flowcheck.capture.push.buffers import LENT, ReceivePool, Segment, Segments
 from flowcheck.capture.push.launch import Launch, Launches, Superseded
 from flowcheck.capture.push.wire import (ROOT, PushHeader, WireError, recv_exact, recv_header_body, recv_header_size,
                                          reply)
@@ -476,7 +475,7 @@ class PushReceiver:
             out[ref.shard] = buf[ref.at:ref.at + ref.nbytes].view(storage).reshape(ref.shard.shape)
         return out
 
-    def _copy_from_segment(self, seg: shared_memory.SharedMemory, refs: list[ShardRef],
+    def _copy_from_segment(self, seg: Segment, refs: list[ShardRef],
                            arrays: dict[Shard, np.ndarray], digest: str | None, guard: tuple[int, int] | None) -> None:
         """Copy (and check against ``digest``, if given) the payload of a segment its trainer does not lend; with
         ``guard`` = (generation, offset) the counter must read that generation before the copy and still after it
@@ -500,7 +499,7 @@ class PushReceiver:
                     if h is not None:
                         h.update(src)
                     del src
-                    unmap_pages(seg, pos, stop)
+                    seg.unmap_pages(pos, stop)
                     pos = stop
         finally:
             del whole
@@ -675,7 +674,7 @@ def _generation_guard(payload: dict[str, Any], size: int, seg_size: int, name: s
     return gen, at
 
 
-def _check_generation(seg: shared_memory.SharedMemory, want: int, at: int, when: str) -> None:
+def _check_generation(seg: Segment, want: int, at: int, when: str) -> None:
     found = _native.generation_load(seg.buf, at)
     if found != want:
         raise WireError(f"shared memory {seg.name!r}: generation {found}, the header says {want}: "

@@ -16,7 +16,7 @@ from multiprocessing import shared_memory
 import torch
 
 from flowcheck import _native
-from flowcheck.capture.push.buffers import FREE, LENT, close_quietly, generation_at, lease_at, segment_size
+from flowcheck.capture.push.buffers import FREE, LENT, Segment, generation_at, lease_at, segment_size
 
 log = logging.getLogger(__name__)
 
@@ -26,13 +26,17 @@ class HostBuffers:
 
     def __init__(self, nbytes: int, count: int, shm: bool) -> None:
         self.nbytes, self.shm = nbytes, shm
-        self.segments: list[shared_memory.SharedMemory] = []
+        self.segments: list[Segment] = []
+        self._owners: list[shared_memory.SharedMemory] = []  # created (and unlinked at the end, or by the tracker)
         self.regions: list[torch.Tensor] = []
         self.generations = [0] * count
         self.lends = False  # whether the node adopts segments (its hello says so): then leases are honoured
         for _ in range(count):
             if shm:
-                seg = shared_memory.SharedMemory(create=True, size=segment_size(nbytes))
+                owner = shared_memory.SharedMemory(create=True, size=segment_size(nbytes))
+                owner.close()  # mapped again below, by a Segment that can let go while tensors still view it
+                self._owners.append(owner)
+                seg = Segment(owner.name)
                 self.segments.append(seg)
                 self.regions.append(torch.frombuffer(seg.buf, dtype=torch.uint8, count=max(nbytes, 1)))
             else:
@@ -100,9 +104,10 @@ class HostBuffers:
                 unregister(region)
         self.regions = []
         for seg in self.segments:
-            close_quietly(seg)
-            seg.unlink()
-        self.segments = []
+            seg.close()
+        for owner in self._owners:
+            owner.unlink()
+        self.segments, self._owners = [], []
 
 
 def register(t: torch.Tensor) -> bool:

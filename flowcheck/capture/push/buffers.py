@@ -15,9 +15,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import mmap
+import os
 import threading
 from collections import OrderedDict
-from multiprocessing import shared_memory
 
 import numpy as np
 
@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 
 LENT, FREE = 1, 0  # a segment's lease word: lent to the node by its trainer; free for the trainer to write
 SEGMENTS_KEPT = 4  # segments attached per sender beyond those the state holds (a trainer uses 2 by default)
+SHM_DIR = "/dev/shm"  # where POSIX shared memory (shm_open) keeps its segments on Linux
 
 
 def generation_at(nbytes: int) -> int:
@@ -51,15 +52,15 @@ class Segments:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._maps: dict[str, shared_memory.SharedMemory] = {}
+        self._maps: dict[str, Segment] = {}
         self._users: dict[str, int] = {}  # blocks of a segment not yet given back
         self._recent: dict[int, OrderedDict[str, None]] = {}  # per sender: the segments it pushed from lately
 
-    def attach(self, sender: int, name: str) -> shared_memory.SharedMemory:
+    def attach(self, sender: int, name: str) -> Segment:
         with self._lock:
             seg = self._maps.get(name)
             if seg is None:
-                seg = self._maps[name] = attach(name)
+                seg = self._maps[name] = Segment(name)
             recent = self._recent.setdefault(sender, OrderedDict())
             recent[name] = None
             recent.move_to_end(name)
@@ -69,10 +70,10 @@ class Segments:
             closing = [n for n in stale if not self._users.get(n) and not self._wanted(n)]
             segs = [self._maps.pop(n) for n in closing]
         for s in segs:
-            close_quietly(s)
+            s.close()
         return seg
 
-    def lend(self, seg: shared_memory.SharedMemory, nbytes: int, at: int) -> Block:
+    def lend(self, seg: Segment, nbytes: int, at: int) -> Block:
         """A block over the segment's payload, held by the node until given back: then its lease word is cleared."""
         with self._lock:
             self._users[seg.name] = self._users.get(seg.name, 0) + 1
@@ -87,7 +88,7 @@ class Segments:
         if seg is not None and not held and isinstance(at, int) and 0 <= at and at + 8 <= seg.size and at % 8 == 0:
             _native.generation_store(seg.buf, at, FREE)
 
-    def _give_back(self, seg: shared_memory.SharedMemory, at: int, nbytes: int) -> None:
+    def _give_back(self, seg: Segment, at: int, nbytes: int) -> None:
         """A block of ``seg`` is no longer held; the last one clears the lease (the trainer may write it again), after
         dropping the node's page-table entries for it: the memory is the trainer's, and a snapshot that read it
         would otherwise leave it counted in the node's RSS a second time for as long as the segment stays attached."""
@@ -95,14 +96,14 @@ class Segments:
             self._users[seg.name] -= 1
             free = not self._users[seg.name]
             if free:
-                unmap_pages(seg, 0, nbytes)
+                seg.unmap_pages(0, nbytes)
                 _native.generation_store(seg.buf, at, FREE)
                 del self._users[seg.name]
             close = free and not self._wanted(seg.name)
             if close:
                 self._maps.pop(seg.name, None)
         if close:
-            close_quietly(seg)
+            seg.close()
 
     def _wanted(self, name: str) -> bool:
         return any(name in recent for recent in self._recent.values())
@@ -111,7 +112,7 @@ class Segments:
         with self._lock:
             segs, self._maps = list(self._maps.values()), {}
         for s in segs:
-            close_quietly(s)
+            s.close()
 
 
 class ReceivePool:
@@ -150,39 +151,43 @@ class ReceivePool:
         return sum(b.nbytes for free in self._free.values() for b in free)
 
 
-def unmap_pages(seg: shared_memory.SharedMemory, start: int, end: int) -> None:
-    """Drop this process's page-table entries for bytes [start, end) of a segment (the memory stays, shared)."""
-    mm = getattr(seg, "_mmap", None)  # SharedMemory keeps its mmap here (CPython 3.8+)
-    if mm is None or not hasattr(mmap, "MADV_DONTNEED"):
-        return
-    lo = start - start % mmap.PAGESIZE
-    hi = min(-(-end // mmap.PAGESIZE) * mmap.PAGESIZE, len(mm))
-    if hi > lo:
-        with contextlib.suppress(OSError, ValueError):
-            mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+class Segment:
+    """A POSIX shared-memory segment mapped into this process, which owns the mapping.  Unlike
+    ``multiprocessing.shared_memory.SharedMemory`` it can be let go of while arrays still view it (a state or snapshot
+    the node holds): the mapping then lives on with those arrays and is unmapped with the last of them."""
 
-
-def close_quietly(seg: shared_memory.SharedMemory) -> None:
-    try:
-        seg.close()
-    except BufferError:
-        # an array still views it (a state or snapshot the node still holds): the mapping lives on with the arrays
-        # and goes with the last of them; this object lets go of it (else its finaliser tries again, and fails)
-        seg._mmap = None  # noqa: SLF001
-
-
-def attach(name: str) -> shared_memory.SharedMemory:
-    """Open the sender's segment without adopting it (the sender unlinks it, not this process)."""
-    if not isinstance(name, str) or "/" in name or len(name) > 250:
-        raise WireError(f"push header: bad shared memory name {name!r}")
-    try:
+    def __init__(self, name: str) -> None:
+        if not isinstance(name, str) or not name or "/" in name or "\0" in name or len(name) > 250:
+            raise WireError(f"push header: bad shared memory name {name!r}")
         try:
-            return shared_memory.SharedMemory(name=name, create=False, track=False)
-        except TypeError:  # Python < 3.13: attaching registers the segment with this process's resource tracker
-            from multiprocessing import resource_tracker
+            fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
+        except FileNotFoundError as e:
+            raise WireError(f"shared memory {name!r} does not exist: is the sender on another host?") from e
+        try:
+            size = os.fstat(fd).st_size
+            if size == 0:
+                raise WireError(f"shared memory {name!r} is empty (0 bytes)")
+            self._mmap = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        self.name, self.size = name, size
+        self.buf = memoryview(self._mmap)
 
-            seg = shared_memory.SharedMemory(name=name, create=False)
-            resource_tracker.unregister("/" + seg.name, "shared_memory")  # registered under its POSIX name
-            return seg
-    except FileNotFoundError as e:
-        raise WireError(f"shared memory {name!r} does not exist: is the sender on another host?") from e
+    def unmap_pages(self, start: int, end: int) -> None:
+        """Drop this process's page-table entries for bytes [start, end) (the memory stays, shared)."""
+        if not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        lo = start - start % mmap.PAGESIZE
+        hi = min(-(-end // mmap.PAGESIZE) * mmap.PAGESIZE, self.size)
+        if hi > lo:
+            with contextlib.suppress(OSError, ValueError):
+                self._mmap.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+
+    def close(self) -> None:
+        """Unmap it now, or — while arrays still view it — when the last of them goes."""
+        try:
+            self.buf.release()
+            self._mmap.close()
+        except BufferError:
+            return
+
