@@ -89,13 +89,20 @@ class Checkpointer(PushPlan, PushClient):
         ckpt.close()
     """
 
+    # the push settings as attributes, read from ``config`` (code written against them keeps working)
+    run = property(lambda self: self.config.run)
+    address = property(lambda self: self.config.address)
+    on_busy = property(lambda self: self.config.on_busy)
+    timeout_s = property(lambda self: self.config.timeout_s)
+    shm = property(lambda self: self.config.shm)
+    budget = property(lambda self: self.config.budget_bytes)
+    rng = property(lambda self: self.config.rng)
+
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, lr_scheduler: Any = None,
-                 *, config: PushConfig | None = None, node: str | None = None, run: str | None = None,
-                 extra: Any = None, coords: Coordinates | None = None, budget_mib: float | None = None,
-                 on_busy: str | None = None, timeout_s: float | None = None, transport: str | None = None,
-                 hook: bool | None = None, rng: bool | None = None, arch: Any = None, token: str | None = None,
-                 gpu_staging: int | str | None = None, parent: Any = "auto") -> None:
-        """``config`` (a PushConfig) or its fields as keywords (a keyword given with ``config`` overrides that field);
+                 *, config: PushConfig | None = None, coords: Coordinates | None = None, arch: Any = None,
+                 extra: Any = None, parent: Any = "auto", **settings: Any) -> None:
+        """``config``: a PushConfig, or its fields as keywords (``node=``, ``run=``, ``budget_mib=``, ``on_busy=``,
+        ``timeout_s=``, ``transport=``, ...; a keyword given with ``config`` overrides that field);
         ``extra``: JSON scalars (or a callable returning them) pushed with each step; ``coords``: where this rank sits
         (default: detected); ``arch``: a Megatron trainer's model description (flowcheck.restore.arch.ModelArch);
         ``parent``: what the first push descends from — ``"auto"`` (what ``load()``, a ``flowcheck.dcp.Reader`` or an
@@ -103,16 +110,13 @@ class Checkpointer(PushPlan, PushClient):
         new root), a step number N (step N of the node's current branch: a job that resumed from a directory
         ``flowcheck restore`` wrote), a ``ParentRef``, or the ``Reader`` the trainer loaded with."""
         evidence.check_parent("Checkpointer", parent)
-        self.config = config = push_config(config, node=node, run=run, budget_mib=budget_mib, on_busy=on_busy,
-                                           timeout_s=timeout_s, transport=transport, hook=hook, rng=rng, token=token,
-                                           gpu_staging=gpu_staging)
+        self.config = config = push_config(config, **settings)
         self.model, self.optimizer, self.lr_scheduler = model, optimizer, lr_scheduler
-        self.address, self.run, self.extra, self.rng = config.address, config.run, extra, config.rng
+        self.extra = extra
         self.coords = coords or Coordinates.detect()
         self.launch = agree_launch(self.coords)  # which launch of the job this is: a newer one supersedes it at the node
         self.superseded: str | None = None  # why the node refuses this trainer's pushes (a newer launch took over)
         self.arch = arch  # flowcheck.restore.arch.ModelArch: needed for TP/PP trainers (global offsets)
-        self.budget, self.on_busy, self.timeout_s, self.shm = config.budget_bytes, config.on_busy, config.timeout_s, config.shm
         self.stats = CheckpointerStats()
         # the node's shared secret: from $FLOWCHECK_NODE_TOKEN unless given; never logged, never sent (only MACs are)
         self._token = config.token if config.token is not None else read_token(DEFAULT_TOKEN_ENV)
@@ -189,13 +193,13 @@ class Checkpointer(PushPlan, PushClient):
         free = job.drained if self._copier.staged else job.done
         if free.is_set():
             return True
-        if self.on_busy == "coalesce":
+        if self.config.on_busy == "coalesce":
             self.stats.coalesced += 1
             self._busy_log(f"checkpoint: save of step {step} skipped (coalesced): the push of step {job.step} is still "
                       f"in flight ({self.stats.coalesced} of {self.stats.saves} saves skipped)")
             return False
         t0 = time.perf_counter()
-        finished = free.wait(self.timeout_s)  # back-pressure: the previous push is still in flight
+        finished = free.wait(self.config.timeout_s)  # back-pressure: the previous push is still in flight
         waited = time.perf_counter() - t0
         self.stats.blocked_s += waited
         self.stats.busy_waits += 1
@@ -224,7 +228,7 @@ class Checkpointer(PushPlan, PushClient):
         job = self._job
         if job is None:
             return True
-        job.done.wait(timeout if timeout is not None else self.timeout_s)
+        job.done.wait(timeout if timeout is not None else self.config.timeout_s)
         return job.done.is_set() and job.error is None
 
     def mark_changed(self, *names: str) -> None:
@@ -262,10 +266,10 @@ class Checkpointer(PushPlan, PushClient):
             self.optimizer.load_state_dict(opt_sd)
         if self.lr_scheduler is not None and snap.scalars.lr_scheduler is not None:
             self.lr_scheduler.load_state_dict(snap.scalars.lr_scheduler)
-        if self.rng and snap.scalars.rng:
+        if self.config.rng and snap.scalars.rng:
             restore_rng(snap.scalars.rng)
         self.parent = manifest.parent_ref()
-        evidence.loaded(self.run, self.parent)
+        evidence.loaded(self.config.run, self.parent)
         self.mark_changed()
         return manifest.step
 
@@ -373,10 +377,10 @@ class Checkpointer(PushPlan, PushClient):
         region = host.acquire(self._held, 0.0)
         if region is None:
             self.stats.lease_waits += 1
-            region = host.acquire(self._held, self.timeout_s)
+            region = host.acquire(self._held, self.config.timeout_s)
         if region is None:
             raise FlowcheckError(f"step {job.step}: the node still holds all {len(host)} shared-memory segments after "
-                                 f"{self.timeout_s:.0f} s (a snapshot in flight reads them); this save is not pushed")
+                                 f"{self.config.timeout_s:.0f} s (a snapshot in flight reads them); this save is not pushed")
         return region
 
     def _fill(self, job: _Job, indices: frozenset[int]) -> None:

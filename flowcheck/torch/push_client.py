@@ -53,7 +53,7 @@ class PushClient:
         # the node now knows where this state descends from; later steps descend from what it commits next (sending
         # the resume point with every push re-parented each snapshot onto it)
         self.parent, self._lineage_told = None, True
-        evidence.pushed(self.run, job.step)
+        evidence.pushed(self.config.run, job.step)
 
     def _push(self, job: _Job, kept: frozenset[int]) -> tuple[dict[str, Any], dict[str, Any], int, frozenset[int]]:
         """One push frame and the node's answer (sent once the node holds the step as its RAM state): (header, answer,
@@ -74,7 +74,7 @@ class PushClient:
             payload["digest"] = done[1] if done is not None and done[0] == kept else self._digest(job.region, kept)
         c = self.coords
         push = PushHeader(
-            self.run, job.step, c.sender, c.senders, {"tp": c.tp, "pp": c.pp, "dp": c.dp, "vpp": c.vpp}, self._specs,
+            self.config.run, job.step, c.sender, c.senders, {"tp": c.tp, "pp": c.pp, "dp": c.dp, "vpp": c.vpp}, self._specs,
             [{"tensor": e.name, "offsets": e.offsets, "shape": list(e.tensor.shape), "at": e.at,
               **({"kept": True} if i in kept else {})} for i, e in enumerate(self._entries)],
             payload, job.scalars, self._header_parent(job.step),
@@ -99,11 +99,11 @@ class PushClient:
         if hasattr(p, "resumed"):  # a flowcheck.dcp.Reader: what it loaded
             p = p.resumed if p.resumed is not None else "auto"
         if p == "auto":
-            known = evidence.parent_for(self.run, step)
+            known = evidence.parent_for(self.config.run, step)
             if known is None:
                 if not self._root_logged:
                     self._root_logged = True
-                    log.warning("%s", evidence.root_hint("Checkpointer", self.run, step))
+                    log.warning("%s", evidence.root_hint("Checkpointer", self.config.run, step))
                 return ROOT
             return None if known.ref is None else _ref_json(known.ref)
         if p is None:
@@ -128,7 +128,7 @@ class PushClient:
         st = self.stats
         return {"saves": st.saves, "sent": st.sent, "coalesced": st.coalesced, "busy_waits": st.busy_waits,
                 "blocked_s": round(st.blocked_s, 4), "lease_waits": st.lease_waits, "staged": st.staged,
-                "on_busy": self.on_busy}
+                "on_busy": self.config.on_busy}
 
     def _acknowledged(self, job: _Job, answer: dict[str, Any], sent: int, kept: frozenset[int]) -> None:
         """Record what the node now holds: its state id, the region it adopted (the trainer fills another one next),
@@ -157,10 +157,10 @@ class PushClient:
         if self._sock is not None and _closed_by_peer(self._sock):
             self._drop()
         if self._sock is None:
-            sock = socket.create_connection(self.address, timeout=self.timeout_s)
+            sock = socket.create_connection(self.config.address, timeout=self.config.timeout_s)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._sock = sock
-            self._signer = PushSigner.handshake(sock, self._token, self.run, "%s:%d" % self.address, DEFAULT_TOKEN_ENV)
+            self._signer = PushSigner.handshake(sock, self._token, self.config.run, "%s:%d" % self.config.address, DEFAULT_TOKEN_ENV)
             hello = self._signer.hello
             if hello.get("node_id") != self._node_id:
                 self._host.take_back_all()

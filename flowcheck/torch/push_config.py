@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from urllib.parse import urlparse
 
 from flowcheck.errors import ConfigError, FlowcheckError
@@ -101,6 +101,11 @@ class PushConfig:
 def push_config(config: PushConfig | None, **given: object) -> PushConfig:
     """``config`` with the fields given as keywords replaced (None: not given), or a PushConfig of the keywords alone:
     what ``Checkpointer(config=..., node=..., ...)`` runs with."""
+    unknown = sorted(set(given) - {f.name for f in fields(PushConfig)})
+    if unknown:
+        raise TypeError(f"Checkpointer: unexpected keyword{'s' * (len(unknown) > 1)} {', '.join(unknown)}: expected "
+                        f"config=, coords=, arch=, extra=, parent= or a PushConfig field "
+                        f"({', '.join(f.name for f in fields(PushConfig))})")
     given = {k: v for k, v in given.items() if v is not None}
     if config is None:
         missing = [k for k in ("node", "run") if k not in given]

@@ -112,7 +112,7 @@ class PushPlan:
                 e.tensor = e.view(tensors[e.local])
             return
         if self._job is not None:  # its push still reads the host regions and entries about to be replaced
-            self._job.done.wait(self.timeout_s)
+            self._job.done.wait(self.config.timeout_s)
         if self._megatron is not None:
             specs, shared, own = self._megatron.cut(tensors)
         else:
@@ -126,9 +126,9 @@ class PushPlan:
             nbytes = t.numel() * t.element_size()
             entries.append(_Entry(name, t, at, nbytes, offsets, local, view))
             at += nbytes
-        if self.budget is not None and at > self.budget:
+        if self.config.budget_bytes is not None and at > self.config.budget_bytes:
             raise FlowcheckError(f"Checkpointer: this rank's share of the state is {at / 2**20:.1f} MiB, over the "
-                                 f"host memory budget of {self.budget / 2**20:.1f} MiB")
+                                 f"host memory budget of {self.config.budget_bytes / 2**20:.1f} MiB")
         self._allocate(at)
         self._entries, self._signature, self._specs = entries, signature, specs
         self._copier.plan([e.tensor for e in entries], [e.at for e in entries], [e.nbytes for e in entries])
@@ -152,7 +152,7 @@ class PushPlan:
         trainer fills another meanwhile), or one buffer streamed over TCP."""
         if self._host is not None:
             self._host.close()
-        self._host = HostBuffers(nbytes, self.config.segments if self.shm else 1, self.shm)
+        self._host = HostBuffers(nbytes, self.config.segments if self.config.shm else 1, self.config.shm)
         self._host.lends = bool(self._signer is not None and self._signer.hello.get("adopts_segments"))
         self._held = None
         for e in self._entries:
@@ -172,7 +172,7 @@ class PushPlan:
             extra["model"] = self.arch.to_json()  # restore needs the model description
         return {"optimizer_step": step_count, "optimizer": opt,
                 "lr_scheduler": _json_ready(sched, "lr_scheduler.state_dict()") if sched is not None else None,
-                "rng": capture_rng() if self.rng else {}, "extra": _json_ready(extra, "extra")}
+                "rng": capture_rng() if self.config.rng else {}, "extra": _json_ready(extra, "extra")}
 
     def _megatron_scalars(self, step: int, consumed: int | None) -> dict[str, Any]:
         """The optimizer's param groups and step, the scheduler, iteration and samples consumed: what restore needs

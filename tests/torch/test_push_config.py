@@ -54,3 +54,11 @@ def test_every_existing_keyword_still_works_and_config_is_taken_as_given_or_over
         Checkpointer(model, opt, run="gpt")
     with pytest.raises(ConfigError, match="config: expected a flowcheck.torch.PushConfig"):
         Checkpointer(model, opt, config={"node": NODE, "run": "gpt"})
+
+
+def test_an_unknown_keyword_is_refused_naming_what_checkpointer_takes():
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(TypeError, match=r"unexpected keyword budget_mb: expected config=.*budget_mib"):
+        Checkpointer(model, node=NODE, run="gpt", budget_mb=64)
+    every = Checkpointer(model, node=NODE, run="gpt", segments=3, skip_frozen=False, gpu_staging=0, hook=False)
+    assert (every.config.segments, every.config.skip_frozen, every.config.gpu_staging) == (3, False, 0)
