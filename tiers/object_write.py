@@ -132,7 +132,7 @@ class ObjectWriter:
 
         A step smaller than four full files is cut into about four (of at least
         256 MiB): staging file i+1 then overlaps uploading file i instead of
-        preceding all of it (BENCHMARKS.md, P5).
+        preceding all of it (BENCHMARKS.md, "P5 — promotion to object storage").
         """
         limit = min(self.config.max_file_mib << 20, max(PIPELINE_MIN_FILE, -(-_nbytes(snapshot, shards) // 4)))
         files: list[list[_Planned]] = [[]]

@@ -1,7 +1,7 @@
 """Parallel multipart upload of a staged file to S3 through boto3's transfer manager.
 
 s3fs's ``put_file(max_concurrency=N)`` sends parts in lock-step batches of N
-and spends its client CPU in one asyncio thread; on the P5 benchmark it
+and spends its client CPU in one asyncio thread; on the promotion benchmark it
 reached 0.74x of boto3's TransferManager, and a continuous asyncio window over
 s3fs's client 0.7x (BENCHMARKS.md).  boto3 keeps N parts in flight on N
 threads, so S3 uploads go through it; listing, reads and the exclusive
