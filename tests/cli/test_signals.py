@@ -14,8 +14,8 @@ from flowcheck.cli import main
 from flowcheck.restore.arch import ModelArch
 from flowcheck.restore.megatron_map import model_params
 
-from .capture.conftest import node_token  # noqa: F401 - an autouse fixture: the node runs with a token
-from .node.test_api_access import bearer, call, node  # noqa: F401 - the node fixture
+from tests.capture.conftest import node_token  # noqa: F401 - an autouse fixture: the node runs with a token
+from tests.node.test_api_access import bearer, call, node  # noqa: F401 - the node fixture
 
 
 def run(*args: str):
@@ -172,7 +172,7 @@ def test_post_snapshot_on_an_empty_node_answers_409_and_logs_one_line(node):  # 
 
 
 def test_ci_fails_when_pytest_collects_nothing():
-    script = open(os.path.join(os.path.dirname(__file__), "..", ".ci", "run")).read()
+    script = open(os.path.join(os.path.dirname(__file__), "..", "..", ".ci", "run")).read()
     assert "-eq 5" not in script and "rc=0" not in script  # exit 5 is not turned into success any more
 
 

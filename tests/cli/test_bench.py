@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from flowcheck.cli.bench import find_benchmarks, load_run_all
 from flowcheck.cli import main
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_bench_quick_p3_end_to_end_prints_the_ratio_table(tmp_path):
