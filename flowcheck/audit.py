@@ -18,7 +18,7 @@ from flowcheck.errors import FlowcheckError, ManifestError, StepNotFoundError
 from flowcheck.manifest import Manifest
 from flowcheck.progress import Progress, counter
 from flowcheck.store import Store
-from flowcheck.tiers.base import Problem, Tier, verify_bytes
+from flowcheck.tiers.base import MANIFEST, Problem, Tier, verify_bytes
 
 Manifests = dict[tuple[str, Located], Manifest]  # (tier name, state) -> its manifest in that tier
 
@@ -162,12 +162,12 @@ def _checked(tier: Tier, step: int, report: AuditReport, *, verify: bool, data: 
     try:
         m = tier.manifest(step)
     except (ManifestError, StepNotFoundError) as e:
-        report.problems.append(Problem(where, step, str(e), "manifest.json"))
+        report.problems.append(Problem(where, step, str(e), MANIFEST))
         return None
     if m.signature is None and tier.signing_key is not None:
         # accepted (signing.required is off) but worth a look: a stripped signature reads like this
         report.problems.append(Problem(where, step, "unsigned manifest while a signing key is set; "
-                                       "set signing.required: true to refuse unsigned steps", "manifest.json", "warning"))
+                                       "set signing.required: true to refuse unsigned steps", MANIFEST, "warning"))
     if verify:
         report.problems.extend(replace(p, tier=where) for p in tier.verify(step, data=data, on_bytes=on_bytes))
     return m

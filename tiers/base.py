@@ -27,7 +27,7 @@ from flowcheck.errors import (
     StepNotFoundError,
     TensorNotFoundError,
 )
-from flowcheck.manifest import Manifest, ParentRef, ShardEntry, check_parent, parse, validated_bytes
+from flowcheck.manifest import FileEntry, Manifest, ParentRef, ShardEntry, check_parent, parse, validated_bytes
 from flowcheck.progress import Progress
 from flowcheck.state import Shard, Snapshot, check_branch
 from flowcheck.tiers import records
@@ -46,6 +46,16 @@ MAX_STEP = 999_999_999  # what STEP_DIR's nine digits hold (a wider number would
 
 def step_dir(step: int) -> str:
     return STEP_DIR.format(step=step)
+
+
+def file_mismatch(entry: FileEntry, size: int, digest: str | None = None) -> str | None:
+    """How a stored file differs from its manifest entry: its size, else (when it was read) its digest; None if
+    neither does."""
+    if size != entry.bytes:
+        return f"size {size} != manifest {entry.bytes}"
+    if digest is not None and digest != entry.digest:
+        return f"digest {digest} != manifest {entry.digest}"
+    return None
 
 
 def parse_step_dir(name: str) -> int | None:
@@ -412,7 +422,7 @@ class Tier(ABC):
         try:
             m = self.manifest(step, fresh=True)
         except FlowcheckError as e:
-            return [Problem(self.name, step, str(e), "manifest.json")]
+            return [Problem(self.name, step, str(e), MANIFEST)]
         problems = self._verify_files(m, on_bytes)
         files_ok = not problems  # damaged files: their data is not re-read, only counted
         for name, t in m.tensors.items() if data else ():

@@ -26,7 +26,7 @@ from flowcheck.digest import DATA_ALG
 from flowcheck.errors import FlowcheckError, TierError
 from flowcheck.manifest import FileEntry, Manifest, ParentRef, Piece, ShardEntry, StepRef
 from flowcheck.state import Shard, Snapshot
-from flowcheck.tiers.base import step_dir
+from flowcheck.tiers.base import MANIFEST, step_dir
 from flowcheck.tiers.durable import fsync_dir
 from flowcheck.tiers.zarr_pack import Reused
 
@@ -291,7 +291,7 @@ def _prune(folder: str, rel: str, keep: set[str]) -> None:
             continue  # an array folder (or a file) a kept step reads: whole
         if os.path.isdir(full) and not os.path.islink(full) and any(k.startswith(sub + "/") for k in keep):
             _prune(folder, sub, keep)  # on the way to one
-        elif name not in ("zarr.json", "manifest.json") or os.path.islink(full):
+        elif name not in ("zarr.json", MANIFEST) or os.path.islink(full):
             shutil.rmtree(full, ignore_errors=True) if os.path.isdir(full) and not os.path.islink(full) \
                 else os.unlink(full)
 

@@ -14,7 +14,7 @@ from flowcheck.digest import file_digest
 from flowcheck.errors import FlowcheckError, IntegrityError
 from flowcheck.manifest import Manifest
 from flowcheck.tiers import local_refs, zarr_pack
-from flowcheck.tiers.base import MANIFEST, Problem, step_dir
+from flowcheck.tiers.base import MANIFEST, Problem, file_mismatch, step_dir
 from flowcheck.tiers.durable import fsync_dir
 from flowcheck.tiers.local_read import check_regular
 
@@ -71,10 +71,9 @@ class LocalChecks:
             except IntegrityError as e:
                 problems.append(Problem(self.name, manifest.step, str(e), path))
                 continue
-            if size != f.bytes:
-                problems.append(Problem(self.name, manifest.step, f"size {size} != manifest {f.bytes}", path))
-            elif digest != f.digest:
-                problems.append(Problem(self.name, manifest.step, f"digest {digest} != manifest {f.digest}", path))
+            what = file_mismatch(f, size, digest)
+            if what:
+                problems.append(Problem(self.name, manifest.step, what, path))
         problems += self._verify_refs(manifest)
         sd = step_dir(manifest.step)
         for dirpath, _dirs, files in os.walk(os.path.join(self.root, sd)):
@@ -107,9 +106,9 @@ class LocalChecks:
                 except FileNotFoundError:
                     problems.append(Problem(self.name, manifest.step, f"file of {held} is missing", path))
                     continue
-                if (size, digest) != (f.bytes, f.digest):
-                    problems.append(Problem(self.name, manifest.step, f"file of {held}: size {size}, digest {digest} "
-                                            f"!= recorded {f.bytes}, {f.digest}", path))
+                what = file_mismatch(f, size, digest)
+                if what:
+                    problems.append(Problem(self.name, manifest.step, f"file of {held}: {what}", path))
         return problems
 
     def clean_incomplete(self, older_than_s: float, dry_run: bool = False) -> list[str]:

@@ -15,7 +15,7 @@ from datetime import datetime
 from flowcheck.errors import FlowcheckError, FormatError, IntegrityError, TierError
 from flowcheck.manifest import FileEntry, Manifest, StepRef
 from flowcheck.tiers import object_refs
-from flowcheck.tiers.base import MANIFEST, Problem, parse_step_dir, step_dir
+from flowcheck.tiers.base import MANIFEST, Problem, file_mismatch, parse_step_dir, step_dir
 from flowcheck.tiers.object_write import ATTEMPT, attempt_of
 
 log = logging.getLogger(__name__)
@@ -121,11 +121,11 @@ class ObjectChecks:
             size = self.call(f"stat {f.path}", self.fs.size, path)
         except FileNotFoundError:
             return "file listed in the manifest is missing"
-        if size != f.bytes:
-            raise IntegrityError(f"size {size} != manifest {f.bytes}")
-        digest = self.call_once(f"reading {f.path}", self._stream_digest, path)
-        if digest != f.digest:
-            raise IntegrityError(f"digest {digest} != manifest {f.digest}")
+        what = file_mismatch(f, size)  # the size first: a file of the wrong size is not read
+        if what is None:
+            what = file_mismatch(f, size, self.call_once(f"reading {f.path}", self._stream_digest, path))
+        if what:
+            raise IntegrityError(what)
         try:
             meta = self.header(f.path, path).metadata
         except FormatError as e:

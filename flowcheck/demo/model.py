@@ -10,8 +10,6 @@ description (``scalars.extra.model``) as an imported step does.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 from flowcheck.restore.arch import ModelArch
 
@@ -150,21 +148,6 @@ def batches(tokens, n: int = BATCH):
     x = torch.stack([tokens[i:i + CONTEXT] for i in ix])
     y = torch.stack([tokens[i + 1:i + CONTEXT + 1] for i in ix])
     return x, y
-
-
-@contextmanager
-def one_thread() -> Iterator[None]:
-    """Train on one torch thread: a model this small gains nothing from more, and on a busy 2-core machine a
-    second thread makes each step ~15x slower (threads spin-wait for each other); the same count in the
-    reference run and in the trainer processes keeps their losses bit-identical."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def setup(total_steps: int):

@@ -94,7 +94,8 @@ def prepare(opts: DemoOptions) -> Config:
 
 def run_push(opts: DemoOptions, cfg: Config, echo: Echo = print) -> PushResult:
     """Start a node on ``cfg`` (from ``prepare``), run trainer 1 (killed), trainer 2 (resumed); see the module doc."""
-    from flowcheck.demo.model import one_thread, parameter_count, setup, train_step
+    from flowcheck.demo.model import parameter_count, setup, train_step
+    from flowcheck.simulate.trainer import one_thread
     from flowcheck.store import Store
 
     hist = Store(cfg, progress=False).history()

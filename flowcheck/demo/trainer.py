@@ -13,7 +13,7 @@ import json
 
 def main(argv: list[str] | None = None) -> int:
     from flowcheck import config as config_mod
-    from flowcheck.demo.model import one_thread
+    from flowcheck.simulate.trainer import one_thread
 
     p = argparse.ArgumentParser(prog="python -m flowcheck.demo.trainer")
     p.add_argument("--config", required=True)
