@@ -21,6 +21,7 @@ from flowcheck import identity, pruning, tier_check
 from flowcheck.branches import MAIN, BranchRecord, History, Located, StateInfo, parse_time
 from flowcheck.config import Config
 from flowcheck.errors import FlowcheckError, ManifestError, StepNotFoundError, StepPrunedError, TierError
+from flowcheck.listing import Listing, tier_rows
 from flowcheck.manifest import Manifest, ParentRef, signing_key
 from flowcheck.progress import Progress
 from flowcheck.pruning import DeleteReport, GcReport
@@ -571,6 +572,16 @@ class Store:
         """The pruning record of a state no tier holds any more (deleted by GC or ``delete``; its ``pruned_at``
         and ``by`` say when and how — None for records older than those fields), else None."""
         return pruning.pruned(self, step, branch)
+
+    def listing(self) -> Listing:
+        """Every tier's committed steps and incomplete writes at every branch (``flowcheck ls``); a configured tier
+        that does not exist is an error, not an empty store."""
+        states = self.check_tiers()
+        current = self.history().current()
+        rows = [row for t in self.tiers(include_memory=False) for bt in self.branch_tiers(t.name)
+                for row in tier_rows(bt, current)]
+        return Listing(self.config.run, current, self.local.root, self.object.url if self.object else None, rows,
+                       states)
 
     def check_tiers(self) -> list[TierState]:
         """Each persistent tier's state, fastest first, for reading commands (flowcheck/tier_check.py): a local

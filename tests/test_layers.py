@@ -16,7 +16,8 @@ import os
 import pytest
 
 VALUE_MODEL = {"errors", "digest", "dtypes", "state", "manifest", "branches", "config", "logs", "progress", "version"}
-STORE = {"store", "pruning", "audit", "policy", "tier_check", "identity", "lineage_view", "evidence", "plan"}
+STORE = {"store", "pruning", "audit", "policy", "tier_check", "identity", "lineage_view", "evidence", "plan",
+         "listing"}
 SERVICES = {"capture", "torch", "dcp", "node", "restore", "simulate"}
 FRONT = {"cli", "demo", "__main__"}
 EXTENSIONS = {"_native", "_mirror"}  # compiled: no imports of their own

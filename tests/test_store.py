@@ -202,3 +202,17 @@ def test_a_replay_to_the_same_state_after_a_rollback_says_why_no_branch_forms(tm
     assert again.digest() == store.local.manifest(2).digest() and store.local.branch_names() == []
     assert "step 2 is the same state as before the rollback (step 3 on main was committed after it): kept once, " \
            "no branch forms" in caplog.text, caplog.text
+
+
+def test_listing_rows_are_typed_and_print_as_ls_prints_them(tmp_path):
+    from flowcheck.listing import StepRow
+
+    store = make_store(tmp_path)
+    store.write(make_snapshot(step=5))
+    listed = store.listing()
+    assert [(r.tier, r.step, r.status) for r in listed.rows] == [("local", 5, "committed")]
+    assert isinstance(listed.rows[0], StepRow) and listed.rows[0].current and listed.rows[0].bytes > 0
+    assert set(listed.rows[0].to_json()) == {"tier", "branch", "current", "step", "bytes", "created_at", "source",
+                                             "status", "digest"}
+    assert listed.lines()[0].startswith(f"run {store.config.run}   current branch main")
+    assert "committed" in listed.lines()[2] and listed.lines()[2].startswith("local")

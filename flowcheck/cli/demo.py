@@ -1,14 +1,12 @@
 """`flowcheck demo`: the main job (push half, checks, mirror half); the work is flowcheck.demo's, this prints it."""
 from __future__ import annotations
 
-import contextlib
 import sys
 
 import click
 
 from flowcheck import progress as _progress
-from flowcheck.cli.common import _group_config, echo_over, handled
-from flowcheck.cli.steps import ls_cmd
+from flowcheck.cli.common import _group_config, echo_over, handled, reading_store
 from flowcheck.errors import FlowcheckError
 
 
@@ -81,8 +79,8 @@ def _run(opts, cfg):
             show(check)
             if check.name == "resume":  # then what the store holds, as `flowcheck ls` lists it
                 echo(f"\n$ {command('ls', '--config', push.config_path)}")
-                with contextlib.nullcontext() if bar.disable else bar.external_write_mode():
-                    click.get_current_context().invoke(ls_cmd, config_path=push.config_path, run=None, as_json=False)
+                for line in reading_store(push.config_path, None).listing().lines():
+                    echo(line)
 
         summary = verify(push, on_check=on_check)
     with _progress.activity("demo: mirror half") as bar:

@@ -22,7 +22,6 @@ from flowcheck.cli.common import (
     step_arg,
     store_for,
 )
-from flowcheck.errors import FlowcheckError
 
 
 @click.command("ls")
@@ -39,45 +38,12 @@ def ls_cmd(config_path, run, as_json):
       flowcheck ls --config /tmp/fc-demo/flowcheck.yaml
       flowcheck ls --run other-run --json --config flowcheck.yaml
     """
-    store = reading_store(config_path, run)
-    states = store.check_tiers()  # a configured tier that does not exist is an error, not an empty store
-    current = store.history().current()
-    rows = [row for t in store.tiers(include_memory=False) for bt in store.branch_tiers(t.name)
-            for row in _ls_rows(bt, current)]
+    listed = reading_store(config_path, run).listing()
     if as_json:
-        click.echo(json.dumps(rows, indent=2))
+        click.echo(json.dumps([r.to_json() for r in listed.rows], indent=2))
         return
-    click.echo(f"run {store.config.run}   current branch {current}   local {store.local.root}   "
-               f"object {store.object.url if store.object else '-'}")
-    width = max([len("branch")] + [len(r["branch"]) + 2 for r in rows])
-    click.echo(f"{'tier':7} {'branch':{width}} {'step':>9} {'size':>10}  {'created (UTC)':27} {'source':8} status")
-    for r in rows:
-        step = "-" if r["step"] is None else str(r["step"])
-        branch = r["branch"] + (" *" if r["current"] else "")
-        click.echo(f"{r['tier']:7} {branch:{width}} {step:>9} {human(r['bytes']):>10}  {r['created_at']:27} "
-                   f"{r['source']:8} {r['status']}")
-    for state in states:
-        if state.empty:
-            click.echo(f"({state.describe()})")
-    if not rows:
-        click.echo("(no steps yet: run `flowcheck demo` or a checkpoint node)")
-
-
-def _ls_rows(tier, current: str) -> list[dict]:
-    """One tier at one branch: a row per committed step, then one per incomplete write."""
-    base = {"tier": tier.name, "branch": tier.branch, "current": tier.branch == current}
-    empty = {"bytes": 0, "created_at": "", "source": "", "digest": ""}
-    rows = []
-    for step in tier.steps():
-        try:
-            m = tier.manifest(step)
-        except FlowcheckError as e:
-            rows.append({**base, "step": step, **empty, "status": f"unreadable: {e}"})
-            continue
-        rows.append({**base, "step": step, "bytes": m.nbytes, "created_at": m.created_at,
-                     "source": m.producer.source, "status": "committed", "digest": m.digest()})
-    rows += [{**base, "step": None, **empty, "status": f"incomplete ({name})"} for name in tier.incomplete()]
-    return rows
+    for line in listed.lines():
+        click.echo(line)
 
 
 @click.command()
