@@ -18,7 +18,7 @@ import logging
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -34,6 +34,9 @@ from flowcheck.restore.megatron_optim import group_members, json_group, saved_gr
 from flowcheck.restore.source import MEGATRON_KEY, MODEL_KEY, OPT
 from flowcheck.restore.unpickle import load_pt
 from flowcheck.state import ParallelLayout, Scalars, Shard, Snapshot, StateLayout, TensorSpec
+
+if TYPE_CHECKING:
+    from flowcheck.store import Store
 
 log = logging.getLogger(__name__)
 RESTORE_RECORD = "flowcheck_restore.json"  # written by restore: which stored step a directory came from
@@ -90,7 +93,7 @@ def import_checkpoint(path: str, run: str, step: int, *, arch: ModelArch | None 
     return _snapshot(got, run, step)
 
 
-def import_into(store: Any, path: str, step: int, *, arch: ModelArch | None = None, tier: str = "local",
+def import_into(store: Store, path: str, step: int, *, arch: ModelArch | None = None, tier: str = "local",
                 trust_pickle: bool = False) -> Any:
     """Import ``path`` and commit it to ``tier`` of ``store``; returns the manifest.
 

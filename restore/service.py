@@ -15,7 +15,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -31,6 +31,9 @@ from flowcheck.restore.megatron_optim import ResumePlan, resume_plan
 from flowcheck.restore.outputs import failed_write, remove
 from flowcheck.restore.source import OPT, StepReader, megatron_extra
 from flowcheck.tiers.durable import fsync_dir, make_tree_durable
+
+if TYPE_CHECKING:
+    from flowcheck.store import Store
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +54,7 @@ class RestoreReport:
 
 
 def restore(
-    store: Any,
+    store: Store,
     step: int | str,
     target: Target,
     out: str,

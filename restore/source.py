@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -20,6 +20,9 @@ from flowcheck.restore.arch import ModelArch
 from flowcheck.restore.assemble import assemble_tensor
 from flowcheck.restore.megatron_map import Param, model_params
 from flowcheck.tiers.base import Tier
+
+if TYPE_CHECKING:
+    from flowcheck.store import Store
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +40,7 @@ class StepReader:
     arch: ModelArch
 
     @classmethod
-    def open(cls, store: Any, step: int | str, prefer: str = "auto", arch: ModelArch | None = None,
+    def open(cls, store: Store, step: int | str, prefer: str = "auto", arch: ModelArch | None = None,
              branch: str | None = None) -> StepReader:
         tier, manifest = open_step(store, step, prefer, branch)
         return cls(tier, manifest, stored_rows(arch or arch_of(manifest), manifest))
@@ -94,7 +97,7 @@ class StepReader:
         return t if dtype is None or t.dtype == dtype else t.to(dtype)
 
 
-def open_step(store: Any, step: int | str, prefer: str = "auto", branch: str | None = None) -> tuple[Tier, Manifest]:
+def open_step(store: Store, step: int | str, prefer: str = "auto", branch: str | None = None) -> tuple[Tier, Manifest]:
     """The fastest persistent tier holding ``step`` (a number or 'latest' on ``branch``, default the current
     branch; or a ``sha256:`` digest prefix), opened at the state's branch, and its manifest.
 

@@ -15,9 +15,12 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flowcheck.errors import FlowcheckError
+
+if TYPE_CHECKING:
+    from flowcheck.store import Store
 
 TP, PP = 2, 2
 OPT = "optimizer."
@@ -52,7 +55,7 @@ class RestoreCheck:
         return not self.problems and self.compared > 0
 
 
-def restore_and_check(store: Any, fmt: str, out: str, expected: dict[str, Any], last: int) -> RestoreCheck:
+def restore_and_check(store: Store, fmt: str, out: str, expected: dict[str, Any], last: int) -> RestoreCheck:
     """``flowcheck restore --step latest --tp 2 --pp 2 --format FMT --out OUT --force``, then read OUT back and
     compare every tensor with ``expected`` (the trainer's live state at step ``last``, by canonical name)."""
     from flowcheck.demo.model import ARCH

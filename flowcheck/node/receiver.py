@@ -24,7 +24,7 @@ import socketserver
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import xxhash
@@ -41,6 +41,9 @@ from flowcheck.manifest import ParentRef
 from flowcheck.node.limits import BoundedTCPServer, ConnectionLimits, HeaderMemory, ListenerStats
 from flowcheck.state import ParallelLayout, Scalars, Shard, Snapshot, StateLayout, TensorSpec
 from flowcheck.tiers.memory import Block
+
+if TYPE_CHECKING:
+    from flowcheck.store import Store
 
 log = logging.getLogger(__name__)
 
@@ -163,7 +166,7 @@ class PushReceiver:
     # trainer must then send every shard — kept for the compatibility test)
     offers_kept = True
 
-    def __init__(self, store: Any, host: str = "127.0.0.1", port: int = 0, *, part_timeout_s: float = 60.0,
+    def __init__(self, store: Store, host: str = "127.0.0.1", port: int = 0, *, part_timeout_s: float = 60.0,
                  on_step=None, token: str | None = None, token_env: str = DEFAULT_TOKEN_ENV,
                  limits: ConnectionLimits = ConnectionLimits()) -> None:
         self.store, self.part_timeout_s, self.on_step = store, part_timeout_s, on_step
@@ -635,7 +638,7 @@ def _peer(sock: socket.socket) -> str:
     return f"{host}:{port}"
 
 
-def _parent(raw: Any, store: Any) -> ParentRef | str | None:
+def _parent(raw: Any, store: Store) -> ParentRef | str | None:
     """What a pushed state descends from: a stored state (``{step, manifest_digest}``; ``{step}``: the current
     branch's state at that step), ROOT (nothing stored: a fresh start), or None (what the RAM state descends from)."""
     if raw == ROOT:

@@ -30,7 +30,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -50,6 +50,9 @@ from flowcheck.torch.push_client import PushClient
 from flowcheck.torch.push_config import PushConfig, push_config
 from flowcheck.torch.push_plan import PushPlan, _Entry, _Job
 from flowcheck.torch.state import OPT_PREFIX, _flatten_optimizer, optimizer_param_names
+
+if TYPE_CHECKING:
+    from flowcheck.store import Store
 
 log = logging.getLogger(__name__)
 
@@ -242,7 +245,7 @@ class Checkpointer(PushPlan, PushClient):
             if not names or e.local in names or (self._megatron is not None and model_key(e.local) in names):
                 e.held = None
 
-    def load(self, step: int | str = "latest", *, store: Any = None, config: str | None = None, prefer: str = "auto") -> int:
+    def load(self, step: int | str = "latest", *, store: Store | None = None, config: str | None = None, prefer: str = "auto") -> int:
         """Bring the trainer back to a stored step (model, optimizer, scheduler, RNG); later pushes descend
         from it, so a run that diverges after a restore is a branch in the lineage.  Returns the step."""
         from flowcheck.restore.source import open_step
