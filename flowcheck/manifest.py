@@ -463,16 +463,21 @@ def _check_file_bytes(r: _Reader, tensors: Mapping[str, TensorEntry], files: lis
                          f"{key[1]} (a manifest that claims more data than its files hold is forged)", size)
 
 
+def _version_list(r: _Reader, raw: Mapping[str, Any], key: str, version: int, only: int, expected: str) -> list:
+    """The non-empty list ``key``, which only a format_version ``only`` manifest has (and must have); [] for others."""
+    if version != only:
+        if key in raw:
+            raise r.fail(key, f"no {key!r} in a format_version {version} manifest", raw[key])
+        return []
+    items = r.get(raw, key, list, key, expected)
+    if not items:
+        raise r.fail(key, expected, items)
+    return items
+
+
 def _nodes(r: _Reader, raw: Mapping[str, Any], version: int) -> tuple[NodeRef, ...]:
     """v2 lists its node parts (at least one, each node once); v1 and v3 have none."""
-    if version != MULTI_NODE_VERSION:
-        if "nodes" in raw:
-            raise r.fail("nodes", f"no 'nodes' in a format_version {version} manifest", raw["nodes"])
-        return ()
-    expected = "a non-empty list of {node, manifest_digest}"
-    items = r.get(raw, "nodes", list, "nodes", expected)
-    if not items:
-        raise r.fail("nodes", expected, items)
+    items = _version_list(r, raw, "nodes", version, MULTI_NODE_VERSION, "a non-empty list of {node, manifest_digest}")
     out = []
     for i, item in enumerate(items):
         name = r.get(item, "node", str, f"nodes[{i}].node", "a node name")
@@ -490,14 +495,10 @@ def _nodes(r: _Reader, raw: Mapping[str, Any], version: int) -> tuple[NodeRef, .
 def _refs(r: _Reader, raw: Mapping[str, Any], version: int, tensors: Mapping[str, TensorEntry]) -> tuple[StepRef, ...]:
     """v4 lists the earlier steps its pieces point into (at least one, each used); a piece's ``ref`` indexes
     them and its path lies inside that step's folder.  Earlier versions have none."""
-    if version != INCREMENTAL_VERSION:
-        if "refs" in raw:
-            raise r.fail("refs", f"no 'refs' in a format_version {version} manifest", raw["refs"])
+    items = _version_list(r, raw, "refs", version, INCREMENTAL_VERSION,
+                          "a non-empty list of {branch, step, manifest_digest, files}")
+    if not items:  # not a v4 manifest: nothing to check the pieces against
         return ()
-    expected = "a non-empty list of {branch, step, manifest_digest, files}"
-    items = r.get(raw, "refs", list, "refs", expected)
-    if not items:
-        raise r.fail("refs", expected, items)
     out = []
     for i, item in enumerate(items):
         branch = r.get(item, "branch", str, f"refs[{i}].branch", "a branch name")
