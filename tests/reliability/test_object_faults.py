@@ -242,7 +242,8 @@ def test_a_stalled_object_store_never_blocks_training_or_the_local_tier(s3_bucke
 
 
 @pytest.mark.parametrize("field, value", [("retries", -1), ("retries", 1.5), ("request_attempts", 0),
-                                          ("retry_deadline_s", 0), ("connect_timeout_s", -1), ("read_timeout_s", "1")])
+                                          ("retry_deadline_s", 0), ("connect_timeout_s", -1), ("read_timeout_s", "1"),
+                                          ("reconnect_s", -1), ("reconnect_s", True)])
 def test_retry_and_timeout_settings_are_validated(field, value):
     from flowcheck.config import from_dict
     from flowcheck.errors import ConfigError
