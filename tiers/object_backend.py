@@ -21,7 +21,7 @@ from typing import Any, Protocol
 from flowcheck.config import ObjectConfig
 from flowcheck.errors import TierAccessError, TierError, TierMissingError
 from flowcheck.tiers.durable import commit_file_exclusive, fsync_dir, fsync_file, replace_file
-from flowcheck.tiers.retry import AWS_CREDENTIALS_HINT, access_problem
+from flowcheck.tiers.retry import AWS_CREDENTIALS_HINT, access_problem, refused_create
 
 S3_PROTOCOLS = ("s3", "s3a")
 READERS = 4  # threads reading a local folder's files (streams of a fetch at once)
@@ -287,6 +287,8 @@ class S3Backend(Backend):
         except TierError as e:
             if getattr(e.__cause__, "errno", None) == errno.EBUSY:  # 409 ConditionalRequestConflict:
                 raise FileExistsError(path) from e  # a concurrent create of the same key is in flight
+            if refused_create(e):  # 412 without AWS's <Condition> element (SeaweedFS): the key exists
+                raise FileExistsError(path) from e
             raise
 
     def upload(self, local: str, remote: str, size: int, bar, what: str) -> None:
