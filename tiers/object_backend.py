@@ -114,6 +114,19 @@ def backend_for(tier: TierIO) -> Backend:
     return Backend(tier, protocol)
 
 
+def _as_tier_error(tier: TierIO, what: str, e: BaseException) -> BaseException:
+    """``e``, raised by a call made outside the tier's ``call_once``, as that call would have raised it (a TierError
+    naming the tier and ``what``; TierAccessError / TierMissingError for what no retry can fix)."""
+    def fail() -> None:
+        raise e
+
+    try:
+        tier.call_once(what, fail)
+    except BaseException as wrapped:  # noqa: BLE001 - returned to be raised where the caller waits
+        return wrapped
+    return e
+
+
 class Backend:
     """Any fsspec store: plain puts, and a check-then-write commit (no conditional write is known for it)."""
 
@@ -313,6 +326,7 @@ class S3Backend(Backend):
         from boto3.s3.transfer import create_transfer_manager
         from s3transfer.subscribers import BaseSubscriber
 
+        tier = self.tier
         managers: list = []  # made for the first file: its part size keeps every worker busy on it
         closing = threading.Event()  # the write is over (failed elsewhere): what fails now is not retried
         retries: list[threading.Thread] = []  # joined before the write returns: nothing uploads after it
@@ -342,6 +356,8 @@ class S3Backend(Backend):
                     except Exception as e:  # noqa: BLE001 - retried whole, unless the write is being given up
                         if closing.is_set():
                             out.set_exception(e)
+                        elif not tier.config.retries:  # retries: 0, the first failure is the answer
+                            out.set_exception(_as_tier_error(tier, what, e))
                         else:
                             retries.append(threading.Thread(target=again, name="fc-upload-retry", daemon=True))
                             retries[-1].start()
