@@ -135,7 +135,11 @@ class ObjectConfig:
     retries: int = 4
     retry_deadline_s: float = 600.0
     request_attempts: int = 3
-    connect_timeout_s: float = 5.0  # a refused or unreachable endpoint fails fast (it is not retried)
+    connect_timeout_s: float = 5.0  # a refused or unreachable endpoint fails fast (it is not retried) ...
+    # ... unless this tier reached it before (a gateway restarting, a load balancer failing over): then its
+    # refused connections are retried, backing off, for up to reconnect_s (and never past retry_deadline_s);
+    # 0: never retried
+    reconnect_s: float = 60.0
     read_timeout_s: float = 60.0  # a request whose answer stalls this long fails (and is retried)
 
     def __post_init__(self) -> None:
@@ -152,6 +156,9 @@ class ObjectConfig:
             raise ConfigError(f"tiers.object.request_attempts: expected an integer >= 1, found {self.request_attempts!r}")
         for name in ("retry_deadline_s", "connect_timeout_s", "read_timeout_s"):
             _positive("tiers.object", name, getattr(self, name))
+        if isinstance(self.reconnect_s, bool) or not isinstance(self.reconnect_s, (int, float)) or self.reconnect_s < 0:
+            raise ConfigError(f"tiers.object.reconnect_s: expected seconds >= 0 (0: a refused connection is not "
+                              f"retried), found {self.reconnect_s!r}")
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,10 @@ servers (replication ``001``: two copies of every file, on different servers), a
 its own process, torn down at the end.
 
 Users start the same cluster with ``python -m tests.seaweedfs DIR`` (it prints the S3 endpoint, then waits).
+
+Faults for tests/reliability/test_seaweedfs_faults.py: ``kill`` (``kill -9``) and ``start_volume`` (restart, same
+port and folder, so its volumes come back) one volume server; ``restart_gateway`` (the filer and its S3 gateway:
+connections refused meanwhile); a small ``volume_size_mb`` and ``volumes_per_server`` make a cluster that fills up.
 """
 from __future__ import annotations
 
@@ -72,20 +76,54 @@ class SeaweedCluster:
         self._run("master", "master", "-ip=127.0.0.1", f"-port={self.master_port}", "-mdir=.", "-peers=none", "-defaultReplication=001", f"-volumeSizeLimitMB={self.size_mb}")
         for i in range(VOLUMES):
             self.start_volume(i)
+        self._start_filer()
+        self._wait(self._s3_answers, timeout_s)
+        return self
+
+    def _start_filer(self) -> None:
         self._run("filer", "filer", "-ip=127.0.0.1", f"-port={self.filer_port}", f"-master={self.master}", "-s3",
                   f"-s3.port={self.s3_port}", "-s3.port.iceberg=0", "-s3.port.lance=0")
+
+    def _wait(self, ready, timeout_s: float) -> None:
+        """Until ``ready()``; a process of the cluster that ended, or the timeout, stops the cluster and raises."""
         deadline = time.monotonic() + timeout_s
-        while not self._s3_answers():
+        while not ready():
             dead = [n for n, p in self.procs.items() if p.poll() is not None]
             if dead or time.monotonic() > deadline:
                 self.stop()
                 raise RuntimeError(f"SeaweedFS did not start ({dead or 'timeout'}); logs in {self.root}")
-            time.sleep(0.2)
-        return self
+            time.sleep(0.1)
 
-    def start_volume(self, i: int) -> None:
+    def start_volume(self, i: int, volumes: int | None = None, wait_s: float | None = None) -> None:
+        """Start volume server ``i`` (again, after ``kill``: same port and folder, so it serves its volumes again)
+        with room for ``volumes`` volumes (default: the cluster's); ``wait_s``: wait that long at most until the
+        master lists it."""
+        if volumes is not None:
+            self.per_server = volumes
         self._run(f"volume{i}", "volume", "-ip=127.0.0.1", f"-port={self.volume_ports[i]}", "-dir=.",
                   f"-mserver={self.master}", f"-max={self.per_server}")
+        if wait_s is not None:
+            self._wait(lambda: f"127.0.0.1:{self.volume_ports[i]}" in self._master_nodes(), wait_s)
+
+    def _master_nodes(self) -> str:
+        """The master's view of its volume servers (its /dir/status JSON, as text; "" while it does not answer)."""
+        try:
+            with urllib.request.urlopen(f"http://{self.master}/dir/status", timeout=2) as r:
+                return r.read().decode()
+        except OSError:
+            return ""
+
+    def restart_gateway(self, down_s: float = 0.0, timeout_s: float = 60.0) -> None:
+        """``kill -9`` the filer and its S3 gateway, leave the port refusing connections for ``down_s``, start it
+        again on the same ports and folder (the filer's metadata survives), and wait until S3 answers."""
+        self.kill("filer")
+        time.sleep(down_s)
+        self.start_gateway(timeout_s)
+
+    def start_gateway(self, timeout_s: float = 60.0) -> None:
+        """Start the filer and its S3 gateway again (after ``kill("filer")``) and wait until S3 answers."""
+        self._start_filer()
+        self._wait(self._s3_answers, timeout_s)
 
     def kill(self, name: str) -> None:
         """``kill -9`` one process of the cluster (e.g. ``volume1``)."""

@@ -24,7 +24,7 @@ from flowcheck.tiers.object_backend import aws_endpoint_region, backend_for, bot
 from flowcheck.tiers.object_read import READ_AHEAD, ObjectReader
 from flowcheck.tiers.object_verify import ObjectChecks
 from flowcheck.tiers.object_write import ATTEMPT, ObjectWriter, attempt_dir, attempt_of
-from flowcheck.tiers.retry import RetryPolicy, access_problem
+from flowcheck.tiers.retry import RetryPolicy, access_problem, server_error_hint
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,14 @@ class ObjectTier(ObjectCluster, ObjectWriter, ObjectReader, ObjectChecks, Tier):
         self.protocol = self.backend.protocol
         self._init_reads()
         # local disks do not heal by trying again; a network store's transient faults do
-        self._retry = RetryPolicy(self.backend.retries, config.retry_deadline_s)
+        self._first_contact = RetryPolicy(self.backend.retries, config.retry_deadline_s)
+        self._reconnecting = RetryPolicy(self.backend.retries, config.retry_deadline_s,
+                                         reconnect_s=config.reconnect_s if self.backend.retries else 0.0)
+        self._reached = False  # the endpoint answered a call: a refused connection now is an outage, not a typo
+
+    @property
+    def _retry(self) -> RetryPolicy:
+        return self._reconnecting if self._reached else self._first_contact
 
     def at_branch(self, branch: str) -> ObjectTier:
         return ObjectTier(self.config, self.run, staging_dir=self.staging_dir, progress=self.progress,
@@ -77,7 +84,9 @@ class ObjectTier(ObjectCluster, ObjectWriter, ObjectReader, ObjectChecks, Tier):
         """Run one fsspec call, turning transport failures into a TierError that names the URL, and what no
         retry can fix (no credentials, access denied, no such bucket) into TierAccessError / TierMissingError."""
         try:
-            return fn(*args, **kwargs)
+            out = fn(*args, **kwargs)
+            self._reached = True
+            return out
         except FlowcheckError:
             raise  # already said (a nested call's TierAccessError is a PermissionError too)
         except FileNotFoundError as e:
@@ -91,7 +100,8 @@ class ObjectTier(ObjectCluster, ObjectWriter, ObjectReader, ObjectChecks, Tier):
         except OSError as e:
             if access_problem(e) is not None:
                 raise self.backend.access_error(what, e) from e
-            raise TierError(f"object tier {self.url}: {what} failed: {e}; check the endpoint and credentials") from e
+            raise TierError(f"object tier {self.url}: {what} failed: {e}; check the endpoint and credentials"
+                            f"{server_error_hint(e)}") from e
         except Exception as e:  # botocore raises its own tree for endpoint/credential trouble
             if not type(e).__module__.startswith(_NETWORK_MODULES):
                 raise
@@ -99,7 +109,7 @@ class ObjectTier(ObjectCluster, ObjectWriter, ObjectReader, ObjectChecks, Tier):
                 raise self.backend.missing_error(e) from e
             if access_problem(e) is not None:
                 raise self.backend.access_error(what, e) from e
-            raise TierError(f"object tier {self.url}: {what} failed: {type(e).__name__}: {e}") from e
+            raise TierError(f"object tier {self.url}: {what} failed: {type(e).__name__}: {e}{server_error_hint(e)}") from e
 
     def exists(self) -> bool:
         """Whether the configured store exists: True; False when it is not created yet (a ``file://`` folder

@@ -21,7 +21,7 @@ from typing import Any, Protocol
 from flowcheck.config import ObjectConfig
 from flowcheck.errors import TierAccessError, TierError, TierMissingError
 from flowcheck.tiers.durable import commit_file_exclusive, fsync_dir, fsync_file, replace_file
-from flowcheck.tiers.retry import AWS_CREDENTIALS_HINT, access_problem
+from flowcheck.tiers.retry import AWS_CREDENTIALS_HINT, access_problem, refused_create
 
 S3_PROTOCOLS = ("s3", "s3a")
 READERS = 4  # threads reading a local folder's files (streams of a fetch at once)
@@ -112,6 +112,19 @@ def backend_for(tier: TierIO) -> Backend:
     if protocol in S3_PROTOCOLS:
         return S3Backend(tier, protocol)
     return Backend(tier, protocol)
+
+
+def _as_tier_error(tier: TierIO, what: str, e: BaseException) -> BaseException:
+    """``e``, raised by a call made outside the tier's ``call_once``, as that call would have raised it (a TierError
+    naming the tier and ``what``; TierAccessError / TierMissingError for what no retry can fix)."""
+    def fail() -> None:
+        raise e
+
+    try:
+        tier.call_once(what, fail)
+    except BaseException as wrapped:  # noqa: BLE001 - returned to be raised where the caller waits
+        return wrapped
+    return e
 
 
 class Backend:
@@ -287,6 +300,8 @@ class S3Backend(Backend):
         except TierError as e:
             if getattr(e.__cause__, "errno", None) == errno.EBUSY:  # 409 ConditionalRequestConflict:
                 raise FileExistsError(path) from e  # a concurrent create of the same key is in flight
+            if refused_create(e):  # 412 without AWS's <Condition> element (SeaweedFS): the key exists
+                raise FileExistsError(path) from e
             raise
 
     def upload(self, local: str, remote: str, size: int, bar, what: str) -> None:
@@ -311,6 +326,7 @@ class S3Backend(Backend):
         from boto3.s3.transfer import create_transfer_manager
         from s3transfer.subscribers import BaseSubscriber
 
+        tier = self.tier
         managers: list = []  # made for the first file: its part size keeps every worker busy on it
         closing = threading.Event()  # the write is over (failed elsewhere): what fails now is not retried
         retries: list[threading.Thread] = []  # joined before the write returns: nothing uploads after it
@@ -340,6 +356,8 @@ class S3Backend(Backend):
                     except Exception as e:  # noqa: BLE001 - retried whole, unless the write is being given up
                         if closing.is_set():
                             out.set_exception(e)
+                        elif not tier.config.retries:  # retries: 0, the first failure is the answer
+                            out.set_exception(_as_tier_error(tier, what, e))
                         else:
                             retries.append(threading.Thread(target=again, name="fc-upload-retry", daemon=True))
                             retries[-1].start()

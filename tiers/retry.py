@@ -9,6 +9,7 @@ lets the outer loop (which owns the time budget) start over, so attempts never m
 from __future__ import annotations
 
 import errno
+import itertools
 import logging
 import random
 import threading
@@ -27,12 +28,17 @@ _depth = threading.local()
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    """``retries`` more attempts after the first, none started past ``deadline_s`` from the first."""
+    """``retries`` more attempts after the first, none started past ``deadline_s`` from the first.
+
+    ``reconnect_s`` > 0: a refused connection (an endpoint that answered before and is restarting, e.g. an S3
+    gateway) is retried, backing off, until ``reconnect_s`` have passed, without counting against ``retries``;
+    at 0 (an endpoint never reached: a wrong URL) it fails at once."""
 
     retries: int = 4
     deadline_s: float = 600.0
     base_s: float = 0.1  # first backoff at most this long; doubles per attempt (full jitter)
     cap_s: float = 5.0
+    reconnect_s: float = 0.0
 
     def run(self, what: str, fn: Callable[[], T], retry_on: tuple[type[BaseException], ...] = (TierError,)) -> T:
         """``fn()``, retried while it raises a transient ``retry_on`` error; the final error names
@@ -47,26 +53,32 @@ class RetryPolicy:
 
     def _loop(self, what: str, fn: Callable[[], T], retry_on: tuple[type[BaseException], ...]) -> T:
         start = time.monotonic()
-        for attempt in range(1, self.retries + 2):
+        failures = 0  # attempts that failed other than by a refused connection
+        for attempt in itertools.count(1):
             try:
                 return fn()
             except retry_on as e:
-                if not transient(e) or self.retries == 0:
+                refused = self.reconnect_s > 0 and refused_connection(e)
+                if not refused and (not transient(e) or self.retries == 0):
                     raise
+                failures += not refused
                 spent = time.monotonic() - start
-                delay = random.uniform(0, min(self.cap_s, self.base_s * 2 ** (attempt - 1)))
-                if attempt > self.retries or spent + delay > self.deadline_s:
+                delay = random.uniform(0, min(self.cap_s, self.base_s * 2 ** (min(attempt, 30) - 1)))
+                budget = min(self.reconnect_s, self.deadline_s) if refused else self.deadline_s
+                if failures > self.retries or spent + delay > budget:
                     if not isinstance(e, TierError):
                         raise  # what stays wrong on every read (a damaged copy) keeps its own error
-                    raise TierError(
-                        f"{what}: gave up after {attempt} attempt{'s' if attempt > 1 else ''} in {spent:.1f}s "
-                        f"(tiers.object.retries={self.retries}, retry_deadline_s={self.deadline_s:g}); "
-                        f"last error: {e}"
-                    ) from e
+                    raise TierError(self._gave_up(what, attempt, spent, e, refused)) from e
                 log.warning("%s: attempt %d failed (%s); retrying in %.2fs", what, attempt, e, delay,
                             extra={"event": "object_retry", "attempt": attempt})
                 time.sleep(delay)
         raise AssertionError("unreachable")
+
+    def _gave_up(self, what: str, attempt: int, spent: float, e: BaseException, refused: bool) -> str:
+        budget = (f"tiers.object.reconnect_s={self.reconnect_s:g}: the endpoint refused connections that long"
+                  if refused else f"tiers.object.retries={self.retries}, retry_deadline_s={self.deadline_s:g}")
+        return (f"{what}: gave up after {attempt} attempt{'s' if attempt > 1 else ''} in {spent:.1f}s ({budget}); "
+                f"last error: {e}")
 
 
 _PERMANENT_ERRNO = {errno.EINVAL, errno.EACCES, errno.EPERM, errno.ENOENT, errno.ENOSPC, errno.EROFS}
@@ -94,6 +106,13 @@ def access_problem(e: BaseException | None) -> str | None:
     return None
 
 
+def refused_create(e: BaseException | None) -> bool:
+    """Whether a conditional create (``If-None-Match: *``) was refused because the key exists: 412
+    PreconditionFailed, by the error or its causes. AWS names the condition in its answer (which s3fs turns into
+    FileExistsError); SeaweedFS answers the same 412 without it (s3fs: a plain OSError, errno EINVAL)."""
+    return any(_error_code(link) in ("PreconditionFailed", "412") for link in _chain(e))
+
+
 def _error_code(e: BaseException) -> str | None:
     response = getattr(e, "response", None)
     if isinstance(response, dict):
@@ -113,8 +132,8 @@ def _chain(e: BaseException | None, limit: int = 8):
 def transient(e: BaseException) -> bool:
     """Whether an error may go away by trying again: 5xx, SlowDown, resets, read timeouts and short
     bodies do; bad requests, missing credentials, permissions, a missing bucket and an endpoint that
-    cannot be connected to do not (a refused connection is a wrong URL or an outage longer than any
-    retry budget: fail fast)."""
+    cannot be connected to do not (to an endpoint never reached, a refused connection is a wrong URL: fail
+    fast; one that answered before is retried for ``RetryPolicy.reconnect_s`` instead)."""
     if access_problem(e) is not None:
         return False  # no credentials, access denied, no such bucket: trying again changes nothing
     for link in _chain(e):
@@ -133,3 +152,22 @@ def transient(e: BaseException) -> bool:
         if isinstance(link, (FileNotFoundError, FileExistsError, PermissionError)):
             return False
     return True
+
+
+_REFUSED = ("EndpointConnectionError", "ConnectionRefusedError", "ClientConnectorError", "NewConnectionError")
+
+
+def refused_connection(e: BaseException) -> bool:
+    """Whether ``e`` (or what it was raised from) is a connection the endpoint refused or could not take: a
+    server down or restarting, or a wrong address (the caller knows which: whether it was ever reached)."""
+    return any(type(link).__name__ in _REFUSED or isinstance(link, ConnectionRefusedError) for link in _chain(e))
+
+
+def server_error_hint(e: BaseException) -> str:
+    """What a store's repeated 500 InternalError to a write may mean: SeaweedFS answers a cluster with no
+    writable volume left (full volumes, no free volume slots) with a plain 500 InternalError ("please try
+    again"), where AWS S3 never fills up; the answer itself does not tell the two apart."""
+    if any(_error_code(link) in ("InternalError", "500") for link in _chain(e)):
+        return ("; a store that answers every write with 500 InternalError may be out of space (SeaweedFS does "
+                "so when no volume is writable: check the volume servers' free space and volume slots)")
+    return ""

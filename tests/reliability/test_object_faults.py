@@ -241,8 +241,22 @@ def test_a_stalled_object_store_never_blocks_training_or_the_local_tier(s3_bucke
     assert_bit_exact(store.object, make_snapshot(step=8))
 
 
+def test_with_retries_0_a_file_whose_upload_failed_is_not_uploaded_again(s3_bucket, proxy, tmp_path):
+    store = make_store(tmp_path, object_config(s3_bucket, proxy, retries=0, request_attempts=1))
+    store.write(big_snapshot(60), "local")
+    proxy.set_faults(Faults(slowdown_503=1.0, path=r"partNumber="))  # every part upload fails
+    with pytest.raises(TierError) as info:
+        store.promote(60)
+    msg = str(info.value)
+    assert "step 60 was not committed" in msg and re.search(r"uploading step-000000060/attempt-[0-9a-f]{12}/shard-", msg)
+    t = proxy.totals()
+    assert t["by_operation"]["CreateMultipartUpload"] <= 2, t["by_operation"]  # each large file once at most
+    assert store.object.steps() == []
+
+
 @pytest.mark.parametrize("field, value", [("retries", -1), ("retries", 1.5), ("request_attempts", 0),
-                                          ("retry_deadline_s", 0), ("connect_timeout_s", -1), ("read_timeout_s", "1")])
+                                          ("retry_deadline_s", 0), ("connect_timeout_s", -1), ("read_timeout_s", "1"),
+                                          ("reconnect_s", -1), ("reconnect_s", True)])
 def test_retry_and_timeout_settings_are_validated(field, value):
     from flowcheck.config import from_dict
     from flowcheck.errors import ConfigError
