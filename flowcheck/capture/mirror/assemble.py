@@ -176,8 +176,10 @@ class Matcher:
 class Assembler:
     """Matches allreduces on every stream and fills their vectors; yields each when it is settled."""
 
-    def __init__(self, job: Job, nchannels: int, partition: Partition | None = None, workers: int = 1) -> None:
+    def __init__(self, job: Job, nchannels: int, partition: Partition | None = None, workers: int = 1,
+                 anomalies: list | None = None) -> None:
         self.job = job
+        self.anomalies = anomalies if anomalies is not None else []  # where trailing re-sends are reported
         self.workers = workers  # threads for the merge of final sends (output does not depend on it)
         self.partition = partition if partition is not None and not partition.whole else None
         self.placed_bytes = 0  # data bytes merged into allreduce vectors (what a scaled-out node saves on)
@@ -187,6 +189,7 @@ class Assembler:
         self.skipped: list[dict] = []  # sends that belong to no allreduce (other collectives)
         self.cursors: dict[str, int] = {}  # per stream: the first step not taken by a yielded allreduce
         self.last: Allreduce | None = None  # the allreduce yielded last (a streaming decode carries it over)
+        self._took: set[str] = set()  # the streams the allreduce yielded last was taken from
 
     def assemble(self, streams: list[RingStream], start: int = 1) -> Iterator[Allreduce]:
         """Allreduces in capture order from allreduce ``start`` (1-based: a streaming decode goes on where its last
@@ -197,6 +200,7 @@ class Assembler:
             with gc_paused():  # not across the yield: the consumer's own objects are not ours to hold back
                 ar = self._next(live, index, iteration, bucket, elements)
             if ar is None:
+                self._trailing(live)
                 return
             yield ar
 
@@ -221,6 +225,7 @@ class Assembler:
                 pattern = self.matcher.pattern(elements, s.position, s.channel)
                 self._take(ar, s, ats[s.name], pattern, taken)
                 cursors[s.name] = ats[s.name] + len(pattern)
+        self._took = set(ats)
         self._merge(ar, taken)
         if not ar.copies.all():
             ar.data[ar.copies == 0] = 0  # missing elements read as zero, as they always have
@@ -229,45 +234,116 @@ class Assembler:
 
     def _resent(self, live: list[RingStream], ats: dict[str, int], elements: int) -> bool:
         """Whether the candidate is trailing sends that repeat final data of the last allreduce (an NCCL that
-        re-sends final chunks) rather than an allreduce the capture cut off; such sends are skipped as re-sends.
+        re-sends final chunks, or adds a step re-sending the final chunk each rank received last) rather than an
+        allreduce the capture cut off; ``_trailing`` then reports them as re-sends.
 
-        Only a candidate that the end of the capture truncates on every stream is asked (schedule), and only
-        content decides: every send that delivers anything must equal, bit for bit, a final chunk of the last
-        allreduce of its size — partial sums of a new allreduce never do.
+        Only a candidate that the end of the capture truncates on every stream is asked (schedule), and every send
+        of it that delivers anything must be a re-send (``_repeats``: final values, PSNs that continue the
+        connection) — the partial sums a new allreduce starts with never are.
         """
-        last, trailing = self.last, []
+        trailing = []
         for s in live:
             if s.name not in ats:
                 continue
             pattern = self.matcher.pattern(elements, s.position, s.channel)
-            if last is None or not s.ended or ats[s.name] + len(pattern) - 1 <= s.last_step:
+            if self.last is None or not s.ended or ats[s.name] + len(pattern) - 1 <= s.last_step:
                 return False
-            trailing += [(s, step, pattern[step - ats[s.name]].count) for step in range(ats[s.name], s.last_step + 1)
+            trailing += [(s, step) for step in range(ats[s.name], s.last_step + 1)
                          if (ws := s.sends.get(step)) is not None and ws.size]
-        verdicts = [self._repeats(s, s.sends[step], count) for s, step, count in trailing]
-        if not verdicts or False in verdicts or True not in verdicts:
-            return False
-        for s, step, _ in trailing:
-            ws = s.sends[step]
-            self.skipped.append({"stream": s.name, "step": step, "wire_bytes": ws.size, **ws.info, "resend_of": last.index})
-            self.cursors[s.name] = step + 1
-        return True
+        verdicts = [self._repeats(s, step) for s, step in trailing]
+        return not any(v is False for v in verdicts) and any(verdicts)
 
-    def _repeats(self, s: RingStream, ws: WireSend, count: int) -> bool | None:
-        """True: ``ws`` carries a final chunk of the last allreduce again; False: other data; None: it delivered
-        nothing to compare."""
+    def _repeats(self, s: RingStream, step: int) -> tuple[int, int] | bool | None:
+        """The element range [a, b) of the last allreduce whose final values the send at ``step`` carries again
+        (truthy), False: it carries other data or breaks the connection's PSN sequence, None: nothing to compare
+        (it delivered nothing the last allreduce has, or only zeros, which any allreduce may carry).
+
+        The evidence: the job's ring schedule says which element ranges the last allreduce's final sends cover on
+        this channel (every position's, the chunk this rank received last among them); the send must have the wire
+        size of one of them, every element it delivered that the last allreduce has must equal, bit for bit, that
+        final value (a partial sum never does), and its first PSN must follow the previous send's last one on the
+        connection.  Nothing of it is merged: elements the last allreduce lacks stay missing.
+        """
+        last, ws = self.last, s.sends[step]
+        prev = s.sends.get(step - 1)
+        if prev is not None and prev.info.get("psn") and ws.info.get("psn") and \
+                prev.info["psn"][1] + 1 != ws.info["psn"][0]:
+            return False
+        placed: dict[int, tuple[np.ndarray, np.ndarray] | None] = {}
+        blank = False
+        for start, count in self._final_ranges(last.elements, s.channel):
+            if self.params.wire_bytes(count) != ws.size:
+                continue
+            if count not in placed:
+                data, copies = np.zeros(count, self.dtype), np.zeros(count, np.uint8)
+                placed[count] = (data, copies) if ws.place(data, copies)[0] else None
+            if placed[count] is None:
+                return None
+            data, copies = placed[count]
+            bits = data.view(f"u{data.itemsize}")
+            both = (copies > 0) & (last.copies[start:start + count] > 0)  # what the last allreduce lacks: no evidence
+            if not bits[both].any():
+                blank = True  # nothing to compare, or zeros (which any allreduce may carry)
+            elif np.array_equal(bits[both], last.data[start:start + count].view(bits.dtype)[both]):
+                return start, start + count
+        return None if blank else False
+
+    def _final_ranges(self, elements: int, channel: int) -> list[tuple[int, int]]:
+        """(start, count) of every final send of an allreduce of ``elements`` on ``channel``, any ring position."""
+        return sorted({(send.start, send.count) for pos in range(self.params.nranks)
+                       for send in self.matcher.pattern(elements, pos, channel) if send.final})
+
+    def _trailing(self, live: list[RingStream]) -> None:
+        """At the end of the capture, the sends after the last allreduce that re-send its final data are reported
+        as re-sends (``resend_of`` among the skipped sends, a ``trailing_resend`` anomaly) and the cursors move past
+        them.  A 0-byte send counts when it sits where the connection's re-send step would and the schedule's
+        re-send there is the empty chunk, and a re-send with data was seen: it carries nothing to lose."""
         last = self.last
-        data, copies = np.zeros(count, self.dtype), np.zeros(count, np.uint8)
-        if not ws.place(data, copies)[0]:
-            return None
-        got, bits = copies > 0, data.view(f"u{data.itemsize}")
-        for send in self.matcher.pattern(last.elements, s.position, s.channel):
-            if send.final and send.count == count:
-                prev = last.data[send.start:send.start + count]
-                if (last.copies[send.start:send.start + count][got] > 0).all() and \
-                        np.array_equal(bits[got], prev.view(bits.dtype)[got]):
-                    return True
-        return False
+        if last is None or not all(s.ended for s in live):
+            return
+        found: list[tuple[RingStream, int, tuple[int, int]]] = []
+        empty: list[tuple[RingStream, int]] = []
+        after = {s.name: self.cursors[s.name] for s in live}  # the step after the last allreduce on each
+        # the connections the last allreduce was taken from (a streaming decode's later window: all, each resuming
+        # after its last used send)
+        for s in [s for s in live if s.name in self._took] if self._took else live:
+            for step in range(self.cursors[s.name], s.last_step + 1):
+                ws = s.sends.get(step)
+                if ws is None or ws.size is None:
+                    break
+                if ws.size == 0:
+                    if step == self.cursors[s.name] and self._expected_resend_empty(last.elements, s):
+                        empty.append((s, step))
+                        continue
+                    break
+                where = self._repeats(s, step)
+                if not where:
+                    break
+                found.append((s, step, where))
+        if not found:
+            return
+        found += [(s, step, (0, 0)) for s, step in empty]
+        by_key = {(e["stream"], e["step"]): e for e in self.skipped}
+        n = {s.name: len(self.matcher.pattern(last.elements, s.position, s.channel)) for s in live}
+        for s, step, (a, b) in sorted(found, key=lambda f: (f[0].name, f[1])):
+            entry = by_key.get((s.name, step))
+            if entry is None:
+                ws = s.sends[step]
+                entry = {"stream": s.name, "step": step, "wire_bytes": ws.size, **ws.info}
+                self.skipped.append(entry)
+            entry["resend_of"] = last.index
+            k = n[s.name] + 1 + step - after[s.name]  # its step in the allreduce's order on the connection, 1-based
+            self.anomalies.append({"type": "trailing_resend", "stream": s.name, "step": step, "resend_of": last.index,
+                                   "allreduce_step": k, "range": [a, b],
+                                   "detail": f"trailing re-send of step {k} of allreduce {last.index} ignored "
+                                             f"(final values of elements [{a}, {b}) again)"})
+            self.cursors[s.name] = max(self.cursors[s.name], step + 1)
+
+    def _expected_resend_empty(self, elements: int, s: RingStream) -> bool:
+        """The schedule's re-send step on this connection — the final chunk its sender received last, i.e. the last
+        final send of its predecessor — carries no elements."""
+        received = self.matcher.pattern(elements, (s.position - 1) % self.params.nranks, s.channel)
+        return bool(received) and received[-1].count == 0
 
     def _causal(self, live: list[RingStream], ats: dict[str, int], elements: int) -> None:
         """Drop candidates that happen too early to be this allreduce.

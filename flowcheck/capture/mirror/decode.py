@@ -104,7 +104,7 @@ def decode_window(job: Job, frames: Frames, info: Decoded, resume: dict[str, int
                                "detail": "no stream between ring neighbours of the job carries NCCL sends; "
                                          "check the ring members' MAC/IP addresses and the protocol"})
         return Window(packets, streams, [], None)
-    return Window(packets, streams, rings, Assembler(job, channels, partition, workers=workers))
+    return Window(packets, streams, rings, Assembler(job, channels, partition, workers=workers, anomalies=info.anomalies))
 
 
 def packet_anomalies(r: roce.Reassembly, anomalies: list[dict], *, tails: bool = True) -> None:
