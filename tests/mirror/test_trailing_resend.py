@@ -12,6 +12,7 @@ import pytest
 from click.testing import CliRunner
 
 from flowcheck.capture.mirror import roce
+from flowcheck.capture.mirror.anomalies import TrailingResend
 from flowcheck.capture.mirror.decode import Decoded, concat_frames, decode
 from flowcheck.capture.mirror.job import load_job
 from flowcheck.capture.mirror.pcap import Frames, PcapWriter, read_capture
@@ -67,7 +68,7 @@ def _cuts(sim) -> list[int | None]:
 
 
 def _resends(info: Decoded) -> list[dict]:
-    return [a for a in info.anomalies if a["type"] == "trailing_resend"]
+    return [a.to_json() for a in info.anomalies if isinstance(a, TrailingResend)]
 
 
 @pytest.mark.parametrize("dp,channels,bucket_kb,proto", CONFIGS)
@@ -83,7 +84,7 @@ def test_a_trailing_resend_cut_anywhere_is_never_an_allreduce(runs, dp, channels
         assert {(a["stream"], a["step"]) for a in resends} == \
             {(s["stream"], s["step"]) for s in info.skipped_sends if s.get("resend_of")}
         if keep is None:  # whole: every mirrored ring connection re-sent once, its 0-byte writes included
-            mirrored = {s["stream"] for s in info.streams if s["role"] == "ring"}
+            mirrored = {s.stream for s in info.streams if s.role == "ring"}
             assert sorted(a["stream"] for a in resends) == sorted(mirrored)
             assert all(a["allreduce_step"] > 2 * (dp - 1) for a in resends)  # the step after the allreduce's last
     if (dp, channels) == (2, 2):  # one loop: the allreduce's two steps, then the re-send

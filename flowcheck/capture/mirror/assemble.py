@@ -19,6 +19,7 @@ from functools import partial
 import numpy as np
 
 from flowcheck.capture.mirror import roce
+from flowcheck.capture.mirror.anomalies import Anomaly, TrailingResend
 from flowcheck.capture.mirror.gc_pause import gc_paused
 from flowcheck.capture.mirror.job import Job
 from flowcheck.capture.mirror.partition import Partition
@@ -177,7 +178,7 @@ class Assembler:
     """Matches allreduces on every stream and fills their vectors; yields each when it is settled."""
 
     def __init__(self, job: Job, nchannels: int, partition: Partition | None = None, workers: int = 1,
-                 anomalies: list | None = None) -> None:
+                 anomalies: list[Anomaly] | None = None) -> None:
         self.job = job
         self.anomalies = anomalies if anomalies is not None else []  # where trailing re-sends are reported
         self.workers = workers  # threads for the merge of final sends (output does not depend on it)
@@ -333,10 +334,7 @@ class Assembler:
                 self.skipped.append(entry)
             entry["resend_of"] = last.index
             k = n[s.name] + 1 + step - after[s.name]  # its step in the allreduce's order on the connection, 1-based
-            self.anomalies.append({"type": "trailing_resend", "stream": s.name, "step": step, "resend_of": last.index,
-                                   "allreduce_step": k, "range": [a, b],
-                                   "detail": f"trailing re-send of step {k} of allreduce {last.index} ignored "
-                                             f"(final values of elements [{a}, {b}) again)"})
+            self.anomalies.append(TrailingResend(s.name, step, last.index, k, (a, b)))
             self.cursors[s.name] = max(self.cursors[s.name], step + 1)
 
     def _expected_resend_empty(self, elements: int, s: RingStream) -> bool:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from flowcheck.capture.mirror import roce
+from flowcheck.capture.mirror.anomalies import Anomaly, unplaced_anomaly
 from flowcheck.capture.mirror.ring import PatternColumns
 
 
@@ -33,7 +34,7 @@ class SendColumns(Mapping):
                  "segments", "buf", "ll", "anomalies", "build", "_built")
 
     def __init__(self, name: str, columns: dict[str, np.ndarray], order: np.ndarray, segments: np.ndarray,
-                 buf: np.ndarray, ll: bool, anomalies: list[dict], build: Callable[[SendColumns, int], object]) -> None:
+                 buf: np.ndarray, ll: bool, anomalies: list[Anomaly], build: Callable[[SendColumns, int], object]) -> None:
         self.name = name
         self.steps, self.size, self.seg_a, self.seg_b = (columns[k] for k in ("steps", "size", "seg_a", "seg_b"))
         self.flag, self.first_psn, self.last_psn, self.t0 = (columns[k] for k in ("flag", "first_psn", "last_psn", "t0"))
@@ -205,9 +206,7 @@ def merge_taken(data: np.ndarray, copies: np.ndarray, taken: list[Taken], worker
                 conflicts.append({**srcs[int(js[k])], "elements_differing": int(differing[r + k])})
         for k in range(n) if unplaced else ():  # rare: LL segments left out, reported send by send
             for status, nbytes in unplaced.get(r + k, ()):
-                where = sc.where(int(at[k]))
-                sc.anomalies.append({**where, "type": "ll_misaligned_segment", "bytes": nbytes} if status < 0
-                                    else {**where, "type": "ll_bad_flags", "lines": status})
+                sc.anomalies.append(unplaced_anomaly(sc.where(int(at[k])), status, nbytes))
         r += n
         i = np.maximum(t.idx, 0)  # (a lost send's entries are not read)
         blocks.append(SourceBlock(sc.name, t.position, t.channel, t.at, t.pattern, ~ok, sc.first_psn[i], sc.last_psn[i],
