@@ -185,3 +185,34 @@ def test_a_streaming_decode_gives_the_same(runs, tail):
 
 def _with_data(info: Decoded) -> list[tuple[str, int]]:
     return sorted((a["stream"], a["step"]) for a in _resends(info) if a["range"][1] > a["range"][0])
+
+
+@pytest.mark.parametrize("channels,bucket_kb", [(2, 128), (2, 8), (1, 8)])
+def test_resends_after_every_allreduce_never_shift_the_next_one(tmp_path, monkeypatch, channels, bucket_kb):
+    """An NCCL that adds the re-send step to every allreduce: where the re-send has the size of the next allreduce's
+    first step (2x2, one bucket per iteration: every chunk the same size), the next allreduce must not match one step
+    early — it would take partial sums for final values and look complete."""
+    from flowcheck.simulate.traffic import Wire
+
+    allreduce = Wire.allreduce
+
+    def with_resend(self, red):
+        allreduce(self, red)
+        self.tail(red, "resend")
+
+    monkeypatch.setattr(Wire, "allreduce", with_resend)
+    sim = simulate(SimOptions(out=str(tmp_path / "sim"), dp=2, iters=3, channels=channels, bucket_kb=bucket_kb, seed=1))
+    ports = _ports(sim, None)
+    got, info = _decode(sim, ports)
+    assert [a.summary().get("sha256") for a in got] == [r["sha256"] for r in sim.allreduces]
+    # where a re-send could be the next allreduce's start it is reported (the others do not fit it: other sends);
+    # the last allreduce's always is
+    resent = {a["resend_of"] for a in _resends(info) if a["range"][1] > a["range"][0]}
+    assert resent == set(range(1, len(sim.allreduces) + 1)) if (channels, bucket_kb) == (2, 128) else \
+        len(sim.allreduces) in resent
+    frames = concat_frames(ports, "all")
+    order = np.argsort(frames.ts_ns, kind="stable")
+    arrival = Frames.from_list([frames.frame(int(i)) for i in order], frames.ts_ns[order].tolist(), "merged")
+    streamed = list(StreamingDecoder(load_job(sim.job_path), Decoded(), settle_s=3e-3, min_frames=256).run(
+        arrival.select(i, i + 256) for i in range(0, len(arrival), 256)))
+    assert [_key(a) for a in streamed] == [_key(a) for a in _decode(sim, [arrival])[0]]

@@ -215,6 +215,7 @@ class Assembler:
         if self.partition is not None:
             ar.owned = self.partition.ranges(self.job, self.job.plan(iteration)[bucket])
         ats = {s.name: at for s in live if (at := self._find(s, cursors[s.name], elements)) is not None}
+        self._skip_resends(live, ats, elements)
         if not ats:
             return None
         self._causal(live, ats, elements)
@@ -289,6 +290,40 @@ class Assembler:
                 return start, start + count
         return None if blank else False
 
+    def _skip_resends(self, live: list[RingStream], ats: dict[str, int], elements: int) -> None:
+        """Sends right after the last allreduce that re-send its final data (an NCCL that adds that step to every
+        allreduce) are not the first step of the next one, even where they have its size: with equal chunk sizes the
+        next allreduce would otherwise match one step early and take partial sums for final values.  They are reported
+        as ``_trailing`` reports them, and the stream's search goes on after them."""
+        if self.last is None:
+            return
+        for s in live:
+            at, after = ats.get(s.name), self.cursors[s.name]
+            if at != after or (s.name not in self._took and self._took):
+                continue
+            while at is not None and at == after and (ws := s.sends.get(at)) is not None and ws.size and \
+                    (where := self._repeats(s, at)):
+                self._report_resend(s, at, where, len(self.matcher.pattern(self.last.elements, s.position, s.channel))
+                                    + 1 + at - self.cursors[s.name])
+                after = at + 1
+                at = self._find(s, after, elements)
+            if at is None:
+                del ats[s.name]
+            else:
+                ats[s.name] = at
+            self.cursors[s.name] = after
+
+    def _report_resend(self, s: RingStream, step: int, where: tuple[int, int], k: int) -> None:
+        """The send at ``step`` re-sends final values of the last allreduce (elements ``where``; its ``k``-th step on
+        the connection): ``resend_of`` on its skipped-send entry, a ``TrailingResend`` anomaly."""
+        entry = next((e for e in reversed(self.skipped) if e["stream"] == s.name and e["step"] == step), None)
+        if entry is None:
+            ws = s.sends[step]
+            entry = {"stream": s.name, "step": step, "wire_bytes": ws.size, **ws.info}
+            self.skipped.append(entry)
+        entry["resend_of"] = self.last.index
+        self.anomalies.append(TrailingResend(s.name, step, self.last.index, k, where))
+
     def _final_ranges(self, elements: int, channel: int) -> list[tuple[int, int]]:
         """(start, count) of every final send of an allreduce of ``elements`` on ``channel``, any ring position."""
         return sorted({(send.start, send.count) for pos in range(self.params.nranks)
@@ -324,17 +359,10 @@ class Assembler:
         if not found:
             return
         found += [(s, step, (0, 0)) for s, step in empty]
-        by_key = {(e["stream"], e["step"]): e for e in self.skipped}
         n = {s.name: len(self.matcher.pattern(last.elements, s.position, s.channel)) for s in live}
-        for s, step, (a, b) in sorted(found, key=lambda f: (f[0].name, f[1])):
-            entry = by_key.get((s.name, step))
-            if entry is None:
-                ws = s.sends[step]
-                entry = {"stream": s.name, "step": step, "wire_bytes": ws.size, **ws.info}
-                self.skipped.append(entry)
-            entry["resend_of"] = last.index
-            k = n[s.name] + 1 + step - after[s.name]  # its step in the allreduce's order on the connection, 1-based
-            self.anomalies.append(TrailingResend(s.name, step, last.index, k, (a, b)))
+        for s, step, where in sorted(found, key=lambda f: (f[0].name, f[1])):
+            # k: its step in the allreduce's order on the connection, 1-based
+            self._report_resend(s, step, where, n[s.name] + 1 + step - after[s.name])
             self.cursors[s.name] = max(self.cursors[s.name], step + 1)
 
     def _expected_resend_empty(self, elements: int, s: RingStream) -> bool:
