@@ -251,7 +251,7 @@ def merge_groups(starts: np.ndarray, ends: np.ndarray, k: int) -> list[np.ndarra
     this order gives what index order gives — disjoint components touch different elements and overlapping ranges keep
     their order — while the m mirrored copies of a chunk merge one after another, the destination still in cache.
     Contiguous runs keep each thread's writes to ``data``/``copies`` in one region: with groups that interleaved
-    components (largest first onto the lightest group) a 2-worker decode's merges took 1.21x the CPU of one worker's,
+    components (largest first onto the lightest group) a 2-worker decode's merges took 1.22x the CPU of one worker's,
     with runs 1.00x (bench_mirror (a)'s traffic, BENCHMARKS.md "Mirror decode at 2 workers on the 2-core VM")."""
     n = len(starts)
     if not n:
