@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from functools import partial
+from functools import lru_cache, partial
 
 import numpy as np
 
@@ -174,6 +174,21 @@ class Matcher:
         return seen > 0
 
 
+@lru_cache(maxsize=32)
+def final_starts(elements: int, params: RingParams, channel: int) -> dict[int, list[tuple[int, np.ndarray]]]:
+    """Wire size -> (elements, first elements) of the final sends with elements of that size, of an allreduce of
+    ``elements`` on ``channel``, from every ring position's schedule (remembered, as the patterns are: a decode asks
+    for the same few after every allreduce)."""
+    cols = [pattern_columns(elements, params, pos, channel) for pos in range(params.nranks)]
+    lo = np.concatenate([c.final_lo for c in cols])
+    count = np.concatenate([c.final_hi - c.final_lo for c in cols])
+    size = np.concatenate([c.wire[c.finals] for c in cols])
+    out: dict[int, list[tuple[int, np.ndarray]]] = {}
+    for sz, n in sorted(set(zip(size.tolist(), count.tolist()))):
+        out.setdefault(sz, []).append((n, np.unique(lo[(size == sz) & (count == n)])))
+    return out
+
+
 class Assembler:
     """Matches allreduces on every stream and fills their vectors; yields each when it is settled."""
 
@@ -271,24 +286,31 @@ class Assembler:
         if prev is not None and prev.info.get("psn") and ws.info.get("psn") and \
                 prev.info["psn"][1] + 1 != ws.info["psn"][0]:
             return False
-        placed: dict[int, tuple[np.ndarray, np.ndarray] | None] = {}
-        blank = False
-        for start, count in self._final_ranges(last.elements, s.channel):
-            if self.params.wire_bytes(count) != ws.size:
-                continue
-            if count not in placed:
-                data, copies = np.zeros(count, self.dtype), np.zeros(count, np.uint8)
-                placed[count] = (data, copies) if ws.place(data, copies)[0] else None
-            if placed[count] is None:
+        blank, groups = False, self._final_starts(last.elements, s.channel).get(ws.size)
+        if groups is None:
+            return False  # no final send of the last allreduce has its size
+        for count, starts in groups:  # (LL pads a line: counts that differ by an element can share a size)
+            data, copies = np.zeros(count, self.dtype), np.zeros(count, np.uint8)
+            if not ws.place(data, copies)[0]:
                 return None
-            data, copies = placed[count]
-            bits = data.view(f"u{data.itemsize}")
-            both = (copies > 0) & (last.copies[start:start + count] > 0)  # what the last allreduce lacks: no evidence
-            if not bits[both].any():
-                blank = True  # nothing to compare, or zeros (which any allreduce may carry)
-            elif np.array_equal(bits[both], last.data[start:start + count].view(bits.dtype)[both]):
-                return start, start + count
+            bits, old = data.view(f"u{data.itemsize}"), last.data.view(f"u{data.itemsize}")
+            got = np.flatnonzero(copies)
+            # a few delivered elements against every candidate range at once; the whole send only where they agree
+            probe = got[np.linspace(0, len(got) - 1, min(len(got), 8)).astype(np.int64)]
+            at = starts[:, None] + probe[None, :]
+            maybe = starts[((old[at] == bits[probe][None, :]) | (last.copies[at] == 0)).all(axis=1)]
+            for start in maybe.tolist():
+                both = (copies > 0) & (last.copies[start:start + count] > 0)  # what the last allreduce lacks: no evidence
+                if not bits[both].any():
+                    blank = True  # nothing to compare, or zeros (which any allreduce may carry)
+                elif np.array_equal(bits[both], old[start:start + count][both]):
+                    return start, start + count
         return None if blank else False
+
+    def _final_starts(self, elements: int, channel: int) -> dict[int, list[tuple[int, np.ndarray]]]:
+        """Wire size -> (elements, first elements) of the final sends of that size of an allreduce of ``elements`` on
+        ``channel``, any ring position."""
+        return final_starts(elements, self.params, channel)
 
     def _skip_resends(self, live: list[RingStream], ats: dict[str, int], elements: int) -> None:
         """Sends right after the last allreduce that re-send its final data (an NCCL that adds that step to every
@@ -323,11 +345,6 @@ class Assembler:
             self.skipped.append(entry)
         entry["resend_of"] = self.last.index
         self.anomalies.append(TrailingResend(s.name, step, self.last.index, k, where))
-
-    def _final_ranges(self, elements: int, channel: int) -> list[tuple[int, int]]:
-        """(start, count) of every final send of an allreduce of ``elements`` on ``channel``, any ring position."""
-        return sorted({(send.start, send.count) for pos in range(self.params.nranks)
-                       for send in self.matcher.pattern(elements, pos, channel) if send.final})
 
     def _trailing(self, live: list[RingStream]) -> None:
         """At the end of the capture, the sends after the last allreduce that re-send its final data are reported
