@@ -26,7 +26,7 @@ MIB = 1 << 20
 INPUTS = (("one 32 MiB allreduce", [32 * MIB // 4]), ("two 16 MiB allreduces (bench_mirror (a))", [16 * MIB // 4] * 2))
 
 
-def child(tree: str, decodes: int) -> dict:
+def child(tree: str, decodes: int, workers: int = 1) -> dict:
     """In a process whose PYTHONPATH starts at ``tree``: decode CPU and memcpy CPU medians per input."""
     import numpy as np
 
@@ -49,7 +49,7 @@ def child(tree: str, decodes: int) -> dict:
             np.copyto(dst, src)
             copy.append(time.process_time() - c0)
             c0 = time.process_time()
-            ars = bm.decode_all(tr, 1)
+            ars = bm.decode_all(tr, workers)
             cpu.append(time.process_time() - c0)
         if why := bm.verify(tr, ars):
             raise SystemExit(f"{tree}: {name}: {why}")
@@ -65,11 +65,13 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--after", default=".", help="source tree (default: this checkout)")
     p.add_argument("--rounds", type=int, default=3, help="alternations of the two trees (default 3)")
     p.add_argument("--decodes", type=int, default=9, help="decodes per input per child; medians (default 9)")
+    p.add_argument("--workers", type=int, default=1,
+                   help="decode workers (threads for parse, reassembly and merge; default 1): the CPU is every thread's")
     p.add_argument("--out", help="write the results as JSON to this file")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
-        print(json.dumps(child(args.child, args.decodes)))
+        print(json.dumps(child(args.child, args.decodes, args.workers)))
         return {}
     if not args.before:
         p.error("--before TREE is required")
@@ -77,9 +79,12 @@ def main(argv: list[str] | None = None) -> dict:
     runs: dict[str, list[dict]] = {"before": [], "after": []}
     for r in range(args.rounds):
         for side, tree in trees.items():
-            env = {**os.environ, "PYTHONPATH": tree + os.pathsep + os.environ.get("PYTHONPATH", "")}
+            # FLOWCHECK_TREE: for a sitecustomize that maps flowcheck to a tree (a worktree beside an editable install)
+            env = {**os.environ, "PYTHONPATH": tree + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                   "FLOWCHECK_TREE": tree}
             proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", tree, "--decodes",
-                                   str(args.decodes)], env=env, capture_output=True, text=True, check=False)
+                                   str(args.decodes), "--workers", str(args.workers)], env=env, capture_output=True,
+                                  text=True, check=False)
             if proc.returncode:
                 raise SystemExit(f"{side} ({tree}) failed:\n{proc.stderr[-3000:]}")
             runs[side].append(json.loads(proc.stdout.strip().splitlines()[-1]))

@@ -163,7 +163,7 @@ def capture_command(config_path, job_path, pcaps, more, interface, duration_s, m
     hist = store.history(["local"])
     branch = hist.current()
     committed = sorted(n for n, b in hist.path(branch).items())
-    out = {"branch": branch, "iterations_applied": result.iterations, "allreduces": result.allreduces, "stale": result.stale,
+    out = {"branch": branch, "iterations_applied": result.iterations, "allreduces": result.allreduces, "stale": [s.to_json() for s in result.stale],
            "resyncs": result.resyncs, "final_step": result.steps[-1] if result.steps else session.replica.step,
            "stale_at_end": store.memory.stale, "local_steps": committed, "anomalies": len(info.anomalies),
            "policy_errors": runner.stats.errors}
@@ -177,7 +177,7 @@ def capture_command(config_path, job_path, pcaps, more, interface, duration_s, m
                    f"{' (STALE: not snapshotted)' if store.memory.stale else ''}; local steps {committed}"
                    f"{'' if branch == 'main' else f' on branch {branch}'}")
         for s in result.stale:
-            click.echo(f"  stale: iteration {s['iteration']}: {s['reason']}")
+            click.echo(f"  stale: iteration {s.iteration}: {s.reason}")
         if out.get("kernel_drops"):
             click.echo(f"  the kernel dropped {out['kernel_drops']} frames: the capture fell behind the link")
     sys.exit(0 if not runner.stats.errors else 1)

@@ -34,9 +34,14 @@ def _clip(value: str) -> float | None:
 @click.option("--vlan", type=int, default=None, help="802.1Q VLAN id on every frame.")
 @click.option("--bucket-kb", type=int, default=None, help="DDP bucket capacity in KiB (default: tiny 32, small 512).")
 @click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--tail", type=click.Choice(["resend", "next"]), default=None,
+              help="One more step on every ring connection after the last allreduce: resend (each rank re-sends the "
+                   "final chunk it received last) or next (the first step of an allreduce that never finishes).")
+@click.option("--tail-frames", type=int, default=None,
+              help="Each mirror port keeps only the first K frames of the --tail step (the capture ends there).")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Output directory.")
 def simulate_command(dp, iters, model, proto, channels, mirror, loss, reorder, dup, optimizer, clip, mtu, ipv4,
-                     vlan, bucket_kb, seed, out):
+                     vlan, bucket_kb, seed, tail, tail_frames, out):
     """Train a small GPT on CPU with N virtual DP ranks and write the mirrored RoCEv2 traffic of its
     ring allreduces (pcap per mirror port), the job description and the ground truth.
 
@@ -51,7 +56,7 @@ def simulate_command(dp, iters, model, proto, channels, mirror, loss, reorder, d
         options = SimOptions(out=out, dp=dp, iters=iters, model=model.lower(), proto=proto.lower(),
                              channels=channels, mirror=mirror, loss=loss, reorder=reorder, dup=dup,
                              optimizer=optimizer.lower(), clip=_clip(clip), mtu=mtu, ipv4=ipv4, vlan=vlan,
-                             bucket_kb=bucket_kb, seed=seed)
+                             bucket_kb=bucket_kb, seed=seed, tail=tail, tail_frames=tail_frames)
     except FlowcheckError as e:
         raise click.UsageError(str(e)) from e
     try:

@@ -79,7 +79,7 @@ def _capture(cfg_path: str, job_path: str, pcaps: list[str]):
             runner.flush()
     finally:
         runner.stop()
-    stale = [s["iteration"] for s in result.stale]
+    stale = [s.iteration for s in result.stale]
     resynced = sorted(set(stale)) == sorted(set(result.resyncs))
     lost = (f"{len(stale)} iterations ({', '.join(map(str, stale))}) lost on every copy, as injected: marked stale "
             f"(never snapshotted) and resynced from the trainer's full state" if stale

@@ -89,13 +89,14 @@ class PortRecord:
     dropped_indices: list[int] = field(default_factory=list)
     duplicated_indices: list[int] = field(default_factory=list)
     reordered_pairs: list[tuple[int, int]] = field(default_factory=list)
+    tail_written: int = 0  # of ``written``: frames of the step after the last allreduce (SimOptions.tail)
 
     def to_json(self) -> dict:
         return {"offered": self.offered, "written": self.written,
                 "dropped": len(self.dropped_indices), "duplicated": len(self.duplicated_indices),
                 "reordered": len(self.reordered_pairs), "dropped_indices": self.dropped_indices,
                 "duplicated_indices": self.duplicated_indices,
-                "reordered_pairs": [list(p) for p in self.reordered_pairs]}
+                "reordered_pairs": [list(p) for p in self.reordered_pairs], "tail_written": self.tail_written}
 
 
 class MirrorPort:
@@ -112,8 +113,11 @@ class MirrorPort:
         self._writer = PcapWriter(path, nanosecond=True)
         self._last_ts = 0
 
-    def feed(self, frames: list[Frame]) -> None:
-        mine = self.spec.select(frames)
+    def feed(self, frames: list[Frame], keep: int | None = None, tail: bool = False) -> None:
+        """Copy the frames this port sees (``keep``: only the first that many: the capture ends there; ``tail``:
+        they are the step after the last allreduce, counted in ``record.tail_written``)."""
+        mine = self.spec.select(frames)[:keep]
+        before = self.record.written
         base = self.record.offered
         self.record.offered += len(mine)
         order = list(range(len(mine)))
@@ -135,6 +139,8 @@ class MirrorPort:
             if dup[i]:
                 self.record.duplicated_indices.append(base + k)
                 self._write(mine[k])
+        if tail:
+            self.record.tail_written += self.record.written - before
 
     def _write(self, frame: Frame) -> None:
         # a reordered copy keeps time moving forward: a capture's timestamps never go back

@@ -14,6 +14,7 @@ from flowcheck.simulate.model import MODELS
 from flowcheck.simulate.trainer import OPTIMIZER_SPECS, TrainConfig
 
 PROTOCOLS = ("ll", "simple")
+TAILS = ("resend", "next")  # what follows the last allreduce (SimOptions.tail)
 MTUS = (256, 512, 1024, 2048, 4096)  # RoCE path MTUs
 MAX_RANKS = 8
 MAX_CHANNELS = 8
@@ -40,6 +41,11 @@ class SimOptions:
     vlan: int | None = None  # 802.1Q VLAN id on every frame
     bucket_kb: int | None = None  # DDP bucket capacity (KiB); None: 32 for tiny, 512 for small
     seed: int = 0
+    # after the last allreduce, one more step on every ring connection: "resend" — each rank re-sends the final
+    # chunk it received last (an NCCL that adds that step); "next" — the first step of an allreduce that never
+    # finishes (partial sums of new values); None: nothing
+    tail: str | None = None
+    tail_frames: int | None = None  # each mirror port keeps only the first K frames of the tail (None: all)
 
     def __post_init__(self) -> None:
         def bad(flag: str, expected: str, found: object) -> ConfigError:
@@ -67,6 +73,11 @@ class SimOptions:
             raise bad("bucket-kb", "an integer >= 1", self.bucket_kb)
         if not isinstance(self.seed, int) or self.seed < 0:
             raise bad("seed", "an integer >= 0", self.seed)
+        if self.tail is not None and self.tail not in TAILS:
+            raise bad("tail", f"one of {TAILS} or none", self.tail)
+        if self.tail_frames is not None and (not isinstance(self.tail_frames, int) or self.tail_frames < 0
+                                             or self.tail is None):
+            raise bad("tail-frames", "an integer >= 0, with --tail", self.tail_frames)
         Injection(self.loss, self.reorder, self.dup)  # checks the probabilities
         mirrors = self.mirror
         if mirrors is None:

@@ -2,7 +2,8 @@
 
 Files written under ``options.out``:
   job.yaml                       the job description a checkpoint node is given (``load_job`` reads it)
-  mirror-r<RANK>-<DIR>.pcap      one per mirror port (nanosecond pcap, Ethernet)
+  mirror-r<RANK>-<DIR>.pcap      one per mirror port (nanosecond pcap, Ethernet); with ``tail``, each ends inside
+                                 the step after the last allreduce (SimOptions.tail, tail_frames)
   injected.json                  per pcap: frames offered/written, dropped/duplicated indices, reordered pairs
   truth/step-<k>.safetensors     k = 0..iters: parameters + optimizer state under canonical names
   truth/allreduces.json          every allreduce in wire order: index, iteration, bucket, elements, sha256, channels
@@ -135,8 +136,11 @@ def simulate(options: SimOptions, *, keep_finals: bool = False) -> SimResult:
         losses.append(tuple(rank_losses))
         if keep_finals:
             finals += [np.array(v) for v in reduced]
-        _between_iterations(wire, it, options, rng)
-        flush()
+        if it == options.iters and options.tail is not None:
+            _tail(wire, ports, red, trainer, options, flush)  # the capture ends inside it
+        else:
+            _between_iterations(wire, it, options, rng)
+            flush()
         write_truth_step(options.out, it, trainer)
     for port in ports:
         port.close()
@@ -155,6 +159,23 @@ def simulate(options: SimOptions, *, keep_finals: bool = False) -> SimResult:
     log.info("simulated %d iterations, %d allreduces in %.1f s", options.iters, len(records), seconds)
     return SimResult(options.out, job, job_path, {str(m): os.path.join(options.out, m.filename) for m in mirrors},
                      tuple(records), tuple(losses), injected, seconds, tuple(finals))
+
+
+def _tail(wire: Wire, ports: list[MirrorPort], red, trainer: Trainer, options: SimOptions, flush) -> None:
+    """The step after the last allreduce (``SimOptions.tail``), each port keeping its first ``tail_frames`` frames;
+    "next" starts the allreduce the job's schedule has next (the first bucket of the next iteration)."""
+    flush()
+    after = None
+    if options.tail == "next":
+        rng = np.random.default_rng([options.seed, 0x4E455854])
+        numel = {n: p.numel() for n, p in trainer.params.items()}
+        count = sum(numel[n] for n in trainer.steady_plan[0])
+        after = ring_allreduce([rng.standard_normal(count).astype(red.final.dtype) for _ in range(options.dp)],
+                               red.params)
+    wire.tail(red, options.tail, after)
+    frames = wire.drain()
+    for port in ports:
+        port.feed(frames, keep=options.tail_frames, tail=True)
 
 
 def _startup(wire: Wire, trainer: Trainer, options: SimOptions) -> None:

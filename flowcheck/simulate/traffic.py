@@ -245,6 +245,31 @@ class Wire:
             t += longest * PKT_NS * c + STEP_GAP_NS
         self.now = t
 
+    def tail(self, red: RingReduce, kind: str, after: RingReduce | None = None) -> None:
+        """One more step on every ring connection after allreduce ``red``: ``kind`` "resend" — each rank sends its
+        successor again the final chunk it received last (all its pieces, Simple); "next" — the first send of
+        allreduce ``after`` (a new allreduce of the same layout that the capture then cuts off)."""
+        p, n, c = red.params, red.params.nranks, red.params.nchannels
+        plan = {}
+        for i in range(n):
+            for b in range(c):
+                if kind == "next":
+                    plan[i, b] = [after.payload(i, ring_sends(after.count, p, i, b)[0])]
+                    continue
+                received = ring_sends(red.count, p, (i - 1) % n, b)  # what the predecessor sent this rank
+                last = received[-1]
+                plan[i, b] = [red.payload(i, s) for s in received
+                              if s.final and s.loop == last.loop and s.chunk == last.chunk]
+        t = self.now + CTS_LEAD_NS
+        for k in range(max(len(v) for v in plan.values())):
+            longest = 1
+            for (i, b), values in plan.items():
+                if k < len(values):
+                    npk = self.send(t + b * PKT_NS, self.links[i, b], values[k], spacing=PKT_NS * c)
+                    longest = max(longest, npk)
+            t += longest * PKT_NS * c + STEP_GAP_NS
+        self.now = t
+
     def broadcast(self, values: np.ndarray, *, root: int = 0, chunk: int = 8192, spread: bool = False) -> None:
         """A ring broadcast from ``root``, pipelined in chunks (chunk k on channel k % C when ``spread``)."""
         n, c = self.ring.nranks, self.ring.nchannels

@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
             report = node.mirror_report
             print(json.dumps({"mirror": node.mirror, "step": None, "memory_step": node.store.memory.step,
                               "frames": node.mirror_stats.frames, "dropped": node.mirror_stats.frames_dropped,
-                              "stale": report.stale if report else None}, default=str))
+                              "stale": [s.to_json() for s in report.stale] if report else None}, default=str))
             return 4
         node.policy.drain()
         try:

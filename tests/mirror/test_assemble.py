@@ -187,8 +187,11 @@ def test_merge_groups_keep_overlapping_ranges_together_in_order():
                        and ranges[b][0] < ranges[a][1])
     assert len(_groups(ranges, 8)) == 4  # {0,1}, {2,3}, {4}, {5}: [15, 20) touches but does not overlap
     assert _groups([], 4) == []
-    # balanced by elements, largest component first onto the lightest group
+    # contiguous runs of components balanced by elements
     assert _groups([(0, 100), (200, 210), (300, 390), (400, 420)], 2) == [[0, 1], [2, 3]]
+    assert _groups([(0, 10), (10, 20), (20, 30), (30, 40), (40, 50), (50, 60)], 3) == [[0, 1], [2, 3], [4, 5]]
+    assert _groups([(0, 90), (90, 100), (100, 110)], 2) == [[0], [1, 2]]
+    assert _groups([(0, 0), (5, 5)], 2) == [[0], [1]]  # empty ranges: one each (no elements to balance)
 
 
 def test_merge_groups_put_the_copies_of_a_chunk_together_keeping_their_order():

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
+from flowcheck.capture.mirror.anomalies import PsnGap
 from flowcheck.capture.mirror.decode import Decoded, decode, read_all
 from flowcheck.capture.mirror.job import load_job
 from flowcheck.cli import main
@@ -49,14 +50,14 @@ def test_iter_80000_reports_the_missing_ranges_and_yields_no_gradient():
     assert int((~missing).sum()) == 6400
     seen = ~missing
     assert ar.data[seen].tobytes() == partial[seen].tobytes()
-    gaps = [a for a in info.anomalies if a["type"] == "psn_gap" and "qpn=0xc99" in a["stream"]]
-    assert {"psn": [62, 77], "packets": 15}.items() <= gaps[0].items()
+    gaps = [a for a in info.anomalies if isinstance(a, PsnGap) and "qpn=0xc99" in a.stream]
+    assert {"psn": [62, 77], "packets": 15}.items() <= gaps[0].to_json().items()
 
 
 def test_rdma32_forged_packets_are_rejected():
     (ar,), info = _decode("rdma32")
     assert info.packets["BAD_ICRC"] == 7
-    assert not any("0xbbbbbb" in s["stream"] for s in info.streams)
+    assert not any("0xbbbbbb" in s.stream for s in info.streams)
     assert ar.complete
 
 

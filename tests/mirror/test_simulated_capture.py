@@ -66,7 +66,7 @@ def test_loss_never_yields_a_silently_wrong_step(tmp_path, mirrored, loss):
     _assert_all_exact(sim, published)  # exact, every one of them
     # every iteration is accounted for: applied from the wire, or stale and resynced from the trainer's state
     assert report.iterations + len(report.stale) == 10
-    assert sorted(s["step"] for s in report.stale) == report.resyncs
+    assert sorted(s.step for s in report.stale) == report.resyncs
     if mirrored == 1:  # one outbound stream never carries its successor's final chunk
         assert report.iterations == 0
 

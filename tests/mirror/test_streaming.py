@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from flowcheck.capture.mirror.anomalies import Duplicates, PsnGap
 from flowcheck.capture.mirror.decode import Decoded, decode, read_all
 from flowcheck.capture.mirror.job import load_job
 from flowcheck.capture.mirror.pcap import Frames
@@ -27,8 +28,8 @@ def _key(ar) -> tuple:
 
 
 def _lost_and_duplicated(info: Decoded) -> tuple[int, int]:
-    return (sum(a["packets"] for a in info.anomalies if a["type"] == "psn_gap"),
-            sum(a["packets"] for a in info.anomalies if a["type"] == "duplicates"))
+    return (sum(a.packets for a in info.anomalies if isinstance(a, PsnGap)),
+            sum(a.packets for a in info.anomalies if isinstance(a, Duplicates)))
 
 
 def _batches(frames: Frames, size: int, decoder: StreamingDecoder, held: list[int]):

@@ -6,6 +6,7 @@ import json
 import os
 from collections import Counter
 
+import numpy as np
 import pytest
 
 from flowcheck.capture.mirror import roce
@@ -147,3 +148,33 @@ def test_p2p_sends_are_simple_writes_on_their_own_qp_and_port(sim_dir):
     assert msg.imm == msg.dma_len == len(msg.data) == 3000 * 4  # raw fp32, no LL flags
     table = roce.parse(pcap(sim_dir, "0:out")).table
     assert len({int(s) for s in table["sport"][table["dqpn"] == p2p[0]["data_qpn"]]}) == 1
+
+
+def test_a_tail_cut_at_k_frames_is_the_whole_tail_s_first_k_frames(tmp_path):
+    """``tail_frames`` ends each port's capture inside the step after the last allreduce; everything before it is
+    the run's traffic unchanged."""
+    whole = simulate(SimOptions(out=str(tmp_path / "whole"), dp=2, iters=1, channels=2, tail="resend", seed=3))
+    cut = simulate(SimOptions(out=str(tmp_path / "cut"), dp=2, iters=1, channels=2, tail="resend", tail_frames=4,
+                              seed=3))
+    for port in ("0:out", "1:out"):
+        rec, rec_cut = (r.injected["pcaps"][f"mirror-r{port[0]}-out.pcap"] for r in (whole, cut))
+        full, short = _frames(whole.pcaps[port]), _frames(cut.pcaps[port])
+        assert rec["tail_written"] > 4 and rec_cut["tail_written"] == 4 and rec_cut["written"] == len(short)
+        assert short == full[:len(full) - rec["tail_written"] + 4]
+    # rank 0's re-send on channel 0 is the final chunk it received last: chunk 1 of channel 0, elements [16384, 24576)
+    finals = simulate(SimOptions(out=str(tmp_path / "finals"), dp=2, iters=1, channels=2, tail="resend", seed=3),
+                      keep_finals=True).finals
+    with open(os.path.join(whole.out, "truth", "traffic.json")) as f:
+        qpn = next(c["data_qpn"] for c in json.load(f)["connections"]
+                   if c["kind"] == "ring" and c["src"] == 0 and c["channel"] == 0)
+    sends = messages(pcap(whole, "0:out"))[MAC.format(1), MAC.format(2), qpn]
+    words = np.frombuffer(bytes(sends[-1].data), "<u4").reshape(-1, 2)
+    assert (words[:, 1] == len(sends)).all()  # its LL flag: the connection's next step
+    assert words[:, 0].tobytes() == finals[-1][16384:24576].tobytes()
+
+
+@pytest.mark.parametrize("kw,flag", [({"tail": "again"}, "--tail"), ({"tail_frames": 3}, "--tail-frames"),
+                                     ({"tail": "resend", "tail_frames": -1}, "--tail-frames")])
+def test_bad_tail_options_are_refused(kw, flag):
+    with pytest.raises(ConfigError, match=flag):
+        SimOptions(out="x", **kw)

@@ -14,11 +14,12 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from functools import partial
+from functools import lru_cache, partial
 
 import numpy as np
 
 from flowcheck.capture.mirror import roce
+from flowcheck.capture.mirror.anomalies import Anomaly, TrailingResend
 from flowcheck.capture.mirror.gc_pause import gc_paused
 from flowcheck.capture.mirror.job import Job
 from flowcheck.capture.mirror.partition import Partition
@@ -173,11 +174,28 @@ class Matcher:
         return seen > 0
 
 
+@lru_cache(maxsize=32)
+def final_starts(elements: int, params: RingParams, channel: int) -> dict[int, list[tuple[int, np.ndarray]]]:
+    """Wire size -> (elements, first elements) of the final sends with elements of that size, of an allreduce of
+    ``elements`` on ``channel``, from every ring position's schedule (remembered, as the patterns are: a decode asks
+    for the same few after every allreduce)."""
+    cols = [pattern_columns(elements, params, pos, channel) for pos in range(params.nranks)]
+    lo = np.concatenate([c.final_lo for c in cols])
+    count = np.concatenate([c.final_hi - c.final_lo for c in cols])
+    size = np.concatenate([c.wire[c.finals] for c in cols])
+    out: dict[int, list[tuple[int, np.ndarray]]] = {}
+    for sz, n in sorted(set(zip(size.tolist(), count.tolist()))):
+        out.setdefault(sz, []).append((n, np.unique(lo[(size == sz) & (count == n)])))
+    return out
+
+
 class Assembler:
     """Matches allreduces on every stream and fills their vectors; yields each when it is settled."""
 
-    def __init__(self, job: Job, nchannels: int, partition: Partition | None = None, workers: int = 1) -> None:
+    def __init__(self, job: Job, nchannels: int, partition: Partition | None = None, workers: int = 1,
+                 anomalies: list[Anomaly] | None = None) -> None:
         self.job = job
+        self.anomalies = anomalies if anomalies is not None else []  # where trailing re-sends are reported
         self.workers = workers  # threads for the merge of final sends (output does not depend on it)
         self.partition = partition if partition is not None and not partition.whole else None
         self.placed_bytes = 0  # data bytes merged into allreduce vectors (what a scaled-out node saves on)
@@ -187,6 +205,7 @@ class Assembler:
         self.skipped: list[dict] = []  # sends that belong to no allreduce (other collectives)
         self.cursors: dict[str, int] = {}  # per stream: the first step not taken by a yielded allreduce
         self.last: Allreduce | None = None  # the allreduce yielded last (a streaming decode carries it over)
+        self._took: set[str] = set()  # the streams the allreduce yielded last was taken from
 
     def assemble(self, streams: list[RingStream], start: int = 1) -> Iterator[Allreduce]:
         """Allreduces in capture order from allreduce ``start`` (1-based: a streaming decode goes on where its last
@@ -197,6 +216,7 @@ class Assembler:
             with gc_paused():  # not across the yield: the consumer's own objects are not ours to hold back
                 ar = self._next(live, index, iteration, bucket, elements)
             if ar is None:
+                self._trailing(live)
                 return
             yield ar
 
@@ -210,6 +230,7 @@ class Assembler:
         if self.partition is not None:
             ar.owned = self.partition.ranges(self.job, self.job.plan(iteration)[bucket])
         ats = {s.name: at for s in live if (at := self._find(s, cursors[s.name], elements)) is not None}
+        self._skip_resends(live, ats, elements)
         if not ats:
             return None
         self._causal(live, ats, elements)
@@ -221,6 +242,7 @@ class Assembler:
                 pattern = self.matcher.pattern(elements, s.position, s.channel)
                 self._take(ar, s, ats[s.name], pattern, taken)
                 cursors[s.name] = ats[s.name] + len(pattern)
+        self._took = set(ats)
         self._merge(ar, taken)
         if not ar.copies.all():
             ar.data[ar.copies == 0] = 0  # missing elements read as zero, as they always have
@@ -229,45 +251,142 @@ class Assembler:
 
     def _resent(self, live: list[RingStream], ats: dict[str, int], elements: int) -> bool:
         """Whether the candidate is trailing sends that repeat final data of the last allreduce (an NCCL that
-        re-sends final chunks) rather than an allreduce the capture cut off; such sends are skipped as re-sends.
+        re-sends final chunks, or adds a step re-sending the final chunk each rank received last) rather than an
+        allreduce the capture cut off; ``_trailing`` then reports them as re-sends.
 
-        Only a candidate that the end of the capture truncates on every stream is asked (schedule), and only
-        content decides: every send that delivers anything must equal, bit for bit, a final chunk of the last
-        allreduce of its size — partial sums of a new allreduce never do.
+        Only a candidate that the end of the capture truncates on every stream is asked (schedule), and every send
+        of it that delivers anything must be a re-send (``_repeats``: final values, PSNs that continue the
+        connection) — the partial sums a new allreduce starts with never are.
         """
-        last, trailing = self.last, []
+        trailing = []
         for s in live:
             if s.name not in ats:
                 continue
             pattern = self.matcher.pattern(elements, s.position, s.channel)
-            if last is None or not s.ended or ats[s.name] + len(pattern) - 1 <= s.last_step:
+            if self.last is None or not s.ended or ats[s.name] + len(pattern) - 1 <= s.last_step:
                 return False
-            trailing += [(s, step, pattern[step - ats[s.name]].count) for step in range(ats[s.name], s.last_step + 1)
+            trailing += [(s, step) for step in range(ats[s.name], s.last_step + 1)
                          if (ws := s.sends.get(step)) is not None and ws.size]
-        verdicts = [self._repeats(s, s.sends[step], count) for s, step, count in trailing]
-        if not verdicts or False in verdicts or True not in verdicts:
-            return False
-        for s, step, _ in trailing:
-            ws = s.sends[step]
-            self.skipped.append({"stream": s.name, "step": step, "wire_bytes": ws.size, **ws.info, "resend_of": last.index})
-            self.cursors[s.name] = step + 1
-        return True
+        verdicts = [self._repeats(s, step) for s, step in trailing]
+        return not any(v is False for v in verdicts) and any(verdicts)
 
-    def _repeats(self, s: RingStream, ws: WireSend, count: int) -> bool | None:
-        """True: ``ws`` carries a final chunk of the last allreduce again; False: other data; None: it delivered
-        nothing to compare."""
+    def _repeats(self, s: RingStream, step: int) -> tuple[int, int] | bool | None:
+        """The element range [a, b) of the last allreduce whose final values the send at ``step`` carries again
+        (truthy), False: it carries other data or breaks the connection's PSN sequence, None: nothing to compare
+        (it delivered nothing the last allreduce has, or only zeros, which any allreduce may carry).
+
+        The evidence: the job's ring schedule says which element ranges the last allreduce's final sends cover on
+        this channel (every position's, the chunk this rank received last among them); the send must have the wire
+        size of one of them, every element it delivered that the last allreduce has must equal, bit for bit, that
+        final value (a partial sum never does), and its first PSN must follow the previous send's last one on the
+        connection.  Nothing of it is merged: elements the last allreduce lacks stay missing.
+        """
+        last, ws = self.last, s.sends[step]
+        prev = s.sends.get(step - 1)
+        if prev is not None and prev.info.get("psn") and ws.info.get("psn") and \
+                prev.info["psn"][1] + 1 != ws.info["psn"][0]:
+            return False
+        blank, groups = False, self._final_starts(last.elements, s.channel).get(ws.size)
+        if groups is None:
+            return False  # no final send of the last allreduce has its size
+        for count, starts in groups:  # (LL pads a line: counts that differ by an element can share a size)
+            data, copies = np.zeros(count, self.dtype), np.zeros(count, np.uint8)
+            if not ws.place(data, copies)[0]:
+                return None
+            bits, old = data.view(f"u{data.itemsize}"), last.data.view(f"u{data.itemsize}")
+            got = np.flatnonzero(copies)
+            # a few delivered elements against every candidate range at once; the whole send only where they agree
+            probe = got[np.linspace(0, len(got) - 1, min(len(got), 8)).astype(np.int64)]
+            at = starts[:, None] + probe[None, :]
+            maybe = starts[((old[at] == bits[probe][None, :]) | (last.copies[at] == 0)).all(axis=1)]
+            for start in maybe.tolist():
+                both = (copies > 0) & (last.copies[start:start + count] > 0)  # what the last allreduce lacks: no evidence
+                if not bits[both].any():
+                    blank = True  # nothing to compare, or zeros (which any allreduce may carry)
+                elif np.array_equal(bits[both], old[start:start + count][both]):
+                    return start, start + count
+        return None if blank else False
+
+    def _final_starts(self, elements: int, channel: int) -> dict[int, list[tuple[int, np.ndarray]]]:
+        """Wire size -> (elements, first elements) of the final sends of that size of an allreduce of ``elements`` on
+        ``channel``, any ring position."""
+        return final_starts(elements, self.params, channel)
+
+    def _skip_resends(self, live: list[RingStream], ats: dict[str, int], elements: int) -> None:
+        """Sends right after the last allreduce that re-send its final data (an NCCL that adds that step to every
+        allreduce) are not the first step of the next one, even where they have its size: with equal chunk sizes the
+        next allreduce would otherwise match one step early and take partial sums for final values.  They are reported
+        as ``_trailing`` reports them, and the stream's search goes on after them."""
+        if self.last is None:
+            return
+        for s in live:
+            at, after = ats.get(s.name), self.cursors[s.name]
+            if at != after or (s.name not in self._took and self._took):
+                continue
+            while at is not None and at == after and (ws := s.sends.get(at)) is not None and ws.size and \
+                    (where := self._repeats(s, at)):
+                self._report_resend(s, at, where, len(self.matcher.pattern(self.last.elements, s.position, s.channel))
+                                    + 1 + at - self.cursors[s.name])
+                after = at + 1
+                at = self._find(s, after, elements)
+            if at is None:
+                del ats[s.name]
+            else:
+                ats[s.name] = at
+            self.cursors[s.name] = after
+
+    def _report_resend(self, s: RingStream, step: int, where: tuple[int, int], k: int) -> None:
+        """The send at ``step`` re-sends final values of the last allreduce (elements ``where``; its ``k``-th step on
+        the connection): ``resend_of`` on its skipped-send entry, a ``TrailingResend`` anomaly."""
+        entry = next((e for e in reversed(self.skipped) if e["stream"] == s.name and e["step"] == step), None)
+        if entry is None:
+            ws = s.sends[step]
+            entry = {"stream": s.name, "step": step, "wire_bytes": ws.size, **ws.info}
+            self.skipped.append(entry)
+        entry["resend_of"] = self.last.index
+        self.anomalies.append(TrailingResend(s.name, step, self.last.index, k, where))
+
+    def _trailing(self, live: list[RingStream]) -> None:
+        """At the end of the capture, the sends after the last allreduce that re-send its final data are reported
+        as re-sends (``resend_of`` among the skipped sends, a ``trailing_resend`` anomaly) and the cursors move past
+        them.  A 0-byte send counts when it sits where the connection's re-send step would and the schedule's
+        re-send there is the empty chunk, and a re-send with data was seen: it carries nothing to lose."""
         last = self.last
-        data, copies = np.zeros(count, self.dtype), np.zeros(count, np.uint8)
-        if not ws.place(data, copies)[0]:
-            return None
-        got, bits = copies > 0, data.view(f"u{data.itemsize}")
-        for send in self.matcher.pattern(last.elements, s.position, s.channel):
-            if send.final and send.count == count:
-                prev = last.data[send.start:send.start + count]
-                if (last.copies[send.start:send.start + count][got] > 0).all() and \
-                        np.array_equal(bits[got], prev.view(bits.dtype)[got]):
-                    return True
-        return False
+        if last is None or not all(s.ended for s in live):
+            return
+        found: list[tuple[RingStream, int, tuple[int, int]]] = []
+        empty: list[tuple[RingStream, int]] = []
+        after = {s.name: self.cursors[s.name] for s in live}  # the step after the last allreduce on each
+        # the connections the last allreduce was taken from (a streaming decode's later window: all, each resuming
+        # after its last used send)
+        for s in [s for s in live if s.name in self._took] if self._took else live:
+            for step in range(self.cursors[s.name], s.last_step + 1):
+                ws = s.sends.get(step)
+                if ws is None or ws.size is None:
+                    break
+                if ws.size == 0:
+                    if step == self.cursors[s.name] and self._expected_resend_empty(last.elements, s):
+                        empty.append((s, step))
+                        continue
+                    break
+                where = self._repeats(s, step)
+                if not where:
+                    break
+                found.append((s, step, where))
+        if not found:
+            return
+        found += [(s, step, (0, 0)) for s, step in empty]
+        n = {s.name: len(self.matcher.pattern(last.elements, s.position, s.channel)) for s in live}
+        for s, step, where in sorted(found, key=lambda f: (f[0].name, f[1])):
+            # k: its step in the allreduce's order on the connection, 1-based
+            self._report_resend(s, step, where, n[s.name] + 1 + step - after[s.name])
+            self.cursors[s.name] = max(self.cursors[s.name], step + 1)
+
+    def _expected_resend_empty(self, elements: int, s: RingStream) -> bool:
+        """The schedule's re-send step on this connection — the final chunk its sender received last, i.e. the last
+        final send of its predecessor — carries no elements."""
+        received = self.matcher.pattern(elements, (s.position - 1) % self.params.nranks, s.channel)
+        return bool(received) and received[-1].count == 0
 
     def _causal(self, live: list[RingStream], ats: dict[str, int], elements: int) -> None:
         """Drop candidates that happen too early to be this allreduce.

@@ -14,12 +14,13 @@ from functools import partial
 import numpy as np
 
 from flowcheck.capture.mirror import roce
+from flowcheck.capture.mirror.anomalies import Anomaly, Duplicates, NoRingConnection, PsnGap
 from flowcheck.capture.mirror.assemble import Allreduce, Assembler, RingStream
 from flowcheck.capture.mirror.gc_pause import gc_paused
 from flowcheck.capture.mirror.job import Job
 from flowcheck.capture.mirror.partition import Partition
 from flowcheck.capture.mirror.pcap import Frames, read_capture
-from flowcheck.capture.mirror.streams import MessageTable, Msg, StreamInfo, ring_streams
+from flowcheck.capture.mirror.streams import MessageTable, Msg, StreamInfo, StreamRole, ring_streams
 from flowcheck.errors import CaptureError, JobError
 
 
@@ -28,8 +29,8 @@ class Decoded:
     """Everything decode learned besides the allreduces themselves."""
 
     channels: int = 0
-    streams: list[dict] = field(default_factory=list)
-    anomalies: list[dict] = field(default_factory=list)
+    streams: list[StreamRole] = field(default_factory=list)  # what every stream was taken for
+    anomalies: list[Anomaly] = field(default_factory=list)
     packets: dict = field(default_factory=dict)
     skipped_sends: list[dict] = field(default_factory=list)
     placed_bytes: int = 0  # data bytes merged into allreduce vectors (a scaled-out node places only its part's)
@@ -100,26 +101,24 @@ def decode_window(job: Job, frames: Frames, info: Decoded, resume: dict[str, int
         if s.message_count is None:
             s.message_count, s.messages = len(s.messages), []
     if not rings:
-        info.anomalies.append({"type": "no_ring_connection",
-                               "detail": "no stream between ring neighbours of the job carries NCCL sends; "
-                                         "check the ring members' MAC/IP addresses and the protocol"})
+        info.anomalies.append(NoRingConnection())
         return Window(packets, streams, [], None)
-    return Window(packets, streams, rings, Assembler(job, channels, partition, workers=workers))
+    return Window(packets, streams, rings, Assembler(job, channels, partition, workers=workers, anomalies=info.anomalies))
 
 
-def packet_anomalies(r: roce.Reassembly, anomalies: list[dict], *, tails: bool = True) -> None:
+def packet_anomalies(r: roce.Reassembly, anomalies: list[Anomaly], *, tails: bool = True) -> None:
     """The reassembler's PSN gaps and duplicates, per stream, as anomalies (``tails``: with the gaps after a
     stream's last packet up to the end its message must have)."""
     for sid, s in enumerate(r.streams):
         name = r.stream_name(sid)
         for a, b in r.gaps_of(sid, None if tails else roce.GAP_HOLE):
-            anomalies.append({"type": "psn_gap", "stream": name, "psn": [a, b], "packets": b - a})
+            anomalies.append(PsnGap(name, (a, b), b - a))
         if int(s["n_duplicates"]):
-            anomalies.append({"type": "duplicates", "stream": name, "packets": int(s["n_duplicates"])})
+            anomalies.append(Duplicates(name, int(s["n_duplicates"])))
 
 
 def _stream_infos(frames: Frames, packets: roce.Packets, r: roce.Reassembly, buf: np.ndarray,
-                  anomalies: list[dict]) -> list[StreamInfo]:
+                  anomalies: list[Anomaly]) -> list[StreamInfo]:
     """The reassembler's tables as StreamInfo/Msg objects; its PSN gaps and
     duplicates become anomalies.  Only streams with a write that closes a send can be ring connections: their
     messages become a ``MessageTable`` (message ids: positions in the candidates' run, by stream then PSN); the
@@ -243,9 +242,9 @@ def _ip(a: np.ndarray) -> str:
 def report(allreduces: list[Allreduce], info: Decoded) -> dict:
     return {
         "allreduces": [a.summary() for a in allreduces],
-        "anomalies": info.anomalies,
+        "anomalies": [a.to_json() for a in info.anomalies],
         "channels": info.channels,
-        "streams": info.streams,
+        "streams": [s.to_json() for s in info.streams],
         "packets": info.packets,
         "other_sends": len(info.skipped_sends),
     }

@@ -31,11 +31,23 @@ from flowcheck.capture.mirror.replica import PartNormsMissingError, Replica
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class StaleIteration:
+    """An iteration that could not be completed from the wire, and why (``CaptureReport.stale``)."""
+
+    iteration: int
+    step: int  # the step it would have made
+    reason: str
+
+    def to_json(self) -> dict:
+        return {"iteration": self.iteration, "step": self.step, "reason": self.reason}
+
+
 @dataclass
 class CaptureReport:
     iterations: int = 0  # iterations applied from the wire
     steps: list[int] = field(default_factory=list)  # steps the replica reached (published to RAM)
-    stale: list[dict] = field(default_factory=list)  # iterations that could not be completed, and why
+    stale: list[StaleIteration] = field(default_factory=list)  # iterations that could not be completed, and why
     resyncs: list[int] = field(default_factory=list)  # steps a full state was taken from
     skipped: int = 0  # iterations passed over while stale, waiting for a resync
     allreduces: int = 0
@@ -131,7 +143,7 @@ class Updater:
         log.warning("mirror capture: iteration %d unrecoverable: %s", iteration, why,
                     extra={"event": "stale_iteration", "iteration": iteration, "step": self.job.start_step + iteration,
                            "reason": why})
-        self.report.stale.append({"iteration": iteration, "step": self.job.start_step + iteration, "reason": why})
+        self.report.stale.append(StaleIteration(iteration, self.job.start_step + iteration, why))
         self._stale = True
         self.on_stale(iteration, why)
         self._try_resync(iteration)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from flowcheck.capture.mirror import roce
+from flowcheck.capture.mirror.anomalies import Anomaly, unplaced_anomaly
 from flowcheck.capture.mirror.ring import PatternColumns
 
 
@@ -33,7 +34,7 @@ class SendColumns(Mapping):
                  "segments", "buf", "ll", "anomalies", "build", "_built")
 
     def __init__(self, name: str, columns: dict[str, np.ndarray], order: np.ndarray, segments: np.ndarray,
-                 buf: np.ndarray, ll: bool, anomalies: list[dict], build: Callable[[SendColumns, int], object]) -> None:
+                 buf: np.ndarray, ll: bool, anomalies: list[Anomaly], build: Callable[[SendColumns, int], object]) -> None:
         self.name = name
         self.steps, self.size, self.seg_a, self.seg_b = (columns[k] for k in ("steps", "size", "seg_a", "seg_b"))
         self.flag, self.first_psn, self.last_psn, self.t0 = (columns[k] for k in ("flag", "first_psn", "last_psn", "t0"))
@@ -205,9 +206,7 @@ def merge_taken(data: np.ndarray, copies: np.ndarray, taken: list[Taken], worker
                 conflicts.append({**srcs[int(js[k])], "elements_differing": int(differing[r + k])})
         for k in range(n) if unplaced else ():  # rare: LL segments left out, reported send by send
             for status, nbytes in unplaced.get(r + k, ()):
-                where = sc.where(int(at[k]))
-                sc.anomalies.append({**where, "type": "ll_misaligned_segment", "bytes": nbytes} if status < 0
-                                    else {**where, "type": "ll_bad_flags", "lines": status})
+                sc.anomalies.append(unplaced_anomaly(sc.where(int(at[k])), status, nbytes))
         r += n
         i = np.maximum(t.idx, 0)  # (a lost send's entries are not read)
         blocks.append(SourceBlock(sc.name, t.position, t.channel, t.at, t.pattern, ~ok, sc.first_psn[i], sc.last_psn[i],
@@ -247,9 +246,13 @@ def run_groups(run: Callable[[np.ndarray], None], groups: list[np.ndarray]) -> N
 def merge_groups(starts: np.ndarray, ends: np.ndarray, k: int) -> list[np.ndarray]:
     """Indices of the ranges [starts, ends) in at most ``k`` groups such that overlapping ranges share a group, each
     group in component order (a component: ranges that overlap, transitively; components by start, each in index
-    order), groups balanced by elements (largest component first onto the lightest group).  Merging a group in this
-    order gives what index order gives — disjoint components touch different elements and overlapping ranges keep
-    their order — while the m mirrored copies of a chunk merge one after another, the destination still in cache."""
+    order), each group a contiguous run of components balanced by elements (a component goes to the group its
+    midpoint in the cumulative element count falls in; one each when there are no more than ``k``).  Merging a group in
+    this order gives what index order gives — disjoint components touch different elements and overlapping ranges keep
+    their order — while the m mirrored copies of a chunk merge one after another, the destination still in cache.
+    Contiguous runs keep each thread's writes to ``data``/``copies`` in one region: with groups that interleaved
+    components (largest first onto the lightest group) a 2-worker decode's merges took 1.22x the CPU of one worker's,
+    with runs 1.00x (bench_mirror (a)'s traffic, BENCHMARKS.md "Mirror decode at 2 workers on the 2-core VM")."""
     n = len(starts)
     if not n:
         return []
@@ -266,11 +269,12 @@ def merge_groups(starts: np.ndarray, ends: np.ndarray, k: int) -> list[np.ndarra
     k = max(1, min(k, ncomp))
     if k == 1:
         return [ordered]
-    weight = np.bincount(comp, weights=e - s, minlength=ncomp)
-    load, bin_of = [0.0] * k, np.empty(ncomp, np.int64)
-    for c in sorted(range(ncomp), key=lambda c: -weight[c]):
-        j = load.index(min(load))
-        bin_of[c] = j
-        load[j] += weight[c]
+    if k == ncomp:
+        bin_of = np.arange(ncomp)
+    else:
+        weight = np.bincount(comp, weights=e - s, minlength=ncomp)
+        cum = np.cumsum(weight)
+        mid = cum - weight / 2  # each component's midpoint in the elements of all of them
+        bin_of = np.minimum((mid * k // max(cum[-1], 1)).astype(np.int64), k - 1)
     bins = bin_of[comp_of[ordered]]
     return [g for j in range(k) if len(g := ordered[bins == j])]

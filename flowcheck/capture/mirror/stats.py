@@ -11,6 +11,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from flowcheck.capture.mirror.anomalies import Duplicates, PsnGap
+
 if TYPE_CHECKING:
     from flowcheck.capture.mirror.assemble import Allreduce
     from flowcheck.capture.mirror.decode import Decoded
@@ -43,10 +45,10 @@ class CaptureStats:
         new = info.anomalies[self._anomalies_seen:]
         self._anomalies_seen = len(info.anomalies)
         for an in new:
-            if an.get("type") == "psn_gap":
-                self.packets_missing += int(an.get("packets", 0))
-            elif an.get("type") == "duplicates":
-                self.packets_duplicate += int(an.get("packets", 0))
+            if isinstance(an, PsnGap):
+                self.packets_missing += int(an.packets)
+            elif isinstance(an, Duplicates):
+                self.packets_duplicate += int(an.packets)
 
     def allreduce(self, ar: Allreduce) -> None:
         lost = sum(b - a for a, b in ar.missing())

@@ -17,13 +17,13 @@ Send-level anomalies are kept for the steps that the handed-out allreduces used.
 """
 from __future__ import annotations
 
-import json
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
 
 from flowcheck.capture.mirror import roce
+from flowcheck.capture.mirror.anomalies import Anomaly
 from flowcheck.capture.mirror.assemble import Allreduce
 from flowcheck.capture.mirror.decode import Decoded, Window, concat_frames, decode_window, packet_anomalies
 from flowcheck.capture.mirror.gc_pause import gc_paused
@@ -32,7 +32,6 @@ from flowcheck.capture.mirror.partition import Partition
 from flowcheck.capture.mirror.pcap import Frames
 from flowcheck.errors import CaptureError
 
-_PACKET_LEVEL = ("psn_gap", "duplicates")
 # With no ring connection in the window (before the job's traffic, or other traffic on the mirror port) only
 # this much of the latest capture time is kept: no send takes longer, so a ring connection's first one is in it.
 _NO_RING_KEEP_NS = 1_000_000_000
@@ -61,7 +60,7 @@ class StreamingDecoder:
         self._status: Counter[str] = Counter()
         self._opcodes: Counter[str] = Counter()
         self._last: Allreduce | None = None  # the allreduce handed out last: trailing re-sends are compared to it
-        self._reported: set[str] = set()  # connection-level anomalies already reported (they recur every window)
+        self._reported: set[Anomaly] = set()  # connection-level anomalies already reported (they recur every window)
         self.clock = clock
         self.partition = partition
         self._last_try = clock() if clock is not None else 0
@@ -198,18 +197,17 @@ class StreamingDecoder:
         info.packets = {**{s.name: self._status[s.name] for s in roce.Status}, "opcodes": dict(self._opcodes)}
         info.channels, info.streams = local.channels, local.streams
         for an in local.anomalies:
-            if an.get("type") in _PACKET_LEVEL:
+            if an.packet_level:
                 continue
-            step = an.get("step", an.get("flag"))
-            if "stream" in an and isinstance(step, int):
-                if final or step < cursors.get(an["stream"], step):
+            step = an.send_step
+            if step is not None:
+                if final or step < cursors.get(an.stream, step):
                     info.anomalies.append(an)
                 continue
             if not final:
                 continue  # about the connections (none found, a channel short): a window may hold too little to say
-            key = json.dumps(an, sort_keys=True, default=str)
-            if key not in self._reported:
-                self._reported.add(key)
+            if an not in self._reported:
+                self._reported.add(an)
                 info.anomalies.append(an)
         if w.assembler is not None:
             info.skipped_sends.extend(s for s in w.assembler.skipped

@@ -21,6 +21,7 @@ from itertools import islice
 import numpy as np
 
 from flowcheck.capture.mirror import roce
+from flowcheck.capture.mirror.anomalies import Anomaly, ChannelCount, SendLost, StepSeenTwice, unplaced_anomaly
 from flowcheck.capture.mirror.assemble import RingStream, WireSend
 from flowcheck.capture.mirror.job import Job
 from flowcheck.capture.mirror.send_columns import SendColumns
@@ -110,6 +111,18 @@ class StreamInfo:
     # (flow-control posts) can never be a ring connection, and decode does not build its messages
     message_count: int | None = None
     first_frame: int = -1  # the capture frame of its first packet
+
+
+@dataclass(frozen=True)
+class StreamRole:
+    """What decode took a stream for (``Decoded.streams``): ring | p2p | control | foreign, and its write messages."""
+
+    stream: str
+    role: str
+    messages: int
+
+    def to_json(self) -> dict:
+        return {"stream": self.stream, "role": self.role, "messages": self.messages}
 
 
 @dataclass(slots=True)  # many of them: no per-object __dict__ for the garbage collector to walk
@@ -216,7 +229,7 @@ class SendPlacer:
 
     __slots__ = ("send", "buf", "ll", "flag", "anomalies", "where")
 
-    def __init__(self, send: Send, buf: np.ndarray, ll: bool, flag: int | None, anomalies: list[dict], where: dict):
+    def __init__(self, send: Send, buf: np.ndarray, ll: bool, flag: int | None, anomalies: list[Anomaly], where: dict):
         self.send, self.buf, self.ll, self.flag, self.anomalies, self.where = send, buf, ll, flag, anomalies, where
 
     def __call__(self, data: np.ndarray, copies: np.ndarray) -> tuple[int, int]:
@@ -237,15 +250,12 @@ class SendPlacer:
     def done(self, merged: roce.Merged) -> tuple[int, int]:
         """Reports the LL segments ``merged`` left out; (elements seen, elements differing)."""
         for status, nbytes in merged.unplaced:
-            if status < 0:
-                self.anomalies.append({**self.where, "type": "ll_misaligned_segment", "bytes": nbytes})
-            else:
-                self.anomalies.append({**self.where, "type": "ll_bad_flags", "lines": status})
+            self.anomalies.append(unplaced_anomaly(self.where, status, nbytes))
         return merged.seen, merged.differing
 
 
-def ring_streams(job: Job, streams: Sequence[StreamInfo], buf: np.ndarray, anomalies: list[dict],
-                 resume: dict[str, int] | None = None) -> tuple[list[RingStream], int, list[dict]]:
+def ring_streams(job: Job, streams: Sequence[StreamInfo], buf: np.ndarray, anomalies: list[Anomaly],
+                 resume: dict[str, int] | None = None) -> tuple[list[RingStream], int, list[StreamRole]]:
     """The job's ring connections among the streams: (ring streams, channels, what every stream was taken for).
 
     ``resume`` (a streaming decode's next window): per stream name, the 24-bit PSN its first unused send starts
@@ -257,8 +267,7 @@ def ring_streams(job: Job, streams: Sequence[StreamInfo], buf: np.ndarray, anoma
     for s in streams:
         src, dst = job.position_of(s.src_mac, s.src_ip), job.position_of(s.dst_mac, s.dst_ip)
         role = _role(job, s, src, dst, buf, ll)
-        roles.append({"stream": s.name, "role": role,
-                      "messages": len(s.messages) if s.message_count is None else s.message_count})
+        roles.append(StreamRole(s.name, role, len(s.messages) if s.message_count is None else s.message_count))
         if role == "ring":
             whole = isinstance(s.messages, MessageTable) and s.messages.whole_sends(ll)
             links.setdefault((src, dst), []).append((s, s.messages if whole else group_sends(s.messages, buf, ll)))
@@ -270,8 +279,7 @@ def ring_streams(job: Job, streams: Sequence[StreamInfo], buf: np.ndarray, anoma
     for (src, _), items in sorted(links.items()):
         items.sort(key=lambda it: it[0].qpn)  # NCCL connects channel 0 first: data QPNs increase with the channel
         if len(items) != channels:
-            anomalies.append({"type": "channel_count", "link": f"{src}->{(src + 1) % job.nranks}",
-                              "data_connections": len(items), "channels": channels})
+            anomalies.append(ChannelCount(f"{src}->{(src + 1) % job.nranks}", len(items), channels))
         for ch, (s, sends) in enumerate(items[:channels]):
             mark = resume.get(s.name) if resume else None
             if isinstance(sends, MessageTable):  # whole sends only: straight from the columns
@@ -318,7 +326,7 @@ class TablePlacer(SendPlacer):
     __slots__ = ("segments", "a", "b")
 
     def __init__(self, segments: np.ndarray, a: int, b: int, buf: np.ndarray, ll: bool, flag: int | None,
-                 anomalies: list[dict], where: dict):
+                 anomalies: list[Anomaly], where: dict):
         self.segments, self.a, self.b = segments, a, b
         self.send, self.buf, self.ll, self.flag, self.anomalies, self.where = None, buf, ll, flag, anomalies, where
 
@@ -332,7 +340,7 @@ class TablePlacer(SendPlacer):
 
 
 def _table_ring_stream(s: StreamInfo, position: int, channel: int, t: MessageTable, buf: np.ndarray, ll: bool,
-                       anomalies: list[dict], mark: int | None) -> RingStream:
+                       anomalies: list[Anomaly], mark: int | None) -> RingStream:
     """``_ring_stream`` of a connection whose messages are whole sends (``MessageTable.whole_sends``), as columns
     (``send_columns.SendColumns``): one send per message, its size the immediate, its step the LL flag (or counted
     on from the previous send's), the first of two sends at one step kept."""
@@ -354,12 +362,12 @@ def _table_ring_stream(s: StreamInfo, position: int, channel: int, t: MessageTab
     again[first] = False
     for k in np.flatnonzero(again).tolist():
         m = int(mids[k])
-        anomalies.append({"stream": s.name, "psn": [t.cols["first_psn"][m], t.cols["last_psn"][m]], "flag": int(steps[k]),
-                          "t0": t.cols["t0"][m], "type": "step_seen_twice"})
+        anomalies.append(StepSeenTwice(s.name, (t.cols["first_psn"][m], t.cols["last_psn"][m]), int(steps[k]),
+                                       t.cols["t0"][m]))
     first_step, last_step = (int(unique[0]), int(unique[-1])) if len(unique) else (1, 0)
     if last_step - first_step + 1 > len(unique):  # steps missing in between
         for gap in np.setdiff1d(np.arange(first_step, last_step + 1), unique).tolist():
-            anomalies.append({"type": "send_lost", "stream": s.name, "step": gap})
+            anomalies.append(SendLost(s.name, gap))
     return RingStream(s.name, position, channel, sends, first_step, last_step, s.ended)
 
 
@@ -391,16 +399,16 @@ def _table_send(t: MessageTable, mids: np.ndarray, sends: SendColumns, i: int) -
                     last_frame=c["last_frame"][m])
 
 
-def _ring(s: StreamInfo, position: int, channel: int, by_step: dict[int, WireSend], anomalies: list[dict]) -> RingStream:
+def _ring(s: StreamInfo, position: int, channel: int, by_step: dict[int, WireSend], anomalies: list[Anomaly]) -> RingStream:
     first = min(by_step) if by_step else 1
     last = max(by_step) if by_step else 0
     for gap in sorted(set(range(first, last + 1)) - set(by_step)):
-        anomalies.append({"type": "send_lost", "stream": s.name, "step": gap})
+        anomalies.append(SendLost(s.name, gap))
     return RingStream(s.name, position, channel, by_step, first, last, s.ended)
 
 
 def _ring_stream(s: StreamInfo, position: int, channel: int, sends: list[Send], buf: np.ndarray, ll: bool,
-                 anomalies: list[dict]) -> RingStream:
+                 anomalies: list[Anomaly]) -> RingStream:
     by_step: dict[int, WireSend] = {}
     flags = [send_step(send, buf, ll) for send in sends]
     # Simple, or an LL send with no line captured (an empty chunk's 0-byte send): the step after the previous
@@ -420,7 +428,7 @@ def _ring_stream(s: StreamInfo, position: int, channel: int, sends: list[Send], 
             frame, last_frame = min(m.info["frames"][0] for m in parts), max(m.info["frames"][1] for m in parts)
         where = {"stream": s.name, "psn": [parts[0].first_psn, parts[-1].last_psn], "flag": step, "t0": t0}
         if step in by_step:
-            anomalies.append({**where, "type": "step_seen_twice"})
+            anomalies.append(StepSeenTwice.at(where))
             continue
         by_step[step] = WireSend(step, send.size, SendPlacer(send, buf, ll, flag, anomalies, where), where,
                                  psn=parts[0].first_psn & 0xFFFFFF, frame=frame, last_frame=last_frame)
