@@ -94,6 +94,13 @@ def access_problem(e: BaseException | None) -> str | None:
     return None
 
 
+def precondition_failed(e: BaseException | None) -> bool:
+    """Whether the store answered 412 PreconditionFailed (by the error or its causes): a conditional write found
+    its condition false. AWS names the condition (``If-None-Match``), which s3fs turns into FileExistsError;
+    SeaweedFS sends the same code without it, which s3fs reports as EINVAL."""
+    return any(_error_code(link) in ("PreconditionFailed", "412") for link in _chain(e))
+
+
 def _error_code(e: BaseException) -> str | None:
     response = getattr(e, "response", None)
     if isinstance(response, dict):
