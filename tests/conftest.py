@@ -1,4 +1,4 @@
-"""Shared fixtures: a real moto S3 server on loopback, AWS environment, fresh buckets."""
+"""Shared fixtures: S3 servers on loopback (moto, a SeaweedFS cluster), the AWS environment, fresh buckets."""
 from __future__ import annotations
 
 import os
@@ -70,26 +70,35 @@ def moto_server(tmp_path_factory):
         log.close()
 
 
+def point_aws_at(endpoint: str, monkeypatch) -> str:
+    """Point the AWS chain at ``endpoint`` with the test credentials, for one test (undone afterwards)."""
+    monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+    for name in ("AWS_ENDPOINT_URL_S3", "AWS_REGION", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    for key, value in AWS_TEST_ENV.items():
+        monkeypatch.setenv(key, value)
+    return endpoint
+
+
+def fresh_bucket(endpoint: str) -> str:
+    """Create a uniquely named bucket on the S3 server at ``endpoint``; return ``s3://<bucket>/prefix``."""
+    import boto3
+
+    name = f"fc-test-{uuid.uuid4().hex[:16]}"
+    boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket=name)
+    return f"s3://{name}/prefix"
+
+
 @pytest.fixture
 def s3_env(moto_server, monkeypatch):
     """Point the AWS chain at the moto server for one test (undone afterwards)."""
-    monkeypatch.setenv("AWS_ENDPOINT_URL", moto_server)
-    monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
-    monkeypatch.delenv("AWS_REGION", raising=False)
-    monkeypatch.delenv("AWS_PROFILE", raising=False)
-    for key, value in AWS_TEST_ENV.items():
-        monkeypatch.setenv(key, value)
-    return moto_server
+    return point_aws_at(moto_server, monkeypatch)
 
 
 @pytest.fixture
 def s3_bucket(s3_env):
     """A fresh, uniquely named bucket on the moto server; yields ``s3://<bucket>/prefix``."""
-    import boto3
-
-    name = f"fc-test-{uuid.uuid4().hex[:16]}"
-    boto3.client("s3", endpoint_url=s3_env, region_name="us-east-1").create_bucket(Bucket=name)
-    yield f"s3://{name}/prefix"
+    yield fresh_bucket(s3_env)
 
 
 @pytest.fixture(scope="session")
@@ -109,16 +118,30 @@ def seaweedfs_server(tmp_path_factory):
 @pytest.fixture
 def seaweedfs_bucket(seaweedfs_server, monkeypatch):
     """A fresh bucket on the SeaweedFS cluster, the AWS chain pointed at it; yields ``s3://<bucket>/prefix``."""
-    import boto3
+    yield fresh_bucket(point_aws_at(seaweedfs_server, monkeypatch))
 
-    monkeypatch.setenv("AWS_ENDPOINT_URL", seaweedfs_server)
-    for name in ("AWS_ENDPOINT_URL_S3", "AWS_REGION", "AWS_PROFILE"):
-        monkeypatch.delenv(name, raising=False)
-    for key, value in AWS_TEST_ENV.items():
-        monkeypatch.setenv(key, value)
-    name = f"fc-test-{uuid.uuid4().hex[:16]}"
-    boto3.client("s3", endpoint_url=seaweedfs_server, region_name="us-east-1").create_bucket(Bucket=name)
-    yield f"s3://{name}/prefix"
+
+# The S3 servers every object-tier test runs against: moto's mock of AWS, and a real distributed store.
+OBJECT_SERVERS = [pytest.param("moto", marks=pytest.mark.s3), pytest.param("seaweedfs", marks=pytest.mark.s3)]
+
+
+def bucket_on(request, server: str) -> str:
+    """A fresh bucket on the named S3 server (``moto`` or ``seaweedfs``), the AWS chain pointed at it; for fixtures
+    whose own params mix S3 servers with other stores (``file://``)."""
+    return fresh_bucket(point_aws_at(request.getfixturevalue(f"{server}_server"), request.getfixturevalue("monkeypatch")))
+
+
+@pytest.fixture(params=OBJECT_SERVERS)
+def object_server(request, monkeypatch) -> str:
+    """The S3 server of this param (``moto`` or ``seaweedfs``, each started once a session) with the AWS chain
+    pointed at it; yields its endpoint URL."""
+    return point_aws_at(request.getfixturevalue(f"{request.param}_server"), monkeypatch)
+
+
+@pytest.fixture
+def object_bucket(object_server) -> str:
+    """A fresh bucket on each S3 server in turn (moto, SeaweedFS); yields ``s3://<bucket>/prefix``."""
+    return fresh_bucket(object_server)
 
 
 @pytest.fixture

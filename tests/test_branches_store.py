@@ -251,10 +251,10 @@ def _promote_branch_state(store: Store) -> None:
 
 # ---- e. the same on S3 --------------------------------------------------------------------------------
 @pytest.mark.s3
-def test_branch_states_on_s3_promote_read_back_and_are_pruned_with_their_branch(tmp_path, s3_bucket):
-    store = make_store(str(tmp_path), object_url=s3_bucket, local_keep=3, object_keep=3)
+def test_branch_states_on_s3_promote_read_back_and_are_pruned_with_their_branch(tmp_path, object_bucket):
+    store = make_store(str(tmp_path), object_url=object_bucket, local_keep=3, object_keep=3)
     _promote_branch_state(store)
-    store = make_store(str(tmp_path / "again"), object_url=s3_bucket + "2", local_keep=3, object_keep=3)
+    store = make_store(str(tmp_path / "again"), object_url=object_bucket + "2", local_keep=3, object_keep=3)
     main = three_on_main(store)
     for n in (275, 300):
         store.promote(n)
@@ -267,7 +267,7 @@ def test_branch_states_on_s3_promote_read_back_and_are_pruned_with_their_branch(
     # 250 is only local: the object tier holds the branch's fork record all the same
     assert store.tier("object", "b250-260").branch_record().fork.step == 250
     assert store.gc(tiers=["object"]).deleted["object"] == []
-    strict = make_store(str(tmp_path / "again"), object_url=s3_bucket + "2", object_keep=3, abandoned_hours=0)
+    strict = make_store(str(tmp_path / "again"), object_url=object_bucket + "2", object_keep=3, abandoned_hours=0)
     report = strict.gc(tiers=["object"])
     assert report.deleted["object"] == [Located(275), Located(300)]
     assert strict.object.pruned() == {275: main[275].digest(), 300: main[300].digest()}

@@ -8,6 +8,7 @@ import os
 import shlex
 import subprocess
 import sys
+import uuid
 
 import pytest
 from click.testing import CliRunner
@@ -15,6 +16,7 @@ from safetensors.torch import load_file
 
 from flowcheck.cli import main
 from flowcheck.demo import Check, DemoOptions, DemoSummary, demo_config
+from tests.conftest import point_aws_at
 
 EXE = os.path.join(os.path.dirname(sys.executable), "flowcheck")
 STEPS = 40
@@ -244,6 +246,34 @@ def test_demo_with_an_s3_object_store_over_http(tmp_path, s3_env):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "from the object tier" in proc.stdout and proc.stdout.strip().splitlines()[-1].startswith("demo: PASSED")
     assert "s3://demo-bucket/ckpt" in (tmp_path / "w" / "flowcheck.yaml").read_text()
+
+
+@pytest.mark.s3
+def test_demo_against_a_seaweedfs_cluster(tmp_path, seaweedfs_server, monkeypatch):
+    """`demo --object-url` against a real distributed store (tests/seaweedfs.py, as a user starts it with
+    `python -m tests.seaweedfs DIR`): the demo creates its bucket and passes; an object step deleted afterwards
+    leaves neither an `ls` row nor an `audit` warning (SeaweedFS keeps a folder until it is deleted itself)."""
+    point_aws_at(seaweedfs_server, monkeypatch)
+    url = f"s3://demo-{uuid.uuid4().hex[:12]}/ckpt"
+    proc = subprocess.run([EXE, "demo", "--workdir", str(tmp_path / "w"), "--steps", "20", "--local-every", "10",
+                           "--object-seconds", "0.5", "--object-url", url],
+                          check=False, capture_output=True, text=True, timeout=600, env=_env())
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "from the object tier" in proc.stdout and proc.stdout.strip().splitlines()[-1].startswith("demo: PASSED")
+    cfg = str(tmp_path / "w" / "flowcheck.yaml")
+    assert url in open(cfg).read()
+
+    def flowcheck(*args: str) -> str:
+        return subprocess.run([EXE, *args, "--config", cfg], check=True, capture_output=True, text=True,
+                              env=_env()).stdout
+
+    stored = sorted(r["step"] for r in json.loads(flowcheck("ls", "--json")) if r["tier"] == "object")
+    assert len(stored) >= 2, stored  # the demo promotes its first and its last step
+    flowcheck("delete", "--step", str(stored[0]), "--tier", "object")
+    flowcheck("gc")
+    listing, checked = flowcheck("ls"), flowcheck("audit")
+    assert "object" in listing and "incomplete" not in listing, listing
+    assert " 0 errors, 0 warnings" in checked, checked
 
 
 def test_a_second_demo_on_one_store_is_a_second_root_in_lineage(demo_run):

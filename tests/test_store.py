@@ -120,14 +120,14 @@ def test_failed_write_leaves_nothing_visible_and_latest_unmoved(tmp_path):
 
 
 @pytest.mark.s3
-def test_gc_aborts_stale_multipart_uploads_and_uncommitted_prefixes(tmp_path, s3_bucket, s3_env):
+def test_gc_aborts_stale_multipart_uploads_and_uncommitted_prefixes(tmp_path, object_bucket, object_server):
     import boto3
 
-    store = make_store(tmp_path, object_url=s3_bucket)
+    store = make_store(tmp_path, object_url=object_bucket)
     store.local.write(make_snapshot(step=1))
     store.promote(1)
-    bucket, prefix = s3_bucket[len("s3://"):].split("/", 1)
-    s3 = boto3.client("s3", endpoint_url=s3_env, region_name="us-east-1")
+    bucket, prefix = object_bucket[len("s3://"):].split("/", 1)
+    s3 = boto3.client("s3", endpoint_url=object_server, region_name="us-east-1")
     key = f"{prefix}/r1/step-000000002/shard-00000-of-00001.safetensors"
     s3.create_multipart_upload(Bucket=bucket, Key=key)
     s3.put_object(Bucket=bucket, Key=f"{prefix}/r1/step-000000003/shard-00000-of-00001.safetensors", Body=b"x")

@@ -11,6 +11,7 @@ from flowcheck.audit import audit
 from flowcheck.branches import Located
 from flowcheck.errors import FlowcheckError, StepNotFoundError, StepPrunedError
 from flowcheck.store import Store
+from tests.conftest import OBJECT_SERVERS, bucket_on
 from tests.helpers import make_snapshot
 from tests.test_store import advance, make_store
 
@@ -28,8 +29,14 @@ def chain(store: Store, steps=(1, 2, 3), promote=()) -> dict:
     return out
 
 
-def test_delete_leaves_a_pruning_record_and_audit_reads_a_deliberate_gap(tmp_path):
-    store = make_store(tmp_path, local_keep=10, object_keep=10)
+@pytest.fixture(params=["file", *OBJECT_SERVERS])
+def object_url(request) -> str | None:
+    """The store's object tier: a ``file://`` folder (None), or a fresh bucket on each S3 server."""
+    return None if request.param == "file" else bucket_on(request, request.param)
+
+
+def test_delete_leaves_a_pruning_record_and_audit_reads_a_deliberate_gap(tmp_path, object_url):
+    store = make_store(tmp_path, object_url, local_keep=10, object_keep=10)
     ms = chain(store, promote=(2,))
     report = store.delete(2)
     assert report.state == Located(2) and report.tiers == ("local", "object") and not report.was_head
@@ -43,8 +50,8 @@ def test_delete_leaves_a_pruning_record_and_audit_reads_a_deliberate_gap(tmp_pat
     assert result.ok, [str(p) for p in result.problems]  # step 3's parent is gone on purpose
 
 
-def test_delete_from_one_tier_keeps_the_other_copy(tmp_path):
-    store = make_store(tmp_path, local_keep=10, object_keep=10)
+def test_delete_from_one_tier_keeps_the_other_copy(tmp_path, object_url):
+    store = make_store(tmp_path, object_url, local_keep=10, object_keep=10)
     chain(store, promote=(2,))
     assert store.delete(2, tier="local").tiers == ("local",)
     assert store.local.steps() == [1, 3] and store.object.steps() == [2]

@@ -172,7 +172,11 @@ class ObjectTier(ObjectCluster, ObjectWriter, ObjectReader, ObjectChecks, Tier):
                      self.url, step, "all" if keep is None else len(keep))
             return
         # the whole prefix: the committed attempt's files, and any a losing writer left
-        self.call("deleting step data", self.fs.rm, self._p(sd), recursive=True)
+        self.remove_tree(sd, "deleting step data")
+
+    def remove_tree(self, rel: str, what: str) -> None:
+        """Delete the folder ``rel`` and everything in it (its empty folders too, where the store keeps them)."""
+        self.backend.remove_tree(self._p(rel), what)
 
     # ---- records -------------------------------------------------------------
     def _put_record(self, name: str, data: bytes) -> None:

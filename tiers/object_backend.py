@@ -144,6 +144,10 @@ class Backend:
     def put_record(self, path: str, data: bytes) -> None:
         self.tier.call(f"writing {path}", self.tier.fs.pipe_file, path, data)
 
+    def remove_tree(self, path: str, what: str) -> None:
+        """Delete ``path`` and everything under it (FileNotFoundError when there is nothing)."""
+        self.tier.call(what, self.tier.fs.rm, path, recursive=True)
+
     def create_exclusive(self, path: str, data: bytes, what: str) -> None:
         # no conditional write known for this backend: check-then-write (not race-free)
         if self.tier.call(f"checking {path}", self.tier.fs.exists, path):
@@ -304,6 +308,40 @@ class S3Backend(Backend):
                 raise FileExistsError(path) from e
             raise
 
+    def remove_tree(self, path: str, what: str) -> None:
+        """Every object under ``path``, then the folders they were in, deepest first, in batched deletes.
+        SeaweedFS's filer keeps a folder whose last object went (a delimited listing still shows it as a prefix)
+        until ``<folder>/`` itself is deleted, and never deletes one that still holds something; on AWS no such
+        key exists and deleting it does nothing. With no object under ``path``, its empty folders go."""
+        t = self.tier
+        t.fs.invalidate_cache(path)
+        try:
+            found = t.call(f"listing {path}", t.fs.find, path, detail=True)
+        except FileNotFoundError:
+            found = {}
+        # an empty SeaweedFS folder answers a HEAD as itself, which s3fs's find reports as a directory entry
+        files = [f for f, info in found.items() if f.startswith(path + "/") and info.get("type") != "directory"]
+        folders = _folders_of(path, files) if files else self._empty_folders(path)
+        bucket = path.split("/", 1)[0]
+        keys = [f.split("/", 1)[1] for f in files] + [f.split("/", 1)[1] + "/" for f in folders]
+        for i in range(0, len(keys), 1000):  # S3's limit per request; folders come after what they held
+            batch = {"Objects": [{"Key": k} for k in keys[i:i + 1000]], "Quiet": True}
+            resp = t.call(what, t.fs.call_s3, "delete_objects", Bucket=bucket, Delete=batch)
+            failed = [f"{e.get('Key')}: {e.get('Code')}" for e in resp.get("Errors", []) if not e["Key"].endswith("/")]
+            if failed:
+                raise TierError(f"object tier {t.url}: {what}: {len(failed)} objects were not deleted: {failed[:3]}")
+        t.fs.invalidate_cache(path)
+
+    def _empty_folders(self, path: str, depth: int = 4) -> list[str]:
+        """``path`` and the (empty) folders a delimited listing shows under it, deepest first."""
+        t = self.tier
+        try:
+            entries = t.call(f"listing {path}", t.fs.ls, path, detail=True, refresh=True)
+        except FileNotFoundError:
+            entries = []
+        subs = [e["name"].rstrip("/") for e in entries if e.get("type") == "directory"] if depth else []
+        return [f for s in subs for f in self._empty_folders(s, depth - 1)] + [path]
+
     def upload(self, local: str, remote: str, size: int, bar, what: str) -> None:
         client = self.tier.boto3_client()
         if client is None:
@@ -427,3 +465,14 @@ class S3Backend(Backend):
             f"object tier {self.tier.config.url}: expected the bucket {bucket!r} (tiers.object.url) to exist at "
             f"{endpoint}, found no such bucket; fix tiers.object.url (or tiers.object.endpoint_url / "
             f"AWS_ENDPOINT_URL), or create it: aws s3 mb s3://{bucket}")
+
+
+def _folders_of(root: str, files: list[str]) -> list[str]:
+    """``root`` and every folder between it and ``files``, deepest first."""
+    folders = {root}
+    for f in files:
+        parent = f.rsplit("/", 1)[0]
+        while parent.startswith(root + "/"):
+            folders.add(parent)
+            parent = parent.rsplit("/", 1)[0]
+    return sorted(folders, key=lambda f: (-f.count("/"), f))

@@ -160,7 +160,10 @@ class ObjectChecks:
             if step is None:
                 continue
             files = self._files(name)
-            if f"{name}/{MANIFEST}" in files:
+            if not files:  # an empty prefix (SeaweedFS keeps folders): nothing was written there, nothing to report
+                if not dry_run:
+                    self.remove_tree(name, "deleting an empty step folder")
+            elif f"{name}/{MANIFEST}" in files:
                 removed += self._clean_strays(step, files, cutoff, dry_run)
             elif max(files.values(), default=0.0) < cutoff:
                 removed += self._clean_step_folder(name, step, files, dry_run)
@@ -176,7 +179,7 @@ class ObjectChecks:
                 self.remove_file(rel, "deleting an unreferenced file of a deleted step")
             return [self._p(rel) for rel in gone]
         if not dry_run:
-            self.call("deleting an abandoned step", self.fs.rm, self._p(name), recursive=True)
+            self.remove_tree(name, "deleting an abandoned step")
         return [self._p(name)]
 
     def remove_file(self, rel: str, what: str) -> None:
@@ -232,7 +235,7 @@ class ObjectChecks:
         stale = sorted(rel for rel, newest in self._unreferenced(step, strays, {}).items() if newest < cutoff)
         for rel in stale if not dry_run else ():
             try:
-                self.call("deleting an abandoned attempt", self.fs.rm, self._p(rel), recursive=True)
+                self.remove_tree(rel, "deleting an abandoned attempt")
             except FileNotFoundError:  # its writer removed it meanwhile
                 pass
         return [self._p(rel) for rel in stale]
@@ -256,7 +259,10 @@ class ObjectChecks:
         except FileNotFoundError:
             return []
         names = [p.rstrip("/").split("/")[-1] for p in entries]
-        found = {n: 0.0 for n in names if parse_step_dir(n) is not None and not self._exists(f"{n}/{MANIFEST}")}
+        # a prefix with no object under it is no write at all: S3 lists no such prefix, SeaweedFS lists a folder
+        # whose last object was deleted until the folder itself is
+        found = {n: 0.0 for n in names if parse_step_dir(n) is not None and not self._exists(f"{n}/{MANIFEST}")
+                 and self._files(n)}
         # a deleted step whose files kept steps reference is no incomplete write
         return sorted(n for n in found if self._unreferenced(parse_step_dir(n), {n: 0.0}, None))
 

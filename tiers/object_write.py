@@ -260,7 +260,7 @@ class ObjectWriter:
     def discard(self, attempt: str) -> None:
         """Remove a losing attempt's folder; if that fails, GC removes it once it is older than the grace period."""
         try:
-            self.call(f"removing {attempt}", self.fs.rm, self._p(attempt), recursive=True)
+            self.remove_tree(attempt, f"removing {attempt}")
         except FileNotFoundError:
             pass
         except TierError as e:

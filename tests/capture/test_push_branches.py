@@ -211,8 +211,8 @@ def test_rollback_end_to_end_with_the_node_policy_on_a_file_object_store(tmp_pat
 
 
 @pytest.mark.s3
-def test_rollback_end_to_end_with_the_node_policy_on_s3(tmp_path, s3_bucket):
-    _rollback_end_to_end(tmp_path, s3_bucket)
+def test_rollback_end_to_end_with_the_node_policy_on_s3(tmp_path, object_bucket):
+    _rollback_end_to_end(tmp_path, object_bucket)
 
 
 def test_a_fresh_trainer_is_a_new_root_and_one_that_names_its_parent_continues_it(tmp_path):

@@ -183,18 +183,18 @@ def _s3_config(tmp_path, url: str) -> str:
 
 
 @pytest.mark.parametrize("command", ["ls", "audit"])
-def test_a_missing_bucket_is_an_error_naming_it_not_an_empty_store(s3_env, tmp_path, command):
+def test_a_missing_bucket_is_an_error_naming_it_not_an_empty_store(object_server, tmp_path, command):
     cfg = _s3_config(tmp_path, "s3://nosuchbucket-flowcheck/ckpt")
     line = one_error_line(run(command, "--config", cfg))
     assert "nosuchbucket-flowcheck" in line and "tiers.object.url" in line
 
 
 @pytest.mark.parametrize("command", ["ls", "audit"])
-def test_an_existing_empty_bucket_says_so(s3_bucket, tmp_path, command):
-    cfg = _s3_config(tmp_path, f"{s3_bucket}/ckpt")
+def test_an_existing_empty_bucket_says_so(object_bucket, tmp_path, command):
+    cfg = _s3_config(tmp_path, f"{object_bucket}/ckpt")
     result = run(command, "--config", cfg)
     assert result.exit_code == 0, result.output
-    assert f"object tier {s3_bucket}/ckpt exists and holds no steps of run r" in result.output
+    assert f"object tier {object_bucket}/ckpt exists and holds no steps of run r" in result.output
 
 
 def test_delete_leaves_a_pruned_record_and_refuses_the_head_without_force(store):

@@ -1,4 +1,4 @@
-"""``dcp.async_save`` through ``flowcheck.dcp.Writer`` to S3 (a moto server on loopback): 4 FSDP2 ranks keep training
+"""``dcp.async_save`` through ``flowcheck.dcp.Writer`` to S3 (moto, then the SeaweedFS cluster, on loopback): 4 FSDP2 ranks keep training
 while the save is in flight, the step is invisible until every rank's part is in and the coordinator committed it,
 and it then reads back equal to DCP's own FileSystemWriter copy; a rank killed mid-save leaves nothing committed,
 and GC removes what it left."""
@@ -21,8 +21,8 @@ pytestmark = pytest.mark.s3
 K, N = 2, 5
 
 
-def test_async_save_to_s3_lets_training_go_on_and_commits_the_step_only_when_complete(s3_bucket, tmp_path):
-    cfg = config(str(tmp_path), s3_bucket)
+def test_async_save_to_s3_lets_training_go_on_and_commits_the_step_only_when_complete(object_bucket, tmp_path):
+    cfg = config(str(tmp_path), object_bucket)
     fsdp.spawn(fsdp.async_save, 4, cfg, K, N, str(tmp_path / "fs"), str(tmp_path / "gate"), str(tmp_path / "log.json"))
     log = json.loads((tmp_path / "log.json").read_text())
     assert log["saved"] is True
@@ -42,8 +42,8 @@ def test_async_save_to_s3_lets_training_go_on_and_commits_the_step_only_when_com
     assert done.returncode == 0 and "0 errors, 0 warnings" in done.stdout, done.stdout + done.stderr
 
 
-def test_a_rank_killed_mid_save_leaves_nothing_committed_and_gc_removes_its_parts(s3_bucket, tmp_path):
-    cfg = config(str(tmp_path), s3_bucket)
+def test_a_rank_killed_mid_save_leaves_nothing_committed_and_gc_removes_its_parts(object_bucket, tmp_path):
+    cfg = config(str(tmp_path), object_bucket)
     with pytest.raises(torch.multiprocessing.ProcessExitedException):
         fsdp.spawn(fsdp.async_save, 4, cfg, K, N, str(tmp_path / "fs"), str(tmp_path / "gate"),
                    str(tmp_path / "log.json"), 1)

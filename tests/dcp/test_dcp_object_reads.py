@@ -18,15 +18,16 @@ from flowcheck.dcp.index import object_name
 from flowcheck.errors import IntegrityError
 from flowcheck.store import open_store
 from flowcheck.tiers.object import ObjectTier
+from tests.conftest import OBJECT_SERVERS, bucket_on
 from tests.dcp.test_dcp_fsdp import config
 from tests.dcp.test_dcp_single import load, same, save, state, zeros_like
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
 
-@pytest.fixture(params=["file", pytest.param("s3", marks=pytest.mark.s3)])
+@pytest.fixture(params=["file", *OBJECT_SERVERS])
 def cfg(request, tmp_path):
-    return config(str(tmp_path), request.getfixturevalue("s3_bucket") if request.param == "s3" else None)
+    return config(str(tmp_path), None if request.param == "file" else bucket_on(request, request.param))
 
 
 def _stored(cfg: str, step: int):

@@ -27,15 +27,16 @@ from flowcheck.config import (
     TiersConfig,
 )
 from flowcheck.store import Store
+from tests.conftest import OBJECT_SERVERS, bucket_on
 from tests.integration.multinode_node import RUN, full_state, owned
 
 NODES = ["n0", "n1", "n2"]
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-@pytest.fixture(params=[pytest.param("s3", marks=pytest.mark.s3), "file"])
+@pytest.fixture(params=[*OBJECT_SERVERS, "file"])
 def url(request, tmp_path):
-    return request.getfixturevalue("s3_bucket") if request.param == "s3" else f"file://{tmp_path / 'object'}"
+    return f"file://{tmp_path / 'object'}" if request.param == "file" else bucket_on(request, request.param)
 
 
 def run_nodes(url, tmp_path, step, *, barrier=False, die=(), wait=60.0) -> dict[str, tuple[int, dict]]:

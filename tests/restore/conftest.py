@@ -67,24 +67,32 @@ def store_config(tmp_path, run: str = "r1") -> str:
     return str(path)
 
 
-def make_store(tmp_path, run: str = "r1"):
+def make_store(tmp_path, run: str = "r1", object_url: str | None = None):
+    """The store of ``store_config(tmp_path)``; ``object_url`` replaces its ``file://`` object tier."""
     cfg = config_mod.load(store_config(tmp_path))
     from dataclasses import replace
 
+    if object_url is not None:
+        cfg = replace(cfg, tiers=replace(cfg.tiers, object=replace(cfg.tiers.object, url=object_url)))
     return open_store(replace(cfg, run=run))
 
 
-@pytest.fixture
-def gqa_store(tmp_path):
-    """A store holding step 10 of a GQA+SwiGLU model imported from a safetensors file, and its state."""
+def gqa(tmp_path, object_url: str | None = None):
+    """(store, state, arch): a store holding step 10 of a GQA+SwiGLU model imported from a safetensors file."""
     from flowcheck.restore.importer import import_into
 
     arch = SMALL["gqa_swiglu"]
     state = canonical_state(arch)
     ref = write_reference(str(tmp_path / "ref.safetensors"), arch, state)
-    store = make_store(tmp_path)
+    store = make_store(tmp_path, object_url=object_url)
     import_into(store, ref, 10)
     return store, state, arch
+
+
+@pytest.fixture
+def gqa_store(tmp_path):
+    """A store holding step 10 of a GQA+SwiGLU model imported from a safetensors file, and its state."""
+    return gqa(tmp_path)
 
 
 # ---- a step a Megatron job pushed (tests of what restore writes for resuming) -------------------------

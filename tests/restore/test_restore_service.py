@@ -17,8 +17,9 @@ from flowcheck.restore.megatron_common import Target
 from flowcheck.restore.service import restore
 from flowcheck.state import ParallelLayout, Scalars, Shard, Snapshot, StateLayout, TensorSpec
 
+from tests.conftest import OBJECT_SERVERS, bucket_on
 from tests.helpers import flip_shard_byte
-from .conftest import SMALL, canonical_state, make_store, same_or_padded, store_config, write_reference
+from .conftest import SMALL, canonical_state, gqa, make_store, same_or_padded, store_config, write_reference
 
 LAYOUTS = [(1, 1, 1), (2, 2, 1), (4, 1, 1), (2, 2, 2)]
 
@@ -108,9 +109,15 @@ def test_bf16_restore_casts_weights_and_keeps_fp32_moments(tmp_path, gqa_store):
     assert all(t.dtype == torch.float32 for g in masters for t in g)
 
 
+@pytest.fixture(params=["file", *OBJECT_SERVERS])
+def object_url(request) -> str | None:
+    """The object tier of the store: its ``file://`` folder, or a fresh bucket on each S3 server."""
+    return None if request.param == "file" else bucket_on(request, request.param)
+
+
 @pytest.mark.parametrize("fmt", ["megatron-dist", "megatron"])  # legacy: cut on the consuming thread, not the reader
-def test_restore_reads_the_object_tier_when_asked(tmp_path, gqa_store, fmt):
-    store, state, _ = gqa_store
+def test_restore_reads_the_object_tier_when_asked(tmp_path, fmt, object_url):
+    store, state, _ = gqa(tmp_path, object_url)
     store.promote(10)
     rep = restore(store, 10, Target(2, 1, 1, fmt), str(tmp_path / "o"), prefer="object")
     assert rep.tier == "object"

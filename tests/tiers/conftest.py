@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from flowcheck.config import LocalConfig, ObjectConfig
+from tests.conftest import bucket_on
 
 TIER_KINDS = ["memory", "local", "object-file", pytest.param("object-s3", marks=pytest.mark.s3),
               pytest.param("object-seaweedfs", marks=pytest.mark.s3)]
@@ -29,7 +30,7 @@ def _tier_factory(kind: str, request, base):
         from flowcheck.tiers.object import ObjectTier
 
         url = f"file://{base / 'object'}" if kind == "object-file" else \
-            request.getfixturevalue({"object-s3": "s3_bucket", "object-seaweedfs": "seaweedfs_bucket"}[kind])
+            bucket_on(request, {"object-s3": "moto", "object-seaweedfs": "seaweedfs"}[kind])
         config = ObjectConfig(url=url, max_file_mib=1)  # 1 MiB files: a >1 MiB shard spans several
         return lambda run: ObjectTier(config, run, staging_dir=str(base / "staging"))
     raise ValueError(f"unknown tier kind {kind!r}")

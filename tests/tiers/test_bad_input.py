@@ -208,13 +208,13 @@ def test_verify_reports_a_manifest_naming_a_path_outside_the_root(tier, two_step
 
 # ---- unreachable endpoints ---------------------------------------------------------------------------
 @pytest.mark.s3
-def test_an_unreachable_s3_endpoint_raises_tier_error_quickly(s3_bucket, tmp_path):
+def test_an_unreachable_s3_endpoint_raises_tier_error_quickly(object_bucket, tmp_path):
     from flowcheck.tiers.object import ObjectTier
 
-    good = ObjectTier(ObjectConfig(url=s3_bucket), "r1", staging_dir=str(tmp_path / "staging"))
+    good = ObjectTier(ObjectConfig(url=object_bucket), "r1", staging_dir=str(tmp_path / "staging"))
     snap = make_snapshot(step=10)
     good.write(snap)
-    dead_endpoint = ObjectConfig(url=s3_bucket, endpoint_url="http://127.0.0.1:1")
+    dead_endpoint = ObjectConfig(url=object_bucket, endpoint_url="http://127.0.0.1:1")
     down = ObjectTier(dead_endpoint, "r1", staging_dir=str(tmp_path / "s2"))
     for call in (down.steps, lambda: down.write(make_snapshot(step=20))):
         start = time.monotonic()

@@ -64,5 +64,5 @@ def test_cluster_rollback_commits_a_new_branch_on_a_file_object_store(tmp_path):
 
 
 @pytest.mark.s3
-def test_cluster_rollback_commits_a_new_branch_on_s3(tmp_path, s3_bucket):
-    _run(s3_bucket, tmp_path)
+def test_cluster_rollback_commits_a_new_branch_on_s3(tmp_path, object_bucket):
+    _run(object_bucket, tmp_path)

@@ -121,8 +121,8 @@ def test_audit_names_both_steps_when_a_referenced_object_file_is_damaged(tmp_pat
                 fresh.read(4, name)
 
 
-def test_s3_promoted_history_round_trips_and_survives_gc(tmp_path, s3_bucket):
-    store = make_store(str(tmp_path), object_url=s3_bucket, object_keep=2)
+def test_s3_promoted_history_round_trips_and_survives_gc(tmp_path, object_bucket):
+    store = make_store(str(tmp_path), object_url=object_bucket, object_keep=2)
     snaps = promote_steps(store, range(1, 5))
     obj = store.object
     for step in (2, 3, 4):

@@ -23,6 +23,7 @@ from flowcheck.tiers.base import step_dir
 from flowcheck.tiers.cluster import part_dir
 from flowcheck.tiers.local import LocalTier
 from flowcheck.tiers.object import ObjectTier, attempt_dir
+from tests.conftest import OBJECT_SERVERS, bucket_on
 from tests.helpers import global_array, make_snapshot
 
 ROUNDS = 20  # of different states
@@ -183,8 +184,8 @@ def test_two_writers_of_a_step_on_file_never_clobber_each_other(tmp_path):
 
 
 @pytest.mark.s3
-def test_two_writers_of_a_step_on_s3_never_clobber_each_other(tmp_path, s3_bucket):
-    run_races(s3_bucket, str(tmp_path))
+def test_two_writers_of_a_step_on_s3_never_clobber_each_other(tmp_path, object_bucket):
+    run_races(object_bucket, str(tmp_path))
 
 
 def test_two_writers_with_one_node_name_never_clobber_each_others_part(tmp_path):
@@ -209,9 +210,9 @@ def test_two_writers_with_one_node_name_never_clobber_each_others_part(tmp_path)
 
 
 # ---- leftovers of a loser killed before it removed its files ----------------------------
-@pytest.fixture(params=["file", pytest.param("s3", marks=pytest.mark.s3)])
+@pytest.fixture(params=["file", *OBJECT_SERVERS])
 def object_url(request, tmp_path) -> str:
-    return f"file://{tmp_path / 'object'}" if request.param == "file" else request.getfixturevalue("s3_bucket")
+    return f"file://{tmp_path / 'object'}" if request.param == "file" else bucket_on(request, request.param)
 
 
 def _abandoned(tier: ObjectTier, step: int, name: str = "shard-00000-of-00001.safetensors") -> str:

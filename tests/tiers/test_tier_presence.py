@@ -86,7 +86,7 @@ def test_a_file_where_a_tier_folder_should_be_is_an_error(tmp_path):
 
 # ---- S3: a missing bucket is an error at once, an empty prefix an empty store ---------------------
 @pytest.mark.s3
-def test_a_missing_bucket_is_an_error_naming_it_not_an_empty_store(tmp_path, s3_env, monkeypatch, caplog):
+def test_a_missing_bucket_is_an_error_naming_it_not_an_empty_store(tmp_path, object_server, monkeypatch, caplog):
     bucket = f"nosuchbucket-{uuid.uuid4().hex[:8]}"
     store = make_store(tmp_path, f"s3://{bucket}/prefix", retries=4)
     calls = counting(monkeypatch, store.object.fs, "glob", "ls")
@@ -101,15 +101,15 @@ def test_a_missing_bucket_is_an_error_naming_it_not_an_empty_store(tmp_path, s3_
 
 
 @pytest.mark.s3
-def test_an_existing_bucket_without_steps_is_an_empty_store(tmp_path, s3_bucket):
-    store = make_store(tmp_path, s3_bucket)
+def test_an_existing_bucket_without_steps_is_an_empty_store(tmp_path, object_bucket):
+    store = make_store(tmp_path, object_bucket)
     obj = {s.tier: s for s in store.check_tiers()}["object"]
     assert obj.created and obj.empty
-    assert obj.describe() == f"object tier {s3_bucket} exists and holds no steps of run r1"
+    assert obj.describe() == f"object tier {object_bucket} exists and holds no steps of run r1"
 
 
 @pytest.mark.s3
-def test_promoting_to_a_missing_bucket_fails_at_once_and_writes_nothing(tmp_path, s3_env, caplog):
+def test_promoting_to_a_missing_bucket_fails_at_once_and_writes_nothing(tmp_path, object_server, caplog):
     store = make_store(tmp_path, f"s3://nosuchbucket-{uuid.uuid4().hex[:8]}/p", retries=4)
     store.local.write(make_snapshot(step=1))
     with pytest.raises(TierMissingError, match="was not promoted"):

@@ -202,7 +202,7 @@ def test_a_zero_size_trailing_dimension_reads_back(tier):
 
 
 @pytest.mark.s3
-def test_multipart_uploads_of_several_parts_read_back(s3_bucket, tmp_path):
+def test_multipart_uploads_of_several_parts_read_back(object_bucket, tmp_path):
     """A 12 MiB file in 5 MiB parts: the parallel multipart path, bit-exact."""
     from flowcheck.config import ObjectConfig
     from flowcheck.state import Shard, TensorSpec
@@ -211,7 +211,7 @@ def test_multipart_uploads_of_several_parts_read_back(s3_bucket, tmp_path):
     spec = TensorSpec("decoder.layers.0.mlp.linear_fc1.weight", "float32", (3 << 20,))
     data = np.random.default_rng(3).standard_normal(3 << 20).astype(np.float32)
     snap = make_custom_snapshot([spec], {Shard.whole(spec): data})
-    tier = ObjectTier(ObjectConfig(url=s3_bucket, part_mib=5, upload_workers=3), "r1", staging_dir=str(tmp_path / "st"))
+    tier = ObjectTier(ObjectConfig(url=object_bucket, part_mib=5, upload_workers=3), "r1", staging_dir=str(tmp_path / "st"))
     m = tier.write(snap)
     assert m.files[0].bytes > 12 << 20 and tier.verify(10) == []
     np.testing.assert_array_equal(tier.read(10, spec.name), data)
