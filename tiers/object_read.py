@@ -25,6 +25,8 @@ from flowcheck.tiers import safetensors_io as st
 from flowcheck.tiers.base import Tier, full_region
 
 READ_AHEAD = 256 << 20  # bytes of whole shards fetched together when a step is read shard by shard
+HEADERS_KEPT = 256  # parsed headers cached per tier
+HEADER_READERS = 8  # files whose headers are fetched at once when a step is first read
 
 
 class ObjectReader:
@@ -49,7 +51,7 @@ class ObjectReader:
         size = self.call(f"stat {rel}", self.fs.size, path)
         h = st.parse_header(lambda a, b: self.call(f"reading {rel}", self.fs.cat_file, path, start=a, end=b), size, f"{self.url}/{rel}")
         self._headers[path] = h
-        while len(self._headers) > 256:
+        while len(self._headers) > HEADERS_KEPT:
             self._headers.popitem(last=False)
         return h
 
@@ -154,6 +156,7 @@ class ObjectReader:
         cached = self._order_cache
         if cached is not None and cached[0] is manifest:
             return cached[1]
+        self._fetch_headers(manifest)
 
         def place(item: tuple[str, ShardEntry]) -> tuple:
             piece = item[1].location[0] if item[1].location else None
@@ -166,6 +169,16 @@ class ObjectReader:
         order = sorted(((n, e) for n, t in manifest.tensors.items() for e in t.shards), key=place)
         self._order_cache = (manifest, order)
         return order
+
+    def _fetch_headers(self, manifest: Manifest) -> None:
+        """The header of every file the step's pieces lie in, fetched concurrently (each costs a few small
+        requests: one after the other, they were most of the wait before a step's first byte)."""
+        files = {self.piece_path(manifest, piece): piece.path for t in manifest.tensors.values() for e in t.shards
+                 for piece in e.location if piece.key is not None}
+        missing = [(path, rel) for path, rel in files.items() if path not in self._headers][:HEADERS_KEPT]
+        if len(missing) > 1:
+            with ThreadPoolExecutor(min(HEADER_READERS, len(missing)), thread_name_prefix="flowcheck-object-header") as pool:
+                list(pool.map(lambda item: self.header(item[1], item[0]), missing))
 
     def read_shards_into(self, manifest: Manifest, items: list[tuple[str, ShardEntry]], into: list[np.ndarray]) -> None:
         """Whole shards read by ranged reads straight into the caller's arrays (writable, contiguous, of each
