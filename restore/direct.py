@@ -3,8 +3,8 @@
 A restore into ``torch_dist`` holds the whole checkpoint in memory before DCP writes it (layers stacked, the
 vocabulary padded).  Read shard by shard, every byte would land in a read buffer and be copied into the stacked
 tensor; read here, a tensor stored as one whole shard is fetched into the writer's own tensor (the tier's
-``read_shards_into``: its digest checked as its last bytes land), batches of about BATCH bytes in flight one
-after the other while the previous batch is handed on.  A batch found damaged is read again tensor by tensor
+``read_shards_into``: its digest checked as its last bytes land), IN_FLIGHT batches of about BATCH bytes at a
+time, handed on in order as each completes.  A batch found damaged is read again tensor by tensor
 through the tier (which names the damage, or reads an intact copy from another tier).
 """
 from __future__ import annotations
@@ -20,6 +20,7 @@ from flowcheck import dtypes
 from flowcheck.errors import FormatError, IntegrityError, ManifestError, TierError
 
 BATCH = 256 << 20  # bytes of tensors read per request batch (the object tier's read-ahead size)
+IN_FLIGHT = 2  # batches read at once (each as ranged GETs of up to 64 MiB on the tier's reader threads)
 _DAMAGE = (IntegrityError, FormatError, ManifestError, TierError)
 
 Job = tuple[Any, Any, str]  # (param, slot, stored tensor name)
@@ -39,7 +40,7 @@ def read_into(reader: Any, jobs: list[Job], destination: Destination,
         dt = getattr(torch, dtypes.dtype(t.dtype).torch)
         plan.append((job, destination(job[0], job[1], tuple(t.global_shape), dt) if whole else None))
     batches = _batches(plan, m)
-    pool = ThreadPoolExecutor(1, thread_name_prefix="flowcheck-restore-read")
+    pool = ThreadPoolExecutor(IN_FLIGHT, thread_name_prefix="flowcheck-restore-read")
     reads: list[Future] = [pool.submit(_read_batch, reader, batch) for batch in batches]
     try:
         for batch, read in zip(batches, reads):
@@ -53,17 +54,21 @@ def read_into(reader: Any, jobs: list[Job], destination: Destination,
 
 
 def _batches(plan: list, m: Any) -> list[list]:
-    """The plan in runs of about BATCH bytes (a tensor larger than that alone)."""
+    """The plan in runs of about BATCH bytes, cut where the next tensor lies in another file than the last one
+    (a store is asked for each file's bytes once: moto reads a whole object for every ranged GET), or past
+    4 x BATCH in one file (a retry re-reads one batch)."""
     out: list[list] = [[]]
-    size = 0
+    size, last = 0, None
     for job, dest in plan:
         t = m.tensors[job[2]]
         n = math.prod(t.global_shape) * dtypes.dtype(t.dtype).itemsize
-        if out[-1] and size + n > BATCH:
+        pieces = t.shards[0].location if t.shards else ()
+        where = pieces[0].path if pieces else None
+        if out[-1] and size + n > BATCH and (where != last or size + n > 4 * BATCH):
             out.append([])
             size = 0
         out[-1].append((job, dest))
-        size += n
+        size, last = size + n, where
     return out
 
 

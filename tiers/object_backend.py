@@ -26,7 +26,10 @@ from flowcheck.tiers.retry import AWS_CREDENTIALS_HINT, access_problem
 S3_PROTOCOLS = ("s3", "s3a")
 READERS = 4  # threads reading a local folder's files (streams of a fetch at once)
 S3_READERS = 8  # ranged GETs in flight at once for one tier's reads
-S3_REQUEST = (8 << 20, 64 << 20)  # the smallest and largest ranged GET a fetch is cut into
+# the largest ranged GET: a stream of one file is cut into requests this long (a read-ahead or restore batch of
+# 256 MiB, with the next one in flight, keeps S3_READERS busy; a store that reads a whole object per ranged GET,
+# as moto does, sees few requests per object)
+S3_REQUEST = 64 << 20
 
 
 class TierIO(Protocol):
@@ -302,16 +305,14 @@ class S3Backend(Backend):
 
     def fetch_into(self, wants: list, dests: list, done=None) -> None:
         """Ranges read through boto3 straight into their destinations: ranges that follow each other in one file
-        join into one ranged GET (S3_REQUEST bytes, cut so that a fetch keeps S3_READERS requests in flight), each
-        body read into place as it arrives (no bytes objects, no copy); ``done(i)`` on the reading thread."""
+        join into one ranged GET (of at most S3_REQUEST bytes; S3_READERS in flight), each body read into place as
+        it arrives (no bytes objects, no copy); ``done(i)`` on the reading thread."""
         client = self.tier.boto3_client()
         if client is None:
             return super().fetch_into(wants, dests, done)
         from flowcheck.tiers.range_reads import get_stream
 
-        total = sum(w.end - w.start for w in wants)
-        most = max(S3_REQUEST[0], min(S3_REQUEST[1], -(-total // S3_READERS)))
-        self._read_streams(wants, dests, done, most, lambda path, pieces, piece_done: get_stream(
+        self._read_streams(wants, dests, done, S3_REQUEST, lambda path, pieces, piece_done: get_stream(
             client, path, pieces, piece_done))
 
     def upload(self, local: str, remote: str, size: int, bar, what: str) -> None:

@@ -25,6 +25,7 @@ from flowcheck.tiers import safetensors_io as st
 from flowcheck.tiers.base import Tier, full_region
 
 READ_AHEAD = 256 << 20  # bytes of whole shards fetched together when a step is read shard by shard
+HEAD_BYTES = 64 << 10  # a stored file's first bytes read for its header (a longer header costs one more request)
 HEADERS_KEPT = 256  # parsed headers cached per tier
 HEADER_READERS = 8  # files whose headers are fetched at once when a step is first read
 
@@ -49,7 +50,16 @@ class ObjectReader:
             self._headers.move_to_end(path)
             return self._headers[path]
         size = self.call(f"stat {rel}", self.fs.size, path)
-        h = st.parse_header(lambda a, b: self.call(f"reading {rel}", self.fs.cat_file, path, start=a, end=b), size, f"{self.url}/{rel}")
+        head: list[bytes] = []  # the file's first HEAD_BYTES: one request serves the length and the JSON of most headers
+
+        def read(a: int, b: int) -> bytes:
+            if not head:
+                head.append(self.call(f"reading {rel}", self.fs.cat_file, path, start=0, end=min(size, HEAD_BYTES)))
+            if b <= len(head[0]):
+                return head[0][a:b]
+            return self.call(f"reading {rel}", self.fs.cat_file, path, start=a, end=b)
+
+        h = st.parse_header(read, size, f"{self.url}/{rel}")
         self._headers[path] = h
         while len(self._headers) > HEADERS_KEPT:
             self._headers.popitem(last=False)
