@@ -144,15 +144,18 @@ def main(argv: list[str] | None = None) -> dict:
                    "staging_dir": os.path.join(work, "staging")} if endpoint else {"enabled": False}
             return from_dict({"run": "bench", "tiers": {"local": {"root": os.path.join(work, "local")}, "object": obj}})
 
-        cfg = store_cfg(None)
-        store = open_store(cfg)
-        import_into(store, ref, STEP)
-        os.remove(ref)
         cfgs = {}
         for name in names:
             servers[name] = c.s3_server(name, work)
             servers[name].client().create_bucket(Bucket=BUCKET)
             cfgs[name] = store_cfg(servers[name].url)
+        # one config for the local rows and the import: the run is bound to its object tier URL (s3://bench/p on
+        # every server: a store of another server's config is the same experiment)
+        cfg = cfgs[names[0]] if names else store_cfg(None)
+        store = open_store(cfg)
+        import_into(store, ref, STEP)
+        os.remove(ref)
+        for name in names:
             open_store(cfgs[name]).promote(STEP)
         step_path = os.path.join(store.local.root, step_dir(STEP))
         files = sorted(os.path.join(d, f) for d, _, fs in os.walk(step_path) for f in fs)
