@@ -155,9 +155,13 @@ class ObjectReader:
         reads each file front to back, with the next shards fetched ahead."""
         snap = Tier.load(self, step, verify=verify)
         order = {}
-        for name, e in self._file_order(snap.origin):
+        walk = self._file_order(snap.origin)
+        for name, e in walk:
             shard = Shard(name, e.offsets, e.shape)
             order[shard] = snap.data[shard]
+        if walk:  # the walk starts at its first shard: read ahead from there, not from the second one on
+            with self._window_lock:
+                self._expected = _key(snap.origin, *walk[0])
         return dataclasses.replace(snap, data=order)
 
     def _file_order(self, manifest: Manifest) -> list[tuple[str, ShardEntry]]:
