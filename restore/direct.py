@@ -21,7 +21,8 @@ from flowcheck.errors import FormatError, IntegrityError, ManifestError, TierErr
 
 BATCH = 256 << 20  # bytes of tensors read per request batch (the object tier's read-ahead size)
 IN_FLIGHT = 2  # batches read at once (each as ranged GETs of up to 64 MiB on the tier's reader threads)
-_DAMAGE = (IntegrityError, FormatError, ManifestError, TierError)
+# a copy that reads wrong or not at all (a missing file included): read tensor by tensor, the errors name it
+_DAMAGE = (IntegrityError, FormatError, ManifestError, TierError, OSError)
 
 Job = tuple[Any, Any, str]  # (param, slot, stored tensor name)
 Destination = Callable[[Any, Any, tuple[int, ...], torch.dtype], "torch.Tensor | None"]

@@ -184,11 +184,13 @@ class ObjectReader:
         self._order_cache = (manifest, order)
         return order
 
-    def _fetch_headers(self, manifest: Manifest) -> None:
-        """The header of every file the step's pieces lie in, fetched concurrently (each costs a few small
-        requests: one after the other, they were most of the wait before a step's first byte)."""
-        files = {self.piece_path(manifest, piece): piece.path for t in manifest.tensors.values() for e in t.shards
-                 for piece in e.location if piece.key is not None}
+    def _fetch_headers(self, manifest: Manifest, entries: list[ShardEntry] | None = None) -> None:
+        """The header of every file the pieces of ``entries`` (default: the whole step) lie in, fetched concurrently
+        (a stat and a read each: one file after another, they were most of the wait before a step's first byte)."""
+        if entries is None:
+            entries = [e for t in manifest.tensors.values() for e in t.shards]
+        files = {self.piece_path(manifest, piece): piece.path for e in entries for piece in e.location
+                 if piece.key is not None}
         missing = [(path, rel) for path, rel in files.items() if path not in self._headers][:HEADERS_KEPT]
         if len(missing) > 1:
             with ThreadPoolExecutor(min(HEADER_READERS, len(missing)), thread_name_prefix="flowcheck-object-header") as pool:
@@ -205,6 +207,8 @@ class ObjectReader:
             if dest.nbytes != want or not dest.flags.c_contiguous or not dest.flags.writeable:
                 raise ValueError(f"read_shards_into: {name} {list(entry.offsets)}: expected a writable contiguous "
                                  f"array of {want} bytes, found {dest.nbytes} bytes")
+
+        self._fetch_headers(manifest, [entry for _, entry in items])
 
         def once() -> None:
             digests = self._fetch_into(manifest, items, into)

@@ -68,3 +68,14 @@ def test_a_damaged_object_copy_is_read_again_tensor_by_tensor_and_named(tmp_path
         restore(store, 10, Target(2, 1, 1, "megatron-dist"), str(tmp_path / "out"), prefer="object")
     assert seen["into"] > 0 and seen["shard"] > 0  # the batch holding it was read again shard by shard
     assert not os.path.exists(tmp_path / "out")
+
+
+def test_a_missing_object_file_fails_the_restore_naming_it(tmp_path, gqa_store):
+    store, _, _ = gqa_store
+    store.promote(10)
+    tier = store.object
+    rel = tier.manifest(10).files[0].path
+    os.remove(os.path.join(tier.root, rel))
+    with pytest.raises(IntegrityError, match="missing"):
+        restore(store, 10, Target(2, 1, 1, "megatron-dist"), str(tmp_path / "out"), prefer="object")
+    assert not os.path.exists(tmp_path / "out")
