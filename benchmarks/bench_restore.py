@@ -3,7 +3,8 @@
 Setup (untimed): a GPT (flowcheck.restore.arch.ModelArch, hidden 1024 (256 below 0.5 GB), 16 heads, ffn 4x hidden, vocab 50257,
 LayerNorm, learned positions, tied embeddings; layers picked so params + exp_avg + exp_avg_sq in fp32 ~ --gb)
 of random fp32 tensors is written once to a safetensors file (arch in __metadata__), imported into a store's
-local tier (restore.importer.import_into), promoted to an s3:// object tier on a moto server (store.promote),
+local tier (restore.importer.import_into), promoted to an s3:// object tier on each S3 server (store.promote;
+--servers: moto, seaweedfs — a SeaweedFS cluster of tests/seaweedfs.py; default both when weed is installed),
 and saved once more with torch.distributed.checkpoint (dcp.save(no_dist=True), the same canonical tensors).
 
 Timed (ratio = raw_read_time / method_time = method GB/s / raw-read GB/s; GB = state bytes, 1e9):
@@ -16,12 +17,15 @@ Timed (ratio = raw_read_time / method_time = method GB/s / raw-read GB/s; GB = s
   DCP       reshard + torch.save: the same loads, each tensor cut to the rank's TP box (flowcheck's megatron_common.cut:
             a copy, = torch.chunk(full, 2, dim)[tp].clone() plus the vocab padding rows), one torch.save per rank
             (mp_rank_XX_YYY/model_optim_rng.pt) - the job flowcheck's legacy writer does
-  object    boto3 get_object of every stored file (reference), flowcheck restore megatron-dist with prefer="object"
+  object    per server: boto3 get_object of every stored file (reference), flowcheck restore megatron-dist with
+            prefer="object" (what a user does after losing the node); goal: restore >= 0.7x of (boto3 GET of every
+            stored file + raw write + fsync of the bytes the megatron-dist restore writes), as a time ratio
 
 Durability: every writer's measurement ends with os.sync() inside the timed region (flowcheck megatron-dist already
 fsyncs its DCP files; the legacy writer and torch.save do not fsync). Page cache dropped before every measurement.
 
   python benchmarks/bench_restore.py --gb 1.3 --out restore.json
+  python benchmarks/bench_restore.py --gb 0.5 --servers moto,seaweedfs
 """
 from __future__ import annotations
 
@@ -92,11 +96,16 @@ def build(arch, ref: str, dcp_dir: str, seed: int = 0) -> int:
 
 def main(argv: list[str] | None = None) -> dict:
     p = c.base_parser(__doc__)
-    p.add_argument("--no-s3", action="store_true", help="skip the moto S3 object tier")
+    p.add_argument("--no-s3", action="store_true", help="skip the S3 object tiers")
+    p.add_argument("--servers", default=None,
+                   help="comma-separated S3 servers: moto, seaweedfs (default: both when weed is installed, else moto)")
     p.add_argument("--s3-file-mib", type=int, default=64,
-                   help="max_file_mib of the moto object tier (default 64): moto reads the WHOLE object for every "
+                   help="max_file_mib of the S3 object tiers (default 64): moto reads the WHOLE object for every "
                         "range GET, so with flowcheck's default 2048 MiB files every shard read costs a full-file read")
     p.add_argument("--workers", type=int, default=4, help="restore(workers=...) (default 4)")
+    p.add_argument("--object-only", action="store_true",
+                   help="measure only what the object-tier goal needs: the raw read, the local torch_dist restore, the "
+                        "raw write of its output, and per S3 server the boto3 GETs and the object-tier restore")
     args = p.parse_args(argv)
     cmd = c.command(SCRIPT, argv)
     c.preimport()
@@ -116,12 +125,13 @@ def main(argv: list[str] | None = None) -> dict:
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # dcp no_dist: expected
     arch, n_params = model_arch(args.gb)
     work = c.workdir("fc-bench-restore-", args.dir)
-    moto = None if args.no_s3 else c.MotoServer(os.path.join(work, "moto.log"))
+    servers: dict = {}
     rows: list[tuple] = []
     try:
-        # at the peak: the store's local copy, DCP's copy and one restore's output (~1x each); with S3, moto's
+        # at the peak: the store's local copy, DCP's copy and one restore's output (~1x each); per S3 server, its
         # objects and the promotion's staging (~1x more) and the source file while it is imported
-        c.check_disk(work, int((3 if moto is None else 5) * n_params * c.BYTES_PER_PARAM) + (1 << 30))
+        names = [] if args.no_s3 else c.s3_servers(args.servers)
+        c.check_disk(work, int((3 + 2 * len(names)) * n_params * c.BYTES_PER_PARAM) + (1 << 30))
         ref, dcp_dir = os.path.join(work, "ref.safetensors"), os.path.join(work, "dcp")
         nbytes = build(arch, ref, dcp_dir)
         description = (f"GPT (ModelArch) {arch.num_layers} layers, hidden {arch.hidden_size}, {arch.num_attention_heads} heads, "
@@ -129,18 +139,24 @@ def main(argv: list[str] | None = None) -> dict:
                        f"learned positions: {n_params / 1e6:.1f}M params x 3 fp32 slots (param, exp_avg, exp_avg_sq) "
                        f"= {nbytes / 1e9:.3f} GB")
         print(f"restore: {description}; work dir {work}", flush=True)
-        raw_cfg = {"run": "bench", "tiers": {"local": {"root": os.path.join(work, "local")},
-                                             "object": {"enabled": False}}}
-        if moto is not None:
-            moto.client().create_bucket(Bucket=BUCKET)
-            raw_cfg["tiers"]["object"] = {"url": f"s3://{BUCKET}/p", "max_file_mib": args.s3_file_mib,
-                                          "staging_dir": os.path.join(work, "staging")}
-        cfg = from_dict(raw_cfg)
+        def store_cfg(endpoint: str | None):  # the local tier, and the object tier on one server
+            obj = {"url": f"s3://{BUCKET}/p", "endpoint_url": endpoint, "max_file_mib": args.s3_file_mib,
+                   "staging_dir": os.path.join(work, "staging")} if endpoint else {"enabled": False}
+            return from_dict({"run": "bench", "tiers": {"local": {"root": os.path.join(work, "local")}, "object": obj}})
+
+        cfgs = {}
+        for name in names:
+            servers[name] = c.s3_server(name, work)
+            servers[name].client().create_bucket(Bucket=BUCKET)
+            cfgs[name] = store_cfg(servers[name].url)
+        # one config for the local rows and the import: the run is bound to its object tier URL (s3://bench/p on
+        # every server: a store of another server's config is the same experiment)
+        cfg = cfgs[names[0]] if names else store_cfg(None)
         store = open_store(cfg)
         import_into(store, ref, STEP)
         os.remove(ref)
-        if moto is not None:
-            store.promote(STEP)
+        for name in names:
+            open_store(cfgs[name]).promote(STEP)
         step_path = os.path.join(store.local.root, step_dir(STEP))
         files = sorted(os.path.join(d, f) for d, _, fs in os.walk(step_path) for f in fs)
         stored = sum(os.path.getsize(f) for f in files)
@@ -158,10 +174,12 @@ def main(argv: list[str] | None = None) -> dict:
                     n += len(fh.readall())
             sink["n"] = n
 
-        def fresh_store() -> None:  # a new store per measurement: no manifest / header cache carried over
-            sink["store"] = None
-            gc.collect()
-            sink["store"] = open_store(cfg)
+        def fresh_store(on=None):  # a new store per measurement: no manifest / header cache carried over
+            def go() -> None:
+                sink["store"] = None
+                gc.collect()
+                sink["store"] = open_store(cfgs[on] if on else cfg)
+            return go
 
         def fc_restore(fmt: str, prefer: str):
             def go() -> None:
@@ -208,7 +226,7 @@ def main(argv: list[str] | None = None) -> dict:
 
         written = {}  # bytes each format's restore writes, from one untimed restore
         for fmt in ("megatron-dist", "megatron"):
-            fresh_store()
+            fresh_store()()
             written[fmt] = restore(sink["store"], STEP, Target(tp=TP, pp=PP, vpp=1, fmt=fmt), out, prefer="local",
                                    workers=args.workers).bytes
             clean()
@@ -244,10 +262,12 @@ def main(argv: list[str] | None = None) -> dict:
                 del obj
             os.sync()
 
-        def s3_get_files() -> None:
-            s3 = moto.client()
-            keys = [o["Key"] for o in s3.list_objects_v2(Bucket=BUCKET, Prefix=f"p/bench/{step_dir(STEP)}/")["Contents"]]
-            sink["n"] = sum(len(s3.get_object(Bucket=BUCKET, Key=k)["Body"].read()) for k in keys)
+        def s3_get_files(name: str):
+            def go() -> None:
+                s3 = servers[name].client()
+                keys = [o["Key"] for o in s3.list_objects_v2(Bucket=BUCKET, Prefix=f"p/bench/{step_dir(STEP)}/")["Contents"]]
+                sink["n"] = sum(len(s3.get_object(Bucket=BUCKET, Key=k)["Body"].read()) for k in keys)
+            return go
 
         w = args.workers
         rows = [
@@ -255,12 +275,12 @@ def main(argv: list[str] | None = None) -> dict:
                    note=f"{len(files)} files, {stored / 1e9:.3f} GB on disk"), raw_read, None, None),
             (c.Row(f"flowcheck restore local -> megatron-dist (torch_dist) TP{TP}/PP{PP}", nbytes=nbytes,
                    note=f"workers={w}; DCP files fsync'd (sync_files=True) + os.sync"), fc_restore("megatron-dist", "local"),
-             fresh_store, clean),
+             fresh_store(), clean),
             (c.Row(f"flowcheck restore local -> megatron (legacy) TP{TP}/PP{PP}", nbytes=nbytes,
                    note=f"workers={w}; torch.save per rank, each file fsync'd as soon as its rank is complete; + os.sync"),
-             fc_restore("megatron", "local"), fresh_store, clean),
+             fc_restore("megatron", "local"), fresh_store(), clean),
             (c.Row(f"flowcheck read + verify + cut for TP{TP}/PP{PP}, nothing written", nbytes=nbytes,
-                   note=f"workers={w}; the read half of a restore"), fc_read_only, fresh_store, None),
+                   note=f"workers={w}; the read half of a restore"), fc_read_only, fresh_store(), None),
             (c.Row("raw write + fsync, one file, of the bytes the torch_dist restore writes", nbytes=nbytes,
                    note=f"{written['megatron-dist'] / 1e9:.3f} GB written; the write half's bound"),
              raw_write(written["megatron-dist"]), None, clean),
@@ -272,19 +292,20 @@ def main(argv: list[str] | None = None) -> dict:
             (c.Row(f"DCP load + reshard (cut) + torch.save per rank, TP{TP}/PP{PP}", nbytes=nbytes,
                    note="same job as the legacy writer; os.sync in timed region"), dcp_reshard, None, clean),
         ]
-        if moto is not None:
+        for name in names:
             rows += [
-                (c.Row(f"boto3 get_object of every stored file (moto, {args.s3_file_mib} MiB files)", nbytes=nbytes,
-                       note="object reference: one GET per file, no parsing"), s3_get_files, None, None),
-                (c.Row(f"flowcheck restore object (moto) -> megatron-dist TP{TP}/PP{PP}", nbytes=nbytes,
+                (c.Row(f"boto3 get_object of every stored file ({name}, {args.s3_file_mib} MiB files)", nbytes=nbytes,
+                       note="object reference: one GET per file, no parsing"), s3_get_files(name), None, None),
+                (c.Row(f"flowcheck restore object ({name}) -> megatron-dist TP{TP}/PP{PP}", nbytes=nbytes,
                        note=f"workers={w}; {args.s3_file_mib} MiB files; + os.sync"),
-                 fc_restore("megatron-dist", "object"), fresh_store, clean),
+                 fc_restore("megatron-dist", "object"), fresh_store(name), clean),
             ]
         c.rmtree(out)
-        cold = c.run_rounds(rows, args.repeats, cold=not args.warm, rotate=True)
+        measured = [rows[i] for i in (0, 1, 4)] + rows[8:] if args.object_only else rows
+        cold = c.run_rounds(measured, args.repeats, cold=not args.warm, rotate=True)
     finally:
-        if moto is not None:
-            moto.close()
+        for server in servers.values():
+            server.close()
         c.rmtree(work)
 
     table_rows = [r for r, *_ in rows]
@@ -309,13 +330,19 @@ def main(argv: list[str] | None = None) -> dict:
         ("flowcheck local megatron-dist vs DCP load only (speed-up)", ratio(fc_dist, dcp_only), "-"),
         ("flowcheck read + verify + cut vs raw read (throughput)", ratio(fc_read, raw), "-"),
     ]
-    if len(table_rows) > 8:
-        s3_ref, fc_obj = table_rows[8:10]
-        goals += [("flowcheck object (moto) megatron-dist vs local megatron-dist (throughput)", ratio(fc_obj, fc_dist), "-"),
-                  ("flowcheck object (moto) megatron-dist vs boto3 get of every file (throughput)", ratio(fc_obj, s3_ref), "-")]
+    for i, name in enumerate(servers):
+        s3_ref, fc_obj = table_rows[8 + 2 * i:10 + 2 * i]
+        goals += [(f"flowcheck object ({name}) megatron-dist vs boto3 GET of every file + raw write of its output "
+                   "(time ratio)", (s3_ref.median + raw_w_dist.median) / fc_obj.median
+                   if fc_obj.times and s3_ref.times and raw_w_dist.times else None, ">= 0.7x"),
+                  (f"flowcheck object ({name}) megatron-dist vs local megatron-dist (throughput)", ratio(fc_obj, fc_dist), "-"),
+                  (f"flowcheck object ({name}) megatron-dist vs boto3 get of every file (throughput)",
+                   ratio(fc_obj, s3_ref), "-")]
+    if args.object_only:
+        goals = [g for g in goals if g[1] is not None]
     goal_md = ["| comparison | ratio | goal |", "|---|---:|---|"]
     goal_md += [f"| {n} | {'–' if v is None else f'{v:.2f}x'} | {g} |" for n, v, g in goals]
-    cache = ("page cache dropped before every measurement (cold local reads and DCP file, moto's spooled objects too)"
+    cache = ("page cache dropped before every measurement (cold local reads and DCP file, the S3 servers' files too)"
              if cold and not args.warm else "page cache NOT dropped (warm)")
     notes = ("- fsync: flowcheck's writers fsync every file (DCP FileSystemWriter(sync_files=True); legacy: per rank file); the DCP "
              "alternative uses torch.save without fsync. For equal durability every writing measurement calls os.sync() "
@@ -330,7 +357,7 @@ def main(argv: list[str] | None = None) -> dict:
                  f"median reported; {cache}\n"
                  + notes),
         "", "ratio = raw_read_time / method_time (= method GB/s ÷ raw-read GB/s):", "",
-        c.table(table_rows, ratio_label="ratio vs raw read"), "", "\n".join(goal_md),
+        c.table([r for r in table_rows if r.times or r.error], ratio_label="ratio vs raw read"), "", "\n".join(goal_md),
     ])
     print("\n" + text, flush=True)
     result = {"benchmark": "restore", "command": cmd, "machine": c.machine(), "state": description, "bytes": nbytes,

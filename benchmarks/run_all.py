@@ -34,7 +34,7 @@ class Bench:
 
 BENCHES = {
     "p3": Bench("bench_local_snapshot.py", "local snapshot (write + fsync)"),
-    "p5": Bench("bench_object_upload.py", "promotion to object storage (moto S3)"),
+    "p5": Bench("bench_object_upload.py", "promotion to object storage and read-back (moto; SeaweedFS when installed)"),
     "readback": Bench("bench_readback.py", "read-back, whole and 1/8 slices", quick=("--no-s3",)),
     "p6": Bench("bench_restore.py", "restore into Megatron TP2/PP2", quick=("--no-s3",)),
     "p4": Bench("bench_push.py", "push: blocking per save, slowdown; P7 node RSS",
@@ -145,6 +145,9 @@ def ratio_rows(key: str, result: dict | None) -> list[dict]:
     if key == "p3" and "goals" in result:  # flowcheck against the one-file write and the fastest alternative
         return _std_rows(key, result["rows"]) + [_row(key, g["comparison"], None, g["ratio"], g["goal"])
                                                  for g in result["goals"]]
+    if key == "p5" and "goals" in result:  # per server: promotion and read-back, each against boto3
+        rows = [r for srv in result["servers"].values() for r in srv["upload"] + srv["read"]]
+        return _std_rows(key, rows) + [_row(key, g["comparison"], None, g["ratio"], g["goal"]) for g in result["goals"]]
     if key in ("p3", "p5"):  # the goal applies to flowcheck's first (uncompressed) row
         first = next((r["method"] for r in result["rows"] if "flowcheck" in r["method"]), None)
         return _std_rows(key, result["rows"], f">= {result['goal']}x", lambda r: r["method"] == first)

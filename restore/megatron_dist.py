@@ -97,15 +97,52 @@ class DistWriter:
         self.state: dict[str, Any] = {}
 
     def _put(self, key: str, param: Param, t: torch.Tensor) -> None:
+        """``t`` into its place in the checkpoint (nothing to copy where it was read there: ``destination``)."""
         if param.role == "vocab":
-            t = pad_vocab(t, self.arch.padded_vocab(self.target.tp))
+            rows = self.arch.padded_vocab(self.target.tp)
+            held = self.state.get(key)
+            if held is not None and held.data_ptr() == t.data_ptr() and rows > t.shape[0] > 0:
+                held[t.shape[0]:] = t[-1:]  # read into place: the padding rows, as pad_vocab appends them
+                return
+            t = pad_vocab(t, rows)
         if param.layer is None:
-            self.state[key] = t.contiguous()
+            if key not in self.state or self.state[key].data_ptr() != t.data_ptr():
+                self.state[key] = t.contiguous()
             return
         stacked = self.state.get(key)
         if stacked is None:
             stacked = self.state[key] = torch.empty((self.arch.num_layers, *t.shape), dtype=t.dtype)
-        stacked[param.layer] = t
+        if stacked[param.layer].data_ptr() != t.data_ptr():
+            stacked[param.layer] = t
+
+    def _key(self, param: Param, slot: str | None) -> str:
+        """Where ``add`` puts a tensor (the distributed optimizer's master copy: ``param``; a bf16 job's is copied
+        from there to ``fp32_param`` too)."""
+        key = dist_key(param)
+        if slot is None:
+            return key
+        return f"{OPT_PREFIX}.{'param' if slot == 'fp32_param' else slot}.{key}"
+
+    def destination(self, param: Param, slot: str | None, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+        """The writer's own tensor a stored tensor of ``shape`` and ``dtype`` may be read straight into before it is
+        ``add``ed (restore/direct.py): its layer of the stacked tensor, the first rows of the padded vocabulary,
+        or a tensor of its own; None where ``add`` must convert it (fewer vocabulary rows than stored)."""
+        key = self._key(param, slot)
+        held = self.state.get(key)
+        if param.role == "vocab":
+            rows = self.arch.padded_vocab(self.target.tp)
+            if param.layer is not None or not shape or rows < shape[0] or held is not None:
+                return None
+            self.state[key] = torch.empty((rows, *shape[1:]), dtype=dtype)
+            return self.state[key][:shape[0]]
+        if param.layer is None:
+            if held is not None:
+                return None
+            self.state[key] = torch.empty(shape, dtype=dtype)
+            return self.state[key]
+        if held is None:
+            held = self.state[key] = torch.empty((self.arch.num_layers, *shape), dtype=dtype)
+        return held[param.layer] if held.dtype == dtype and tuple(held.shape[1:]) == tuple(shape) else None
 
     def prepare(self, param: Param, slot: str | None, tensor: torch.Tensor) -> torch.Tensor:
         """Nothing to do before ``add`` (the writer's interface: LegacyWriter cuts here)."""
@@ -113,15 +150,9 @@ class DistWriter:
 
     def add(self, param: Param, slot: str | None, tensor: torch.Tensor) -> None:
         """One canonical tensor (``slot`` None: the weight; fp32_param: the master copy; else a moment)."""
-        key = dist_key(param)
-        if slot is None:
-            self._put(key, param, tensor)
-        elif slot != "fp32_param":
-            self._put(f"{OPT_PREFIX}.{slot}.{key}", param, tensor)
-        else:
-            self._put(f"{OPT_PREFIX}.param.{key}", param, tensor)  # the distributed optimizer's master copy
-            if self.meta.args.bf16:  # Float16OptimizerWithFloat16Params names it fp32_param
-                self._put(f"{OPT_PREFIX}.fp32_param.{key}", param, tensor)
+        self._put(self._key(param, slot), param, tensor)
+        if slot == "fp32_param" and self.meta.args.bf16:  # Float16OptimizerWithFloat16Params names it fp32_param
+            self._put(f"{OPT_PREFIX}.fp32_param.{dist_key(param)}", param, tensor)
 
     def finish(self) -> list[str]:
         import torch.distributed.checkpoint as dcp

@@ -47,6 +47,10 @@ class LegacyWriter:
         self.pool = ThreadPoolExecutor(max_workers=min(workers, len(self.ranks)))
         self.futures: list[Future] = []
 
+    def destination(self, param: Param, slot: str | None, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        """No tensor of this writer holds a canonical tensor whole (each is cut into its ranks' pieces)."""
+        return None
+
     def prepare(self, param: Param, slot: str | None, tensor: torch.Tensor) -> list[tuple[tuple[int, int], RankTensor, torch.Tensor]]:
         """One canonical tensor cut into the pieces of the ranks holding it (any thread: the restore's readers
         cut while the next tensors are read)."""

@@ -22,6 +22,7 @@ import torch
 from flowcheck import dtypes
 from flowcheck.branches import MAIN
 from flowcheck.errors import FlowcheckError, StepExistsError
+from flowcheck.restore import direct
 from flowcheck.restore.arch import ModelArch
 from flowcheck.restore.megatron_common import DTYPES, TRACKER, StepMeta, Target, megatron_args
 from flowcheck.restore.megatron_dist import DistWriter
@@ -86,7 +87,8 @@ def restore(
         os.makedirs(staging)
         writer_cls = DistWriter if target.fmt == "megatron-dist" else LegacyWriter
         writer = writer_cls(reader.arch, target, staging, meta, slots + (["fp32_param"] if slots else []), workers)
-        for param, slot, prepared in _tensors(reader, target, params, slots, workers, progress, writer.prepare):
+        for param, slot, prepared in _tensors(reader, target, params, slots, workers, progress, writer.prepare,
+                                              writer.destination):
             writer.add(param, slot, prepared)
         files = writer.finish()
         _write_record(staging, reader, target, meta.resume, vocab)
@@ -126,14 +128,16 @@ def _failed(e: BaseException, reader: StepReader, target: Target, out: str, stuc
 
 
 def _tensors(reader: StepReader, target: Target, params: list[Param], slots: list[str], workers: int, progress: bool,
-             prepare: Callable[[Param, str | None, torch.Tensor], Any] | None = None):
+             prepare: Callable[[Param, str | None, torch.Tensor], Any] | None = None,
+             destination: direct.Destination | None = None):
     """(param, slot, tensor) for every tensor the writer needs: slot None is the weight, ``fp32_param`` the
     fp32 master (stored, or the weight itself), others optimizer moments; with ``prepare``, (param, slot,
     prepare(param, slot, tensor)), prepared on the reading threads (e.g. a writer's cut into rank pieces; from the
     object tier, on this thread, overlapping its one reader).
 
     Read on a thread pool with a bounded window; from the object tier in manifest order by one reader, so
-    the tier's read-ahead fetches many shards per request.
+    the tier's read-ahead fetches many shards per request; with a writer's ``destination`` (restore/direct.py),
+    from the object tier straight into the writer's tensors.
     """
     want = DTYPES.get(target.dtype) if target.dtype else None
     jobs = []  # (param, slot, stored name)
@@ -149,9 +153,9 @@ def _tensors(reader: StepReader, target: Target, params: list[Param], slots: lis
         jobs.sort(key=lambda j: position[j[2]])
         workers, here = 1, None  # ... except behind the one object reader: there, on this thread, beside its reads
 
-    def load(job):
+    def load(job, stored: torch.Tensor | None = None):
         param, slot, name = job
-        stored = reader.tensor(name)
+        stored = reader.tensor(name) if stored is None else stored
         if slot is not None:
             out = [(param, slot, stored.float())]
         else:
@@ -164,6 +168,16 @@ def _tensors(reader: StepReader, target: Target, params: list[Param], slots: lis
         return items if prepare is None or here is not None else [(p, s, prepare(p, s, t)) for p, s, t in items]
 
     bar = _bar(len(jobs), progress, f"restore step {reader.step}")
+    if reader.tier.name == "object" and destination is not None and hasattr(reader.tier, "read_shards_into"):
+        def into(param: Param, slot: str | None, shape: tuple[int, ...], dtype: torch.dtype):
+            taken = (want or dtype) if slot is None else torch.float32  # what load() hands the writer
+            return destination(param, slot, shape, dtype) if dtype == taken else None  # no conversion on the way
+
+        for items in direct.read_into(reader, jobs, into, load):
+            yield from ready(items)
+            bar.update()
+        bar.close()
+        return
     with ThreadPoolExecutor(max_workers=workers) as pool:
         window: deque = deque()
         for job in jobs:

@@ -25,6 +25,11 @@ from flowcheck.tiers.retry import AWS_CREDENTIALS_HINT, access_problem, refused_
 
 S3_PROTOCOLS = ("s3", "s3a")
 READERS = 4  # threads reading a local folder's files (streams of a fetch at once)
+S3_READERS = 8  # ranged GETs in flight at once for one tier's reads
+# the largest ranged GET: a stream of one file is cut into requests this long (a read-ahead or restore batch of
+# 256 MiB, with the next one in flight, keeps S3_READERS busy; a store that reads a whole object per ranged GET,
+# as moto does, sees few requests per object)
+S3_REQUEST = 64 << 20
 
 
 class TierIO(Protocol):
@@ -130,8 +135,12 @@ def _as_tier_error(tier: TierIO, what: str, e: BaseException) -> BaseException:
 class Backend:
     """Any fsspec store: plain puts, and a check-then-write commit (no conditional write is known for it)."""
 
+    readers = READERS  # threads of this backend's streamed reads (``_read_streams``)
+
     def __init__(self, tier: TierIO, protocol: str) -> None:
         self.tier, self.protocol = tier, protocol
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
 
     @property
     def retries(self) -> int:
@@ -165,6 +174,39 @@ class Backend:
             dest[:] = np.frombuffer(blob, np.uint8)
         for i in range(len(wants)) if done is not None else ():
             done(i)
+
+    def _read_streams(self, wants: list, dests: list, done, most: int, read: Callable) -> None:
+        """The wants as streams of at most ``most`` bytes (``range_reads.streams``), each read by
+        ``read(path, pieces, piece_done)`` on this backend's reader threads (one stream: on this thread); a
+        failed fetch cancels what it still had queued.  ``done(i)`` once all of want i's bytes are in."""
+        from flowcheck.tiers.range_reads import streams
+
+        jobs = streams(wants, dests, most)
+        left = Counter(i for _, pieces in jobs for i, _, _ in pieces)  # pieces of each want not read yet
+        lock = threading.Lock()
+
+        def piece_done(i: int) -> None:
+            with lock:
+                left[i] -= 1
+                last = left[i] == 0
+            if last and done is not None:
+                done(i)
+
+        if len(jobs) <= 1:
+            for path, pieces in jobs:
+                read(path, pieces, piece_done)
+            return
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.readers, thread_name_prefix="flowcheck-object-read")
+        futures = [self._pool.submit(read, path, pieces, piece_done) for path, pieces in jobs]
+        try:
+            for f in futures:
+                f.result()
+        except BaseException:
+            for f in futures:
+                f.cancel()  # a failed fetch leaves nothing queued behind it
+            raise
 
     @contextmanager
     def uploads(self) -> Iterator[Uploads]:
@@ -200,11 +242,6 @@ class FileBackend(Backend):
 
     retries = 0
 
-    def __init__(self, tier: TierIO, protocol: str) -> None:
-        super().__init__(tier, protocol)
-        self._pool: ThreadPoolExecutor | None = None
-        self._pool_lock = threading.Lock()
-
     def root_exists(self, base: str) -> bool:
         """A missing folder whose parent exists is a store not created yet (the first write creates it);
         with its parent missing too it is a typo or an unmounted volume: TierMissingError."""
@@ -230,35 +267,10 @@ class FileBackend(Backend):
         threads shared by this tier's fetches (one reader alone does not keep a disk busy; a read-ahead fetch
         queues behind the one before it, so the disk does not wait between them); ``done(i)`` runs on the
         reading thread as soon as want i's bytes are in."""
-        from flowcheck.tiers.range_reads import read_stream, streams
+        from flowcheck.tiers.range_reads import read_stream
 
         total = sum(w.end - w.start for w in wants)
-        jobs = streams(wants, dests, max(16 << 20, -(-total // READERS)))
-        left = Counter(i for _, pieces in jobs for i, _, _ in pieces)  # pieces of each want not read yet
-        lock = threading.Lock()
-
-        def piece_done(i: int) -> None:
-            with lock:
-                left[i] -= 1
-                last = left[i] == 0
-            if last and done is not None:
-                done(i)
-
-        if len(jobs) <= 1:
-            for path, pieces in jobs:
-                read_stream(path, pieces, piece_done)
-            return
-        with self._pool_lock:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(READERS, thread_name_prefix="flowcheck-object-read")
-        futures = [self._pool.submit(read_stream, path, pieces, piece_done) for path, pieces in jobs]
-        try:
-            for f in futures:
-                f.result()
-        except BaseException:
-            for f in futures:
-                f.cancel()  # a failed fetch leaves nothing queued behind it
-            raise
+        self._read_streams(wants, dests, done, max(16 << 20, -(-total // READERS)), read_stream)
 
     def create_exclusive(self, path: str, data: bytes, what: str) -> None:
         os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -341,6 +353,20 @@ class S3Backend(Backend):
             entries = []
         subs = [e["name"].rstrip("/") for e in entries if e.get("type") == "directory"] if depth else []
         return [f for s in subs for f in self._empty_folders(s, depth - 1)] + [path]
+
+    readers = S3_READERS
+
+    def fetch_into(self, wants: list, dests: list, done=None) -> None:
+        """Ranges read through boto3 straight into their destinations: ranges that follow each other in one file
+        join into one ranged GET (of at most S3_REQUEST bytes; S3_READERS in flight), each body read into place as
+        it arrives (no bytes objects, no copy); ``done(i)`` on the reading thread."""
+        client = self.tier.boto3_client()
+        if client is None:
+            return super().fetch_into(wants, dests, done)
+        from flowcheck.tiers.range_reads import get_stream
+
+        self._read_streams(wants, dests, done, S3_REQUEST, lambda path, pieces, piece_done: get_stream(
+            client, path, pieces, piece_done))
 
     def upload(self, local: str, remote: str, size: int, bar, what: str) -> None:
         client = self.tier.boto3_client()

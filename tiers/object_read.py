@@ -25,6 +25,9 @@ from flowcheck.tiers import safetensors_io as st
 from flowcheck.tiers.base import Tier, full_region
 
 READ_AHEAD = 256 << 20  # bytes of whole shards fetched together when a step is read shard by shard
+HEAD_BYTES = 64 << 10  # a stored file's first bytes read for its header (a longer header costs one more request)
+HEADERS_KEPT = 256  # parsed headers cached per tier
+HEADER_READERS = 8  # files whose headers are fetched at once when a step is first read
 
 
 class ObjectReader:
@@ -47,9 +50,18 @@ class ObjectReader:
             self._headers.move_to_end(path)
             return self._headers[path]
         size = self.call(f"stat {rel}", self.fs.size, path)
-        h = st.parse_header(lambda a, b: self.call(f"reading {rel}", self.fs.cat_file, path, start=a, end=b), size, f"{self.url}/{rel}")
+        head: list[bytes] = []  # the file's first HEAD_BYTES: one request serves the length and the JSON of most headers
+
+        def read(a: int, b: int) -> bytes:
+            if not head:
+                head.append(self.call(f"reading {rel}", self.fs.cat_file, path, start=0, end=min(size, HEAD_BYTES)))
+            if b <= len(head[0]):
+                return head[0][a:b]
+            return self.call(f"reading {rel}", self.fs.cat_file, path, start=a, end=b)
+
+        h = st.parse_header(read, size, f"{self.url}/{rel}")
         self._headers[path] = h
-        while len(self._headers) > 256:
+        while len(self._headers) > HEADERS_KEPT:
             self._headers.popitem(last=False)
         return h
 
@@ -143,9 +155,13 @@ class ObjectReader:
         reads each file front to back, with the next shards fetched ahead."""
         snap = Tier.load(self, step, verify=verify)
         order = {}
-        for name, e in self._file_order(snap.origin):
+        walk = self._file_order(snap.origin)
+        for name, e in walk:
             shard = Shard(name, e.offsets, e.shape)
             order[shard] = snap.data[shard]
+        if walk:  # the walk starts at its first shard: read ahead from there, not from the second one on
+            with self._window_lock:
+                self._expected = _key(snap.origin, *walk[0])
         return dataclasses.replace(snap, data=order)
 
     def _file_order(self, manifest: Manifest) -> list[tuple[str, ShardEntry]]:
@@ -154,6 +170,7 @@ class ObjectReader:
         cached = self._order_cache
         if cached is not None and cached[0] is manifest:
             return cached[1]
+        self._fetch_headers(manifest)
 
         def place(item: tuple[str, ShardEntry]) -> tuple:
             piece = item[1].location[0] if item[1].location else None
@@ -167,6 +184,18 @@ class ObjectReader:
         self._order_cache = (manifest, order)
         return order
 
+    def _fetch_headers(self, manifest: Manifest, entries: list[ShardEntry] | None = None) -> None:
+        """The header of every file the pieces of ``entries`` (default: the whole step) lie in, fetched concurrently
+        (a stat and a read each: one file after another, they were most of the wait before a step's first byte)."""
+        if entries is None:
+            entries = [e for t in manifest.tensors.values() for e in t.shards]
+        files = {self.piece_path(manifest, piece): piece.path for e in entries for piece in e.location
+                 if piece.key is not None}
+        missing = [(path, rel) for path, rel in files.items() if path not in self._headers][:HEADERS_KEPT]
+        if len(missing) > 1:
+            with ThreadPoolExecutor(min(HEADER_READERS, len(missing)), thread_name_prefix="flowcheck-object-header") as pool:
+                list(pool.map(lambda item: self.header(item[1], item[0]), missing))
+
     def read_shards_into(self, manifest: Manifest, items: list[tuple[str, ShardEntry]], into: list[np.ndarray]) -> None:
         """Whole shards read by ranged reads straight into the caller's arrays (writable, contiguous, of each
         shard's byte size: e.g. the destination tensors of a DCP load), each shard's digest computed over its
@@ -178,6 +207,8 @@ class ObjectReader:
             if dest.nbytes != want or not dest.flags.c_contiguous or not dest.flags.writeable:
                 raise ValueError(f"read_shards_into: {name} {list(entry.offsets)}: expected a writable contiguous "
                                  f"array of {want} bytes, found {dest.nbytes} bytes")
+
+        self._fetch_headers(manifest, [entry for _, entry in items])
 
         def once() -> None:
             digests = self._fetch_into(manifest, items, into)

@@ -4,6 +4,10 @@ Reading a step shard by shard from an object store costs one round trip per
 shard; reading whole files costs bytes nobody asked for.  Ranges that lie
 close together in one file are merged (up to ``max_bytes`` a request) and all
 requests go out together through fsspec's ``cat_ranges`` (concurrent on s3fs).
+
+Local folders and S3 read ``streams`` instead: ranges that follow each other in one file, each stream read
+front to back straight into the caller's arrays (``read_stream`` on a file descriptor, ``get_stream`` as one
+ranged GET), no bytes objects in between.
 """
 from __future__ import annotations
 
@@ -108,3 +112,36 @@ def read_stream(path: str, pieces: list[tuple[int, int, memoryview]], done, bloc
             done(i)
     finally:
         os.close(fd)
+
+
+def get_stream(client, path: str, pieces: list[tuple[int, int, memoryview]], done, block: int = 8 << 20) -> None:
+    """One stream of ``streams`` from S3 (``path`` is ``bucket/key``): one ranged GET through the boto3 ``client``,
+    its body read straight into the pieces' views in requests of ``block`` bytes; ``done(i)`` after each piece.
+    A missing object raises FileNotFoundError; a range past the end, or a body shorter than asked, IntegrityError
+    naming the file (truncated)."""
+    start, end = pieces[0][1], pieces[-1][1] + pieces[-1][2].nbytes
+    if end > start:
+        bucket, key = path.split("/", 1)
+        try:
+            body = client.get_object(Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}")["Body"]
+        except Exception as e:  # botocore's ClientError: its code says what went wrong
+            code = str((getattr(e, "response", None) or {}).get("Error", {}).get("Code"))
+            if code in ("NoSuchKey", "404"):
+                raise FileNotFoundError(f"{path}: missing") from e
+            if code in ("InvalidRange", "416"):
+                raise IntegrityError(f"{path}: range {start}-{end} is past the end of the file; the file is "
+                                     "truncated") from e
+            raise
+        with body:
+            for i, at, view in pieces:
+                got = 0
+                while got < view.nbytes:
+                    n = body.readinto(view[got:got + block])
+                    if not n:
+                        raise IntegrityError(f"{path}: range {start}-{end} returned {at - start + got} bytes; the "
+                                             "file is truncated")
+                    got += n
+                done(i)
+        return
+    for i, _, _ in pieces:  # nothing to read (S3 refuses an empty range)
+        done(i)
