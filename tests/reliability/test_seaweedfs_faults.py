@@ -284,7 +284,8 @@ def test_a_full_cluster_fails_the_promotion_naming_the_tier_and_older_steps_stay
     try:
         url = _bucket(c, monkeypatch, "fc-full")
         # one attempt per file (and the upload's one retry of a failed file): each waits out the filer's 30 s
-        store = make_store(tmp_path, object_config(url, retries=0, request_attempts=1))
+        # a read timeout above the filer's 30 s, or a loaded machine sees the timeout before the 500
+        store = make_store(tmp_path, object_config(url, retries=0, request_attempts=1, read_timeout_s=120.0))
         small, big = make_snapshot(step=10), big_snapshot(20)
         store.write(small, "local")
         store.write(big, "local")
