@@ -65,8 +65,10 @@ class SeaweedCluster:
         folder = os.path.join(self.root, name)
         os.makedirs(folder, exist_ok=True)
         log = open(os.path.join(self.root, f"{name}.log"), "ab")
+        # without AWS_* the S3 gateway checks no keys (with AWS_ACCESS_KEY_ID set it would take that one identity)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
         self.procs[name] = subprocess.Popen([self.weed, *args], stdout=log, stderr=subprocess.STDOUT, cwd=folder,
-                                            start_new_session=True)
+                                            start_new_session=True, env=env)
 
     @property
     def master(self) -> str:
