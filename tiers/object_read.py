@@ -3,7 +3,8 @@
 A whole shard read while a reader walks a step in file order fetches the next shards with it (up to
 READ_AHEAD bytes, few large concurrent requests), with the batch after it queued behind it, so the store never
 waits for the reader (each shard's digest is computed by the thread that read it); a region of a shard reads only
-its rows.
+its rows.  On S3, a file a read wants (nearly) all of and whose header is not known yet is read by one GET, its
+header parsed and checked from the front of that body (moto reads a whole object for every ranged GET).
 """
 from __future__ import annotations
 
