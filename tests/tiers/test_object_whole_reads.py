@@ -38,7 +38,8 @@ def test_a_read_of_whole_files_gets_each_file_once_with_its_header(cfg, monkeypa
     other = []  # reads through s3fs: a stat or a header read
     for name in ("cat_file", "size", "info"):
         real = getattr(tier.fs, name)
-        monkeypatch.setattr(tier.fs, name, lambda *a, _real=real, _name=name, **kw: other.append(_name) or _real(*a, **kw))
+        monkeypatch.setattr(tier.fs, name,
+                            lambda *a, _real=real, _name=name, **kw: other.append(_name) or _real(*a, **kw))
     into = _buffers(m, items)
     tier.read_shards_into(m, items, into)
     assert other == []
