@@ -175,14 +175,21 @@ class Backend:
         for i in range(len(wants)) if done is not None else ():
             done(i)
 
-    def _read_streams(self, wants: list, dests: list, done, most: int, read: Callable) -> None:
+    def reads_whole_files(self) -> bool:
+        """Whether ``fetch_into`` takes ``files``: stored files read by one request each, header included."""
+        return False
+
+    def _read_streams(self, wants: list, dests: list, done, most: int, read: Callable, files: tuple = (),
+                      read_file: Callable | None = None) -> None:
         """The wants as streams of at most ``most`` bytes (``range_reads.streams``), each read by
-        ``read(path, pieces, piece_done)`` on this backend's reader threads (one stream: on this thread); a
+        ``read(path, pieces, piece_done)`` on this backend's reader threads (one stream: on this thread), and
+        each of ``files`` (``(path, size, indices, place)``) by ``read_file(path, size, place, piece_done)``; a
         failed fetch cancels what it still had queued.  ``done(i)`` once all of want i's bytes are in."""
         from flowcheck.tiers.range_reads import streams
 
-        jobs = streams(wants, dests, most)
-        left = Counter(i for _, pieces in jobs for i, _, _ in pieces)  # pieces of each want not read yet
+        parts = streams(wants, dests, most)
+        left = Counter(i for _, pieces in parts for i, _, _ in pieces)  # pieces of each want not read yet
+        left.update(i for _, _, indices, _ in files for i in indices)
         lock = threading.Lock()
 
         def piece_done(i: int) -> None:
@@ -192,14 +199,16 @@ class Backend:
             if last and done is not None:
                 done(i)
 
+        jobs = [(read, (path, pieces, piece_done)) for path, pieces in parts]
+        jobs += [(read_file, (path, size, place, piece_done)) for path, size, _, place in files]
         if len(jobs) <= 1:
-            for path, pieces in jobs:
-                read(path, pieces, piece_done)
+            for fn, args in jobs:
+                fn(*args)
             return
         with self._pool_lock:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(self.readers, thread_name_prefix="flowcheck-object-read")
-        futures = [self._pool.submit(read, path, pieces, piece_done) for path, pieces in jobs]
+        futures = [self._pool.submit(fn, *args) for fn, args in jobs]
         try:
             for f in futures:
                 f.result()
@@ -356,17 +365,23 @@ class S3Backend(Backend):
 
     readers = S3_READERS
 
-    def fetch_into(self, wants: list, dests: list, done=None) -> None:
+    def fetch_into(self, wants: list, dests: list, done=None, files: tuple = ()) -> None:
         """Ranges read through boto3 straight into their destinations: ranges that follow each other in one file
         join into one ranged GET (of at most S3_REQUEST bytes; S3_READERS in flight), each body read into place as
-        it arrives (no bytes objects, no copy); ``done(i)`` on the reading thread."""
+        it arrives (no bytes objects, no copy); ``done(i)`` on the reading thread.  Each of ``files`` (``(path,
+        size, indices, place)``, see ``range_reads.get_file``) is read by one GET, its pieces indexed after the
+        wants."""
         client = self.tier.boto3_client()
         if client is None:
             return super().fetch_into(wants, dests, done)
-        from flowcheck.tiers.range_reads import get_stream
+        from flowcheck.tiers.range_reads import get_file, get_stream
 
         self._read_streams(wants, dests, done, S3_REQUEST, lambda path, pieces, piece_done: get_stream(
-            client, path, pieces, piece_done))
+            client, path, pieces, piece_done), files, lambda path, size, place, piece_done: get_file(
+            client, path, size, place, piece_done))
+
+    def reads_whole_files(self) -> bool:
+        return self.tier.boto3_client() is not None
 
     def upload(self, local: str, remote: str, size: int, bar, what: str) -> None:
         client = self.tier.boto3_client()

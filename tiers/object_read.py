@@ -3,7 +3,8 @@
 A whole shard read while a reader walks a step in file order fetches the next shards with it (up to
 READ_AHEAD bytes, few large concurrent requests), with the batch after it queued behind it, so the store never
 waits for the reader (each shard's digest is computed by the thread that read it); a region of a shard reads only
-its rows.
+its rows.  On S3, a file a read wants (nearly) all of and whose header is not known yet is read by one GET, its
+header parsed and checked from the front of that body (moto reads a whole object for every ranged GET).
 """
 from __future__ import annotations
 
@@ -60,10 +61,13 @@ class ObjectReader:
             return self.call(f"reading {rel}", self.fs.cat_file, path, start=a, end=b)
 
         h = st.parse_header(read, size, f"{self.url}/{rel}")
+        self._keep_header(path, h)
+        return h
+
+    def _keep_header(self, path: str, h: st.Header) -> None:
         self._headers[path] = h
         while len(self._headers) > HEADERS_KEPT:
             self._headers.popitem(last=False)
-        return h
 
     def piece_path(self, manifest: Manifest, piece: Piece) -> str:
         """The store path of a piece's file: under this branch's folder, or (manifest v4) under the referenced
@@ -184,13 +188,14 @@ class ObjectReader:
         self._order_cache = (manifest, order)
         return order
 
-    def _fetch_headers(self, manifest: Manifest, entries: list[ShardEntry] | None = None) -> None:
-        """The header of every file the pieces of ``entries`` (default: the whole step) lie in, fetched concurrently
-        (a stat and a read each: one file after another, they were most of the wait before a step's first byte)."""
+    def _fetch_headers(self, manifest: Manifest, entries: list[ShardEntry] | None = None, skip=()) -> None:
+        """The header of every file the pieces of ``entries`` (default: the whole step) lie in, but those of
+        ``skip``, fetched concurrently (a stat and a read each: one file after another, they were most of the
+        wait before a step's first byte)."""
         if entries is None:
             entries = [e for t in manifest.tensors.values() for e in t.shards]
         files = {self.piece_path(manifest, piece): piece.path for e in entries for piece in e.location
-                 if piece.key is not None}
+                 if piece.key is not None and self.piece_path(manifest, piece) not in skip}
         missing = [(path, rel) for path, rel in files.items() if path not in self._headers][:HEADERS_KEPT]
         if len(missing) > 1:
             with ThreadPoolExecutor(min(HEADER_READERS, len(missing)), thread_name_prefix="flowcheck-object-header") as pool:
@@ -208,7 +213,7 @@ class ObjectReader:
                 raise ValueError(f"read_shards_into: {name} {list(entry.offsets)}: expected a writable contiguous "
                                  f"array of {want} bytes, found {dest.nbytes} bytes")
 
-        self._fetch_headers(manifest, [entry for _, entry in items])
+        self._fetch_headers(manifest, [entry for _, entry in items], skip=self._whole_files(manifest, items))
 
         def once() -> None:
             digests = self._fetch_into(manifest, items, into)
@@ -230,17 +235,29 @@ class ObjectReader:
 
     def _fetch_into(self, manifest: Manifest, batch, outs: list[np.ndarray]) -> list[str | None]:
         """Each whole shard of ``batch`` read into its array of ``outs`` (its pieces' byte ranges straight into
-        place), and its digest (None where no piece was read: an empty shard)."""
+        place; a file read (nearly) whole with its header not yet known by one request, see ``_whole_files``),
+        and its digest (None where no piece was read: an empty shard)."""
+        whole = self._whole_files(manifest, batch)
         wants, dests, owner = [], [], []
+        later: dict[str, list] = {path: [] for path in whole}  # a whole file's pieces, placed once its header came
         for k, ((name, entry), out) in enumerate(zip(batch, outs)):
             flat = out.reshape(-1).view(np.uint8)
             for piece in entry.location:
+                path = self.piece_path(manifest, piece)
+                if path in whole:
+                    later[path].append((k, name, entry, piece, flat))
+                    continue
                 info, rows = self._piece_info(manifest, name, entry, piece)
-                row_bytes = (info.end - info.begin) // max(1, rows[1] - rows[0])
                 start = self._piece_header(manifest, piece).data_start + info.begin
-                wants.append(range_reads.Want(self.piece_path(manifest, piece), start, start + info.end - info.begin))
-                dests.append(flat[rows[0] * row_bytes:rows[0] * row_bytes + info.end - info.begin])
+                wants.append(range_reads.Want(path, start, start + info.end - info.begin))
+                dests.append(_piece_dest(flat, info, rows))
                 owner.append(k)
+        files = []
+        for path, pieces in later.items():
+            indices = list(range(len(owner), len(owner) + len(pieces)))
+            owner.extend(p[0] for p in pieces)
+            rel, size = whole[path]
+            files.append((path, size, indices, self._placer(manifest, path, rel, size, indices, pieces)))
 
         def fetch() -> list[str | None]:
             # each shard is hashed by the thread that read its last bytes, while the others still read
@@ -255,10 +272,55 @@ class ObjectReader:
                 if last:
                     digests[owner[i]] = data_digest(outs[owner[i]])
 
-            self.backend.fetch_into(wants, dests, done)
+            if files:
+                self.backend.fetch_into(wants, dests, done, files=files)
+            else:
+                self.backend.fetch_into(wants, dests, done)
             return digests
 
         return self.call("reading shards", fetch)
+
+    def _whole_files(self, manifest: Manifest, batch) -> dict[str, tuple[str, int]]:
+        """``{store path: (rel, size)}`` of the files of ``batch``'s pieces read by one request each, header
+        included: those whose header is not known yet and whose bytes the batch wants all of but at most
+        max(HEAD_BYTES, a tenth) (a store that reads a whole object per ranged GET, as moto does, then reads each
+        file once, not once for its header and again for its data).  Empty where the backend cannot."""
+        if not self.backend.reads_whole_files():
+            return {}
+        sizes = {(None, f.path): f.bytes for f in manifest.files}
+        sizes.update(((k, f.path), f.bytes) for k, ref in enumerate(manifest.refs) for f in ref.files)
+        wanted: Counter = Counter()
+        rels, seen, twice = {}, set(), set()
+        for name, entry in batch:
+            itemsize = dtypes.dtype(manifest.tensors[name].dtype).itemsize
+            for piece in entry.location:
+                path = self.piece_path(manifest, piece)
+                if piece.key is None or path in self._headers or (piece.ref, piece.path) not in sizes:
+                    twice.add(path)  # read as ranges
+                    continue
+                if (path, piece.key) in seen:
+                    twice.add(path)
+                seen.add((path, piece.key))
+                rows = piece.rows or ((0, entry.shape[0]) if entry.shape else (0, 1))
+                wanted[path] += (rows[1] - rows[0]) * math.prod(entry.shape[1:]) * itemsize
+                rels[path] = (piece.path, sizes[(piece.ref, piece.path)])
+        return {path: rels[path] for path, n in wanted.items() if path not in twice and rels[path][1] >= 8
+                and rels[path][1] - n <= max(HEAD_BYTES, rels[path][1] // 10)}
+
+    def _placer(self, manifest: Manifest, path: str, rel: str, size: int, indices: list[int], pieces: list):
+        """``place(read)`` of ``range_reads.get_file``: the file's header parsed and checked as ``header`` does
+        (against the manifest's size of the file), kept, each piece checked against the manifest, and the pieces
+        as ``(index, file offset, destination view)``."""
+        def place(read) -> list[tuple[int, int, memoryview]]:
+            h = st.parse_header(read, size, f"{self.url}/{rel}")
+            self._keep_header(path, h)
+            out = []
+            for i, (_, name, entry, piece, flat) in zip(indices, pieces):
+                info, rows = self._piece_info(manifest, name, entry, piece)
+                out.append((i, h.data_start + info.begin, memoryview(_piece_dest(flat, info, rows)).cast("B")))
+            return out
+
+        return place
 
     def _read_piece(self, manifest, piece, info, rows, region, shape, out, dt) -> None:
         lo = region[0].start if region else 0
@@ -277,6 +339,12 @@ class ObjectReader:
             return
         block = np.frombuffer(raw, dt.storage).reshape((r1 - r0, *shape[1:]))
         out[(slice(r0 - lo, r1 - lo),)] = block[(slice(None), *region[1:])]
+
+
+def _piece_dest(flat: np.ndarray, info, rows: tuple[int, int]) -> np.ndarray:
+    """The bytes of a shard's flat byte view that one stored piece (header entry ``info``, rows ``rows``) fills."""
+    row_bytes = (info.end - info.begin) // max(1, rows[1] - rows[0])
+    return flat[rows[0] * row_bytes:rows[0] * row_bytes + info.end - info.begin]
 
 
 def _key(manifest: Manifest, tensor: str, shard: ShardEntry) -> tuple:

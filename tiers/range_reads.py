@@ -121,27 +121,66 @@ def get_stream(client, path: str, pieces: list[tuple[int, int, memoryview]], don
     naming the file (truncated)."""
     start, end = pieces[0][1], pieces[-1][1] + pieces[-1][2].nbytes
     if end > start:
-        bucket, key = path.split("/", 1)
-        try:
-            body = client.get_object(Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}")["Body"]
-        except Exception as e:  # botocore's ClientError: its code says what went wrong
-            code = str((getattr(e, "response", None) or {}).get("Error", {}).get("Code"))
-            if code in ("NoSuchKey", "404"):
-                raise FileNotFoundError(f"{path}: missing") from e
-            if code in ("InvalidRange", "416"):
-                raise IntegrityError(f"{path}: range {start}-{end} is past the end of the file; the file is "
-                                     "truncated") from e
-            raise
-        with body:
+        with _get(client, path, start, end) as body:
             for i, at, view in pieces:
-                got = 0
-                while got < view.nbytes:
-                    n = body.readinto(view[got:got + block])
-                    if not n:
-                        raise IntegrityError(f"{path}: range {start}-{end} returned {at - start + got} bytes; the "
-                                             "file is truncated")
-                    got += n
+                _fill(body, view, path, start, end, at - start, block)
                 done(i)
         return
     for i, _, _ in pieces:  # nothing to read (S3 refuses an empty range)
         done(i)
+
+
+def get_file(client, path: str, size: int, place, done, block: int = 8 << 20) -> None:
+    """A stored file of ``size`` bytes (the manifest's) read from S3 by one GET, for a read that wants (nearly)
+    all of it: ``place(read)`` parses the file's header through ``read(start, end)`` (the body's first bytes, asked
+    for in order) and returns the pieces ``[(i, file offset, destination view)]``; the rest of the body streams
+    into the views in file order (bytes between them read and dropped), ``done(i)`` after each piece.  Errors as
+    ``get_stream``'s; pieces that overlap raise IntegrityError."""
+    with _get(client, path, 0, size) as body:
+        pos = 0
+
+        def read(a: int, b: int) -> bytes:
+            nonlocal pos
+            if a != pos:
+                raise ValueError(f"{path}: header bytes asked out of order ({a}, expected {pos})")
+            buf = bytearray(b - a)
+            _fill(body, memoryview(buf), path, 0, size, a, block)
+            pos = b
+            return bytes(buf)
+
+        pieces = sorted(place(read), key=lambda p: p[1])
+        scratch = memoryview(bytearray(min(block, 1 << 20)))
+        for i, at, view in pieces:
+            if at < pos:
+                raise IntegrityError(f"{path}: the pieces read overlap at byte {at}")
+            while pos < at:  # a gap between pieces: read and dropped
+                _fill(body, scratch[:min(at - pos, scratch.nbytes)], path, 0, size, pos, block)
+                pos += min(at - pos, scratch.nbytes)
+            _fill(body, view, path, 0, size, at, block)
+            pos = at + view.nbytes
+            done(i)
+
+
+def _get(client, path: str, start: int, end: int):
+    """The body of a GET of bytes ``start``..``end`` of ``path`` (``bucket/key``)."""
+    bucket, key = path.split("/", 1)
+    try:
+        return client.get_object(Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}")["Body"]
+    except Exception as e:  # botocore's ClientError: its code says what went wrong
+        code = str((getattr(e, "response", None) or {}).get("Error", {}).get("Code"))
+        if code in ("NoSuchKey", "404"):
+            raise FileNotFoundError(f"{path}: missing") from e
+        if code in ("InvalidRange", "416"):
+            raise IntegrityError(f"{path}: range {start}-{end} is past the end of the file; the file is "
+                                 "truncated") from e
+        raise
+
+
+def _fill(body, view: memoryview, path: str, start: int, end: int, at: int, block: int) -> None:
+    """``view`` filled from ``body`` (a GET of ``start``..``end``, ``at`` bytes of it already read)."""
+    got = 0
+    while got < view.nbytes:
+        n = body.readinto(view[got:got + block])
+        if not n:
+            raise IntegrityError(f"{path}: range {start}-{end} returned {at + got} bytes; the file is truncated")
+        got += n
