@@ -128,12 +128,7 @@ def test_data_lost_from_the_last_allreduce_is_still_reported(runs, tmp_path):
     assert len(with_tail) == len(sim.allreduces) and not with_tail[-1].complete
     assert [_key(a) for a in with_tail] == [_key(a) for a in without]
     assert _resends(info)  # the re-sends are still told apart, and fill nothing in
-    paths = []
-    for frames in _ports(sim, None, {name: lost}):
-        paths.append(str(tmp_path / frames.source))
-        with PcapWriter(paths[-1]) as w:
-            for i in range(len(frames)):
-                w.write(frames.frame(i), int(frames.ts_ns[i]))
+    paths = _write_pcaps(_ports(sim, None, {name: lost}), tmp_path)
     r = CliRunner().invoke(main, ["decode", "--job", sim.job_path, "--pcap", *paths, "--json"])
     assert r.exit_code == 3, r.output
     assert not json.loads(r.output)["allreduces"][-1]["complete"]
@@ -141,12 +136,7 @@ def test_data_lost_from_the_last_allreduce_is_still_reported(runs, tmp_path):
 
 def test_decode_cli_exits_0_and_says_it_saw_the_resend(runs, tmp_path):
     sim = runs(2, 2, 128, "ll", "resend")
-    paths = []
-    for frames in _ports(sim, 5):
-        paths.append(str(tmp_path / frames.source))
-        with PcapWriter(paths[-1]) as w:
-            for i in range(len(frames)):
-                w.write(frames.frame(i), int(frames.ts_ns[i]))
+    paths = _write_pcaps(_ports(sim, 5), tmp_path)
     r = CliRunner().invoke(main, ["decode", "--job", sim.job_path, "--pcap", *paths, "--json"])
     assert r.exit_code == 0, r.output
     out = json.loads(r.output)
@@ -216,3 +206,14 @@ def test_resends_after_every_allreduce_never_shift_the_next_one(tmp_path, monkey
     streamed = list(StreamingDecoder(load_job(sim.job_path), Decoded(), settle_s=3e-3, min_frames=256).run(
         arrival.select(i, i + 256) for i in range(0, len(arrival), 256)))
     assert [_key(a) for a in streamed] == [_key(a) for a in _decode(sim, [arrival])[0]]
+
+
+def _write_pcaps(ports, folder) -> list[str]:
+    """Each mirror port's frames as a pcap file in ``folder``, for the CLI."""
+    paths = []
+    for frames in ports:
+        paths.append(str(folder / frames.source))
+        with PcapWriter(paths[-1]) as w:
+            for i in range(len(frames)):
+                w.write(frames.frame(i), int(frames.ts_ns[i]))
+    return paths
