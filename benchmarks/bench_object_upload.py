@@ -11,7 +11,8 @@ an equivalent safetensors file of the same tensors (safetensors.torch.save_file)
 
 Promotion (ratio = boto3_time / method_time; goal: flowcheck >= 1.0x):
   (a) flowcheck: ObjectTier(s3://bench/p, upload_workers=8, part_mib=64).write(local.load(step))
-      timed: the whole promotion (read + verify zarr shards, stage safetensors, multipart upload, manifest commit)
+      timed: the whole promotion (read + verify zarr shards, safetensors files streamed as multipart parts
+      with boto3 (staged locally first without it), manifest commit)
   (b) boto3's TransferManager uploading the equivalent safetensors file (or files: --file-mib),
       TransferConfig(max_concurrency=8, multipart_chunksize=64 MiB) — baseline, 1.0x
   (c) diagnostic: s3fs put_file of the same file (chunksize 64 MiB, max_concurrency 8)
@@ -123,7 +124,7 @@ def measure(server_name: str, args, work: str, s: dict) -> dict:
         nb = s["nbytes"]
         up_rows = [
             c.Row(f"(a) flowcheck ObjectTier.write(local.load(step)) → {server_name}", nbytes=nb,
-                  note="read+verify zarr, stage safetensors, multipart upload, manifest"),
+                  note="read+verify zarr, safetensors streamed as multipart parts, manifest"),
             c.Row(f"(b) boto3 TransferManager upload (TransferConfig {args.workers} x {args.part_mib} MiB)", nbytes=nb,
                   baseline=True, note=f"{len(s['equivs'])} file(s), {s['file_bytes'] / 1e9:.3f} GB"),
             c.Row(f"(c) s3fs put_file ({args.workers} x {args.part_mib} MiB), same file(s)", nbytes=nb,

@@ -123,7 +123,9 @@ class ObjectConfig:
     max_file_mib: int = 2048  # safetensors files are cut at about this size
     upload_workers: int = 8  # concurrent multipart parts of one write (its files share them)
     part_mib: int = 64
-    staging_dir: str | None = None  # where safetensors are staged before upload (default: <local root>/.staging)
+    # where safetensors are staged before upload (default: <local root>/.staging); S3 through boto3 stages nothing:
+    # parts are sent from the step's arrays as they are read (at most upload_workers + 1 parts of part_mib held)
+    staging_dir: str | None = None
     endpoint_url: str | None = None  # overrides AWS_ENDPOINT_URL
     region: str | None = None  # overrides AWS_REGION / AWS_DEFAULT_REGION
     storage_options: dict[str, Any] = field(default_factory=dict)  # passed to fsspec (never put secrets here)

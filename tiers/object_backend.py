@@ -224,6 +224,12 @@ class Backend:
         with ThreadPoolExecutor(1, "fc-upload") as pool:
             yield Uploads(lambda local, remote, size, bar, what: pool.submit(self.upload, local, remote, size, bar, what))
 
+    @contextmanager
+    def streams(self) -> Iterator[Any]:
+        """A write's uploads streamed from memory (``s3_upload.PartStreams``: ``send(remote, size, chunks,
+        progress) -> Future``), or None where its files are staged locally and uploaded through ``uploads``."""
+        yield None
+
     def upload(self, local: str, remote: str, size: int, bar, what: str) -> None:
         cb = bar_callback(bar)
         self.tier.call(what, self.tier.fs.put_file, local, remote, callback=cb, **self._put_options())
@@ -458,13 +464,34 @@ class S3Backend(Backend):
             for t in list(retries):  # bounded by the tier's retry deadline
                 t.join()
 
+    @contextmanager
+    def streams(self) -> Iterator[Any]:
+        """With boto3: parts filled from the write's tensors and sent as they fill (no staging file),
+        ``upload_workers`` requests in flight across the write's files; what is in flight when the write fails is
+        cancelled and its uploads aborted."""
+        client = self.tier.boto3_client()
+        if client is None:
+            yield None
+            return
+        from flowcheck.tiers.s3_upload import PartStreams
+
+        streams = PartStreams(client, self.tier.config.upload_workers, self.tier.config.part_mib)
+        failed = True
+        try:
+            yield streams
+            failed = False
+        finally:
+            streams.close(failed)
+
     def _transfer_config(self, size: int):
         """``upload_workers`` requests in flight, of parts no larger than needed to keep every worker busy on a
         file of ``size`` bytes (S3's minimum part is 5 MiB)."""
         from boto3.s3.transfer import TransferConfig
 
+        from flowcheck.tiers.s3_upload import part_size
+
         workers = self.tier.config.upload_workers
-        part = max(5 << 20, min(self.tier.config.part_mib << 20, -(-size // workers)))
+        part = part_size(size, workers, self.tier.config.part_mib)
         return TransferConfig(multipart_threshold=part, multipart_chunksize=part, max_concurrency=workers,
                               use_threads=True)
 

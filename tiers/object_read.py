@@ -43,14 +43,16 @@ class ObjectReader:
         self._order_cache: tuple[Manifest, list] | None = None
         self._window_lock = threading.Lock()
 
-    def header(self, rel: str, path: str | None = None) -> st.Header:
-        """The parsed safetensors header of a stored file (two small range reads, cached); ``path``: its store
-        path when it is not ``rel`` under this branch's folder (a referenced step's file, see ``piece_path``)."""
+    def header(self, rel: str, path: str | None = None, size: int | None = None) -> st.Header:
+        """The parsed safetensors header of a stored file (one small range read, cached); ``path``: its store
+        path when it is not ``rel`` under this branch's folder (a referenced step's file, see ``piece_path``);
+        ``size``: the file's size as its manifest lists it (else asked of the store)."""
         path = path or self._p(rel)
         if path in self._headers:
             self._headers.move_to_end(path)
             return self._headers[path]
-        size = self.call(f"stat {rel}", self.fs.size, path)
+        if size is None:
+            size = self.call(f"stat {rel}", self.fs.size, path)
         head: list[bytes] = []  # the file's first HEAD_BYTES: one request serves the length and the JSON of most headers
 
         def read(a: int, b: int) -> bytes:
@@ -194,12 +196,16 @@ class ObjectReader:
         wait before a step's first byte)."""
         if entries is None:
             entries = [e for t in manifest.tensors.values() for e in t.shards]
-        files = {self.piece_path(manifest, piece): piece.path for e in entries for piece in e.location
+        sizes = _file_sizes(manifest)
+        files = {self.piece_path(manifest, piece): (piece.path, sizes.get((piece.ref, piece.path)))
+                 for e in entries for piece in e.location
                  if piece.key is not None and self.piece_path(manifest, piece) not in skip}
-        missing = [(path, rel) for path, rel in files.items() if path not in self._headers][:HEADERS_KEPT]
+        missing = [(path, *known) for path, known in files.items() if path not in self._headers][:HEADERS_KEPT]
         if len(missing) > 1:
             with ThreadPoolExecutor(min(HEADER_READERS, len(missing)), thread_name_prefix="flowcheck-object-header") as pool:
-                list(pool.map(lambda item: self.header(item[1], item[0]), missing))
+                list(pool.map(lambda item: self.header(item[1], item[0], item[2]), missing))
+        elif missing:
+            self.header(missing[0][1], missing[0][0], missing[0][2])
 
     def read_shards_into(self, manifest: Manifest, items: list[tuple[str, ShardEntry]], into: list[np.ndarray]) -> None:
         """Whole shards read by ranged reads straight into the caller's arrays (writable, contiguous, of each
@@ -287,8 +293,7 @@ class ObjectReader:
         file once, not once for its header and again for its data).  Empty where the backend cannot."""
         if not self.backend.reads_whole_files():
             return {}
-        sizes = {(None, f.path): f.bytes for f in manifest.files}
-        sizes.update(((k, f.path), f.bytes) for k, ref in enumerate(manifest.refs) for f in ref.files)
+        sizes = _file_sizes(manifest)
         wanted: Counter = Counter()
         rels, seen, twice = {}, set(), set()
         for name, entry in batch:
@@ -339,6 +344,14 @@ class ObjectReader:
             return
         block = np.frombuffer(raw, dt.storage).reshape((r1 - r0, *shape[1:]))
         out[(slice(r0 - lo, r1 - lo),)] = block[(slice(None), *region[1:])]
+
+
+def _file_sizes(manifest: Manifest) -> dict[tuple[int | None, str], int]:
+    """``{(piece.ref, piece.path): bytes}`` of every stored file the manifest lists (its own and, manifest v4, the
+    referenced steps')."""
+    sizes: dict[tuple[int | None, str], int] = {(None, f.path): f.bytes for f in manifest.files}
+    sizes.update(((k, f.path), f.bytes) for k, ref in enumerate(manifest.refs) for f in ref.files)
+    return sizes
 
 
 def _piece_dest(flat: np.ndarray, info, rows: tuple[int, int]) -> np.ndarray:

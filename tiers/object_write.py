@@ -1,9 +1,10 @@
-"""The object tier's write path: plan files, stage each locally, upload it, commit the manifest last.
+"""The object tier's write path: plan files, upload each (on S3 streamed from memory, elsewhere staged locally
+first), commit the manifest last.
 
 Each write uploads into its own attempt folder (``step-…/attempt-<12 hex>/``), so two writers of one step
 never overwrite each other's files: the manifest's exclusive create picks the winner, whose manifest names its
 folder, and the loser removes its own folder (GC removes one a killed loser left, after the grace period).
-Staging holds at most two files at a time, in a folder of this write alone that is removed whatever happens
+Staging (no S3) holds at most two files at a time, in a folder of this write alone that is removed whatever happens
 (and the staging root too when it is flowcheck's own default, ``<local root>/.staging``, and nothing else uses
 it; a configured ``tiers.object.staging_dir`` is the user's folder and stays).
 """
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from flowcheck import dtypes
+from flowcheck.digest import DataHasher
 from flowcheck.errors import IntegrityError, StepExistsError, TierError
 from flowcheck.manifest import INCREMENTAL_VERSION, FileEntry, Manifest, ParentRef, Piece, parse
 from flowcheck.progress import Progress
@@ -97,21 +99,13 @@ class ObjectWriter:
         digests, identity = self.identity(snapshot, parent)
         skip, refs = object_refs.reusable(self, snapshot, parent, digests) if incremental else ({}, ())
         todo = [s for s in snapshot.data if s not in skip]
-        plan = self._plan(snapshot, todo) if todo or not skip else []
-        staging = os.path.join(self.staging_dir, f"{self.run}-{step_dir(snapshot.step)}-{uuid.uuid4().hex[:8]}")
-        try:
-            _make_staging(staging)
-            files, locations = self._stage_and_upload(snapshot, plan, staging, identity.digest(), prefix, progress)
-        except TierError:
-            raise
-        except OSError as e:  # a full or read-only staging disk
-            raise TierError(e.errno, f"object tier {self.url}: step {snapshot.step}: staging its files in {self.staging_dir} "
-                            f"failed: {e.strerror or e} (errno {e.errno}); free space there or set tiers.object.staging_dir") from e
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
-            if self.own_staging:  # flowcheck's own staging root is not left behind empty (a failed write included)
-                with contextlib.suppress(OSError):  # not empty: another write is using it
-                    os.rmdir(self.staging_dir)
+        with self.backend.streams() as streams:
+            plan = self._plan(snapshot, todo, staged=streams is None) if todo or not skip else []
+            if streams is not None:  # S3: parts sent as they are filled, no staging file
+                files, locations = self._upload_files(snapshot, plan, identity.digest(), prefix, progress,
+                                                      streams=streams)
+            else:
+                files, locations = self._staged(snapshot, plan, identity.digest(), prefix, progress)
         locations.update(skip)
         m = make_manifest(snapshot, node=self.node, parent=parent, digests=digests, locations=locations, files=files)
         if refs:
@@ -127,14 +121,16 @@ class ObjectWriter:
             return {Shard(n, s.offsets, s.shape): s.digest for n, t in o.tensors.items() for s in t.shards}
         return {s: shard_digests(snapshot, {s: snapshot.array(s)})[s] for s in snapshot.data}
 
-    def _plan(self, snapshot: Snapshot, shards: list[Shard]) -> list[list[_Planned]]:
+    def _plan(self, snapshot: Snapshot, shards: list[Shard], *, staged: bool) -> list[list[_Planned]]:
         """Pack shards into files of at most max_file_mib, splitting larger shards by rows.
 
-        A step smaller than four full files is cut into about four (of at least
-        256 MiB): staging file i+1 then overlaps uploading file i instead of
-        preceding all of it (BENCHMARKS.md, "P5 — promotion to object storage").
+        A ``staged`` step smaller than four full files is cut into about four (of at least 256 MiB): staging file
+        i+1 then overlaps uploading file i instead of preceding all of it (BENCHMARKS.md, "P5 — promotion to
+        object storage"); a streamed one needs no such cut (its parts go out as they are filled).
         """
-        limit = min(self.config.max_file_mib << 20, max(PIPELINE_MIN_FILE, -(-_nbytes(snapshot, shards) // 4)))
+        limit = self.config.max_file_mib << 20
+        if staged:
+            limit = min(limit, max(PIPELINE_MIN_FILE, -(-_nbytes(snapshot, shards) // 4)))
         files: list[list[_Planned]] = [[]]
         used = 0
         counters: dict[str, int] = {}
@@ -162,53 +158,130 @@ class ObjectWriter:
                 used += size
         return [f for f in files if f] or [[]]
 
-    def _stage_and_upload(self, snapshot, plan, staging, manifest_id, sd, progress=None):
-        """Stage file i+1 while files i-1 and i upload (through the backend's ``uploads``: on S3 one transfer
-        manager, so file i's parts go out while file i-1's last parts and its completion finish); staging holds
-        at most two files at a time, three while the next is staged."""
-        from collections import deque
-        from concurrent.futures import ThreadPoolExecutor
+    def _staged(self, snapshot: Snapshot, plan, manifest_id: str, prefix: str, progress):
+        """``_upload_files`` through a staging folder of this write alone, removed whatever happens."""
+        staging = os.path.join(self.staging_dir, f"{self.run}-{step_dir(snapshot.step)}-{uuid.uuid4().hex[:8]}")
+        try:
+            _make_staging(staging)
+            return self._upload_files(snapshot, plan, manifest_id, prefix, progress, staging=staging)
+        except TierError:
+            raise
+        except OSError as e:  # a full or read-only staging disk
+            raise TierError(e.errno, f"object tier {self.url}: step {snapshot.step}: staging its files in {self.staging_dir} "
+                            f"failed: {e.strerror or e} (errno {e.errno}); free space there or set tiers.object.staging_dir") from e
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+            if self.own_staging:  # flowcheck's own staging root is not left behind empty (a failed write included)
+                with contextlib.suppress(OSError):  # not empty: another write is using it
+                    os.rmdir(self.staging_dir)
 
+    def _upload_files(self, snapshot, plan, manifest_id, sd, progress=None, *, staging=None, streams=None):
+        """Upload the planned files: streamed (``streams``, see ``s3_upload.PartStreams``) or staged in ``staging``
+        (file i+1 staged while files i-1 and i upload); returns (file entries, each shard's pieces)."""
         from tqdm.auto import tqdm
 
         names = [f"shard-{i:05d}-of-{len(plan):05d}.safetensors" for i in range(len(plan))]
         meta = {"run": snapshot.run, "step": str(snapshot.step), "manifest_id": manifest_id, "format": "flowcheck-v1"}
-
-        def stage(i: int) -> tuple[str, int, str, int]:
-            local = os.path.join(staging, names[i])
-            entries = [self._entry(snapshot, p) for p in plan[i]]
-            size, digest = st.write(local, entries, meta)
-            return local, size, digest, size - sum(e.nbytes for e in entries)
-
         files, locations = [], {p.shard: [] for planned in plan for p in planned}
+
+        def entries(i: int) -> list[st.Entry]:
+            return [self._entry(snapshot, p) for p in plan[i]]
+
+        def record(i: int, size: int, digest: str) -> None:
+            files.append(FileEntry(f"{sd}/{names[i]}", size, digest))
+            for p in plan[i]:
+                locations[p.shard].append(Piece(f"{sd}/{names[i]}", p.key, p.rows))
+
         total = _nbytes(snapshot, list(locations))
         if progress is not None:
             progress.total = total  # each file's header bytes are added as it is staged
         own = tqdm(total=total, unit="B", unit_scale=True, desc=f"upload {sd}",
                    disable=not self.progress or progress is not None)
+        with own, contextlib.nullcontext(own if progress is None else progress) as bar:
+            if streams is not None:
+                self._stream_files(streams, [f"{sd}/{n}" for n in names], meta, entries, record, bar)
+            else:
+                self._stage_files(staging, [f"{sd}/{n}" for n in names], meta, entries, record, bar)
+        return files, {s: tuple(v) for s, v in locations.items()}
+
+    def _stream_files(self, streams, rels: list[str], meta: dict, entries, record, bar) -> None:
+        """Each file's bytes produced on this thread (header, then the tensors as the snapshot reads them, hashed
+        on the way) and sent as parts while the next are produced; UPLOADS_IN_FLIGHT files are waited for in order.
+        A file whose upload failed is sent again, whole, under the tier's retries (its bytes read again: the
+        local tier checks every shard's digest as it reads)."""
+        from collections import deque
+
+        from flowcheck.tiers.s3_upload import Skipped
+
+        in_flight: deque = deque()
+
+        def produce(i: int, files: list[st.Entry], head: bytes, size: int):
+            hasher = DataHasher()
+            return streams.send(self._p(rels[i]), size, _hashed(st.pieces(rels[i], head, files), hasher),
+                                bar.update), hasher
+
+        def settle(i: int, files: list[st.Entry], head: bytes, size: int, first, digest: str) -> None:
+            tries = iter([first])
+            sent_digest = [digest]  # the digest of the bytes of the attempt that succeeded
+
+            def attempt() -> None:
+                sent = next(tries, None)
+                if sent is not None:
+                    try:
+                        return sent.result()
+                    except Skipped:  # not a failure of its own: sent now, the failure before it dealt with
+                        pass
+                streams.failed.clear()
+                sent, hasher = produce(i, files, head, size)
+                sent_digest[0] = hasher.hexdigest()
+                sent.result()
+
+            self.call(f"uploading {rels[i]}", attempt)
+            record(i, size, sent_digest[0])
+
+        for i in range(len(rels)):
+            files = entries(i)
+            head = st.encode_header(files, meta)
+            size = len(head) + sum(e.nbytes for e in files)
+            bar.total += len(head)
+            sent, hasher = produce(i, files, head, size)
+            in_flight.append((i, files, head, size, sent, hasher.hexdigest()))
+            while in_flight and (len(in_flight) > UPLOADS_IN_FLIGHT or streams.failed.is_set()):
+                settle(*in_flight.popleft())  # a failure: dealt with before more is sent
+        while in_flight:
+            settle(*in_flight.popleft())
+
+    def _stage_files(self, staging: str, rels: list[str], meta: dict, entries, record, bar) -> None:
+        """Stage file i+1 while files i-1 and i upload (through the backend's ``uploads``: on S3 without boto3, one
+        file after another); staging holds at most two files at a time, three while the next is staged."""
+        from collections import deque
+        from concurrent.futures import ThreadPoolExecutor
+
+        def stage(i: int) -> tuple[str, int, str, int]:
+            local = os.path.join(staging, os.path.basename(rels[i]))
+            files = entries(i)
+            size, digest = st.write(local, files, meta)
+            return local, size, digest, size - sum(e.nbytes for e in files)
+
         def settle(i: int, local: str, size: int, digest: str, uploading) -> None:
             uploading.result()
             os.unlink(local)
-            files.append(FileEntry(f"{sd}/{names[i]}", size, digest))
-            for p in plan[i]:
-                locations[p.shard].append(Piece(f"{sd}/{names[i]}", p.key, p.rows))
+            record(i, size, digest)
 
-        with ThreadPoolExecutor(1, "fc-stage") as stager, own, \
-                contextlib.nullcontext(own if progress is None else progress) as bar, self.backend.uploads() as up:
-            ahead = stager.submit(stage, 0) if plan else None
+        with ThreadPoolExecutor(1, "fc-stage") as stager, self.backend.uploads() as up:
+            ahead = stager.submit(stage, 0) if rels else None
             in_flight: deque = deque()
-            for i in range(len(plan)):
+            for i in range(len(rels)):
                 local, size, digest, header_bytes = ahead.result()
                 bar.total += header_bytes
                 in_flight.append((i, local, size, digest,
-                                  up.submit(local, self._p(f"{sd}/{names[i]}"), size, bar, f"uploading {sd}/{names[i]}")))
+                                  up.submit(local, self._p(rels[i]), size, bar, f"uploading {rels[i]}")))
                 if len(in_flight) == UPLOADS_IN_FLIGHT:
                     settle(*in_flight.popleft())
-                if i + 1 < len(plan):
+                if i + 1 < len(rels):
                     ahead = stager.submit(stage, i + 1)
             while in_flight:
                 settle(*in_flight.popleft())
-        return files, {s: tuple(v) for s, v in locations.items()}
 
     def _entry(self, snapshot: Snapshot, p: _Planned) -> st.Entry:
         spec = snapshot.layout.spec(p.shard.tensor)
@@ -295,6 +368,13 @@ class ObjectWriter:
                 return existing
 
         return self._retry.run(f"object tier {self.url}: step {m.step}: committing the manifest", attempt)
+
+
+def _hashed(chunks, hasher):
+    """``chunks``, each hashed as it passes."""
+    for chunk in chunks:
+        hasher.update(chunk)
+        yield chunk
 
 
 def _nbytes(snapshot: Snapshot, shards: list[Shard]) -> int:

@@ -12,7 +12,7 @@ import json
 import math
 import os
 import struct
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -72,35 +72,49 @@ def encode_header(entries: Iterable[Entry], metadata: dict[str, str]) -> bytes:
 
 def write(path: str, entries: list[Entry], metadata: dict[str, str]) -> tuple[int, str]:
     """Write a safetensors file tensor by tensor; return (bytes, xxh3-128 of the file)."""
-    head = encode_header(entries, metadata)
     hasher = DataHasher()
-    hasher.update(head)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        offset = _native.pwrite_all(fd, head, 0)
-        for e in entries:
-            arr = e.data()
-            if arr.nbytes != e.nbytes:
-                raise FormatError(f"{path}: tensor {e.key}: expected {e.nbytes} bytes, got {arr.nbytes}")
-            flat = arr.reshape(-1).view(np.uint8) if arr.size else np.empty(0, np.uint8)
-            offset += _native.pwrite_all(fd, flat, offset, 64 << 20)
-            hasher.update(flat)
+        offset = 0
+        for buf in pieces(path, encode_header(entries, metadata), entries):
+            offset += _native.pwrite_all(fd, buf, offset, 64 << 20)
+            hasher.update(buf)
     finally:
         os.close(fd)
     return offset, hasher.hexdigest()
 
 
+def pieces(where: str, head: bytes, entries: list[Entry]) -> Iterator[bytes | np.ndarray]:
+    """A file's bytes in order: ``head`` (``encode_header`` of ``entries``), then each tensor's bytes (a flat uint8
+    view, read when reached); a tensor of another size than its entry says is a FormatError naming ``where``."""
+    yield head
+    for e in entries:
+        arr = e.data()
+        if arr.nbytes != e.nbytes:
+            raise FormatError(f"{where}: tensor {e.key}: expected {e.nbytes} bytes, got {arr.nbytes}")
+        yield arr.reshape(-1).view(np.uint8) if arr.size else np.empty(0, np.uint8)
+
+
 def parse_header(read: Callable[[int, int], bytes], file_size: int, where: str) -> Header:
-    """Read and validate a header through ``read(start, end)``; every bound is checked before use."""
+    """Read and validate a header through ``read(start, end)``; every bound is checked before use (``file_size``
+    may be what a manifest says: a stored file found shorter than that is a FormatError too)."""
     if file_size < 8:
         raise FormatError(f"{where}: {file_size} bytes is too short for a safetensors file (8-byte header length)")
-    (n,) = struct.unpack("<Q", read(0, 8))
+
+    def exact(start: int, end: int) -> bytes:
+        got = read(start, end)
+        if len(got) != end - start:
+            raise FormatError(f"{where}: expected {file_size} bytes, found it ends after {start + len(got)} (reading "
+                              f"the header's bytes {start}-{end}); the file is truncated")
+        return got
+
+    (n,) = struct.unpack("<Q", exact(0, 8))
     if n > MAX_HEADER or n > file_size - 8:
         raise FormatError(
             f"{where}: header length {n} exceeds {'the 100 MiB limit' if n > MAX_HEADER else f'the file ({file_size} bytes)'};"
             " the file is truncated or not safetensors"
         )
-    raw = read(8, 8 + n)
+    raw = exact(8, 8 + n)
     try:
         obj = json.loads(raw)
     except (ValueError, UnicodeDecodeError, RecursionError) as e:
