@@ -30,6 +30,7 @@ def s3_client(endpoint_url: str | None, region: str | None, storage_options: dic
     """A boto3 S3 client for the same endpoint, credentials and botocore settings (timeouts,
     retries) as the tier's s3fs filesystem."""
     import boto3
+    import botocore.session
     from botocore.config import Config
 
     creds = {
@@ -37,8 +38,18 @@ def s3_client(endpoint_url: str | None, region: str | None, storage_options: dic
         "aws_secret_access_key": storage_options.get("secret"),
         "aws_session_token": storage_options.get("token"),
     }
-    session = boto3.session.Session(profile_name=storage_options.get("profile"), **{k: v for k, v in creds.items() if v})
+    core = botocore.session.Session()
+    with _LOADER_LOCK:  # the service models, parsed once a process (~60 ms a client otherwise); never credentials
+        if not _LOADER:
+            _LOADER.append(core.get_component("data_loader"))
+    core.register_component("data_loader", _LOADER[0])
+    session = boto3.session.Session(botocore_session=core, profile_name=storage_options.get("profile"),
+                                    **{k: v for k, v in creds.items() if v})
     return session.client("s3", endpoint_url=endpoint_url, region_name=region, config=Config(**(config_kwargs or {})))
+
+
+_LOADER: list = []  # botocore's loader of service models (immutable data), shared by every client this module makes
+_LOADER_LOCK = threading.Lock()
 
 
 def upload_file(client, local: str, remote: str, config, progress: Callable[[int], None] | None = None) -> None:
