@@ -11,6 +11,7 @@ Every megatron process runs in a fresh interpreter (tests/restore/mcore_train.py
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -92,6 +93,9 @@ def _resume(task_dir: str, tp: int, pp: int, jobs: list[dict], arch: dict = ARCH
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
         raise MegatronRunError(f"megatron resume did not finish in {TIMEOUT} s\n{_report(task_dir)}") from None
+    finally:  # what the ranks left running (a multiprocessing manager Megatron's save started) goes with them
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
     if code != 0:
         raise MegatronRunError(f"megatron resume at tp={tp} pp={pp} failed\n{_report(task_dir)}")
     out = []

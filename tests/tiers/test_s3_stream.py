@@ -153,3 +153,20 @@ def test_a_part_that_fails_is_sent_again_whole_and_nothing_half_written_is_visib
     back = store(tmp_path / "reader", object_bucket).object.load(m.step)
     for shard, want in arrays.items():
         assert np.array_equal(back.array(shard), want)
+
+
+def test_part_body_goes_through_the_aws_chunked_encoding_botocore_uses_over_https():
+    """Over TLS botocore sends a streaming body aws-chunked with a trailing checksum; it reads the body in chunks
+    (views, here) and formats each into the stream."""
+    import base64
+    import zlib
+
+    from botocore.httpchecksum import AwsChunkedWrapper, Crc32Checksum
+
+    data = np.random.default_rng(2).integers(0, 255, 100_000, dtype=np.uint8)
+    body = PartBody([memoryview(data)[:70_000], memoryview(data)[70_000:]])
+    wire = AwsChunkedWrapper(body, checksum_cls=Crc32Checksum, checksum_name="x-amz-checksum-crc32",
+                             chunk_size=65_536).read()
+    crc = base64.b64encode(zlib.crc32(data.tobytes()).to_bytes(4, "big"))
+    assert wire == (b"10000\r\n" + data[:65_536].tobytes() + b"\r\n" + b"%x\r\n" % (100_000 - 65_536)
+                    + data[65_536:].tobytes() + b"\r\n0\r\nx-amz-checksum-crc32:" + crc + b"\r\n\r\n")
