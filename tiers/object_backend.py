@@ -466,9 +466,9 @@ class S3Backend(Backend):
 
     @contextmanager
     def streams(self) -> Iterator[Any]:
-        """With boto3: parts filled from the write's tensors and sent as they fill (no staging file),
-        ``upload_workers`` requests in flight across the write's files; what is in flight when the write fails is
-        cancelled and its uploads aborted."""
+        """With boto3: each file sent as multipart parts cut from the write's arrays as they are read (views, no
+        staging file, no copy), ``upload_workers`` requests in flight across the write's files; what is queued when
+        the write fails is cancelled and its uploads aborted."""
         client = self.tier.boto3_client()
         if client is None:
             yield None
