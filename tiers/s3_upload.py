@@ -139,6 +139,8 @@ class PartStreams:
         self._slots = threading.Semaphore(workers + 1)
         self._closing = threading.Event()
         self.failed = threading.Event()
+        self._open: set[_Upload] = set()  # multipart uploads started and neither completed nor aborted
+        self._open_lock = threading.Lock()
 
     def send(self, remote: str, size: int, chunks: Iterable, progress: Callable[[int], None]) -> Future:
         """Upload the ``size`` bytes ``chunks`` yields (buffers, in order, unchanged until the upload is done) to
@@ -160,6 +162,10 @@ class PartStreams:
         if failed:
             self._closing.set()
         self._pool.shutdown(wait=True, cancel_futures=failed)
+        with self._open_lock:
+            left = list(self._open)  # a file whose queued parts were cancelled never finishes: abort it here
+        for upload in left:
+            upload.abandon()
 
 
 class _Upload:
@@ -186,6 +192,8 @@ class _Upload:
             try:
                 self.upload_id = self.s.client.create_multipart_upload(Bucket=self.bucket, Key=self.key,
                                                                        **self._extra())["UploadId"]
+                with self.s._open_lock:
+                    self.s._open.add(self)
             except Exception as e:  # noqa: BLE001 - the file's failure, handed to whoever waits for it
                 self.failure = e
                 self.s.failed.set()
@@ -268,6 +276,8 @@ class _Upload:
                 parts = [self.parts[i] for i in sorted(self.parts)]
                 self.s.client.complete_multipart_upload(Bucket=self.bucket, Key=self.key, UploadId=self.upload_id,
                                                         MultipartUpload={"Parts": parts})
+                with self.s._open_lock:
+                    self.s._open.discard(self)
             self.done.set_result(None)
         except BaseException as e:  # noqa: BLE001 - handed to whoever waits for this file
             if not isinstance(e, Skipped):
@@ -277,9 +287,11 @@ class _Upload:
 
     def abandon(self) -> None:
         """Abort the multipart upload (best effort: GC aborts what a failed abort leaves)."""
-        if self.upload_id is None:
-            return
-        upload_id, self.upload_id = self.upload_id, None
+        with self.s._open_lock:
+            if self.upload_id is None:
+                return
+            upload_id, self.upload_id = self.upload_id, None
+            self.s._open.discard(self)
         try:
             self.s.client.abort_multipart_upload(Bucket=self.bucket, Key=self.key, UploadId=upload_id)
         except Exception:  # noqa: BLE001, S110 - GC's abort_multipart removes it after the grace period

@@ -63,7 +63,8 @@ def test_part_sizes_keep_every_worker_busy_within_s3_limits():
     assert part_size(10_000 * 64 * MIB, 8, 5) == 64 * MIB  # no more than 10,000 parts
 
 
-def test_a_streamed_promotion_stages_nothing_and_uploads_what_a_staged_write_would(tmp_path, object_bucket):
+def test_a_streamed_promotion_stages_nothing_and_uploads_what_a_staged_write_would(tmp_path, object_bucket,
+                                                                                     monkeypatch):
     snap, arrays = snapshot()
     s = store(tmp_path, object_bucket)
     staging_seen = []
@@ -73,11 +74,9 @@ def test_a_streamed_promotion_stages_nothing_and_uploads_what_a_staged_write_wou
         staging_seen.append(args[0])
         return original(*args, **kw)
 
-    st.write = no_staging
-    try:
-        m = s.write(snap, "object")
-    finally:
-        st.write = original
+    monkeypatch.setattr(st, "write", no_staging)
+    m = s.write(snap, "object")
+    monkeypatch.undo()
     assert staging_seen == [] and not os.path.exists(tmp_path / "local" / ".staging")
     stored = _objects(object_bucket)
     assert len(stored) == len(m.files) == 1  # one file: a streamed write is not cut for pipelining
@@ -170,3 +169,26 @@ def test_part_body_goes_through_the_aws_chunked_encoding_botocore_uses_over_http
     crc = base64.b64encode(zlib.crc32(data.tobytes()).to_bytes(4, "big"))
     assert wire == (b"10000\r\n" + data[:65_536].tobytes() + b"\r\n" + b"%x\r\n" % (100_000 - 65_536)
                     + data[65_536:].tobytes() + b"\r\n0\r\nx-amz-checksum-crc32:" + crc + b"\r\n\r\n")
+
+
+def test_a_write_given_up_with_parts_still_queued_leaves_no_multipart_upload_open(object_bucket):
+    """Closing a failed write cancels the parts that have not started; the file they belonged to never completes,
+    so closing aborts its multipart upload (nothing for GC to find)."""
+    import time
+
+    client = boto3.client("s3")
+    bucket = object_bucket[len("s3://"):].split("/")[0]
+    upload_part = client.upload_part
+
+    def slow(**kw):
+        time.sleep(0.5)
+        return upload_part(**kw)
+
+    client.upload_part = slow
+    streams = PartStreams(client, workers=1, part_mib=5)
+    data = np.zeros(10 * MIB, np.uint8)  # two parts: one in flight, one queued behind it
+    done = streams.send(f"{bucket}/given-up.bin", data.size, iter([data]), lambda n: None)
+    streams.close(failed=True)
+    assert not done.done() or done.exception() is not None
+    assert client.list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
+    assert "Contents" not in client.list_objects_v2(Bucket=bucket, Prefix="given-up.bin")
