@@ -76,7 +76,6 @@ def test_a_streamed_promotion_stages_nothing_and_uploads_what_a_staged_write_wou
 
     monkeypatch.setattr(st, "write", no_staging)
     m = s.write(snap, "object")
-    monkeypatch.undo()
     assert staging_seen == [] and not os.path.exists(tmp_path / "local" / ".staging")
     stored = _objects(object_bucket)
     assert len(stored) == len(m.files) == 1  # one file: a streamed write is not cut for pipelining
@@ -89,7 +88,7 @@ def test_a_streamed_promotion_stages_nothing_and_uploads_what_a_staged_write_wou
     entries = [s.object._entry(snap, p) for p in planned[0]]
     meta = {"run": "r1", "step": "7", "manifest_id": st.parse_header(lambda a, b: body[a:b], len(body), key)
             .metadata["manifest_id"], "format": "flowcheck-v1"}
-    st.write(str(local), entries, meta)
+    original(str(local), entries, meta)
     assert local.read_bytes() == body
     back = store(tmp_path / "reader", object_bucket).object.load(7)
     for shard, want in arrays.items():
